@@ -1,0 +1,119 @@
+"""Validated configuration objects: ``EngineConfig`` and ``SamplingParams`` (names follow vLLM).
+
+Every check raises ``ValueError`` naming the bad field and value, at construction time, so a bad value
+never reaches the engine and nothing already in the engine is touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+# The embedded default model that the project trains itself (assets/tiny_model/train.py).
+EMBEDDED_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny_model")
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("float32", "float16", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def _check_positive_int(name: str, value, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class EngineConfig:
+    """How the engine is built.
+
+    Attributes:
+        model: local directory or hub id of a Llama-family causal LM; default: the embedded tiny model.
+        block_size: tokens per KV block (>= 1; vLLM's default is 16).
+        num_blocks: physical blocks in the pool. Give this or ``kv_budget_bytes`` (not both); with
+            neither, the pool holds ``max_model_len`` tokens x 4 requests.
+        kv_budget_bytes: KV memory budget in bytes; the pool gets ``budget // bytes_per_block`` blocks,
+            where bytes_per_block = 2 (K, V) x layers x KV heads x head_dim x element size x block_size.
+        max_model_len: longest sequence (prompt + output, tokens). Default: the model's
+            ``max_position_embeddings``, capped to what the pool can hold. Must not exceed the pool,
+            so a lone request can always finish (the scheduler never deadlocks).
+        max_num_seqs: most sequences in one batch.
+        max_num_batched_tokens: most tokens one prefill step may compute (at least ``max_model_len``).
+        device: "auto" (CUDA when present, else CPU), "cpu" or "cuda".
+        dtype: None (float32 on CPU, bfloat16 on CUDA) or one of "float32", "float16", "bfloat16".
+        attention_backend: "auto" (Triton on CUDA, PyTorch reference elsewhere), "torch" or "triton".
+
+    Raises:
+        ValueError: a field is out of range, naming the field and the value.
+    """
+
+    model: str = EMBEDDED_MODEL
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_budget_bytes: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    device: str = "auto"
+    dtype: str | None = None
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise ValueError(f"model must be a local path or hub id, got {self.model!r}")
+        _check_positive_int("block_size", self.block_size)
+        _check_positive_int("num_blocks", self.num_blocks, allow_none=True)
+        _check_positive_int("kv_budget_bytes", self.kv_budget_bytes, allow_none=True)
+        _check_positive_int("max_model_len", self.max_model_len, allow_none=True)
+        _check_positive_int("max_num_seqs", self.max_num_seqs)
+        _check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
+        if self.num_blocks is not None and self.kv_budget_bytes is not None:
+            raise ValueError(
+                f"give num_blocks ({self.num_blocks}) or kv_budget_bytes ({self.kv_budget_bytes}), not both"
+            )
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be None or one of {DTYPES}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+
+
+@dataclass
+class SamplingParams:
+    """How one request's tokens are chosen (vLLM's names and defaults).
+
+    Attributes:
+        max_tokens: most tokens to generate (>= 1).
+        temperature: 0 means greedy (argmax); > 0 divides the logits before softmax.
+        top_p: nucleus sampling, keep the smallest set of tokens whose probability sums to >= top_p; in (0, 1].
+        top_k: keep the k most likely tokens; -1 (or 0) keeps all.
+        seed: seed of this request's own random stream; None draws one.
+        ignore_eos: keep generating past the end-of-sequence token.
+
+    Raises:
+        ValueError: a field is out of range, naming the field and the value.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        _check_positive_int("max_tokens", self.max_tokens)
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0 or self.temperature != self.temperature:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (all) or a positive integer, got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

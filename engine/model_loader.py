@@ -1,0 +1,124 @@
+"""Load a Llama-family causal LM and its tokenizer with transformers, and read its KV geometry.
+
+Rules: safetensors weights only (``use_safetensors=True``), never ``trust_remote_code``. A model is a
+local directory or a hub id; a hub id that is not cached on a machine without network fails with one
+line that names the embedded default model.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import EMBEDDED_MODEL
+
+# Model types whose decoder layers have the Llama shape the model runner drives (pre-norm, q/k/v/o
+# projections, RoPE, gated MLP). Qwen3 adds per-head q/k RMSNorms, which the runner applies.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """The shape of one token's KV cache, read from a model config.
+
+    bytes_per_token = 2 (K and V) x num_layers x num_kv_heads x head_dim x dtype_bytes
+    (Kwon et al., SOSP 2023, section 2.2; e.g. Llama-2-7B in fp16: 2*32*32*128*2 = 524,288 B = 512 KiB).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    num_heads: int
+    head_dim: int
+    dtype: str
+
+    @property
+    def dtype_bytes(self) -> int:
+        return torch.empty((), dtype=_DTYPES[self.dtype]).element_size()
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    def bytes_per_block(self, block_size: int) -> int:
+        return self.bytes_per_token * block_size
+
+
+def resolve_device(device: str) -> torch.device:
+    """"auto" -> CUDA if available else CPU. Raises ValueError for an unknown device or absent CUDA."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        return torch.device("cpu")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
+        return torch.device("cuda")
+    raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+
+
+def resolve_dtype(dtype: str | None, device: torch.device) -> str:
+    """None -> float32 on CPU, bfloat16 on CUDA."""
+    if dtype is None:
+        return "bfloat16" if device.type == "cuda" else "float32"
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {dtype!r}")
+    return dtype
+
+
+def geometry_from_config(config, dtype: str) -> KVGeometry:
+    """KV geometry of a transformers config (head_dim falls back to hidden_size // num_attention_heads)."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return KVGeometry(config.num_hidden_layers, kv_heads, heads, head_dim, dtype)
+
+
+class ModelLoadError(ValueError):
+    """The model could not be found or is not supported; the message is one line."""
+
+
+def _is_local(model: str) -> bool:
+    return os.path.isdir(os.path.expanduser(model))
+
+
+def load_model(model: str, device: torch.device, dtype: str):
+    """Load ``(model, tokenizer)`` from a local directory or a hub id.
+
+    Raises:
+        ModelLoadError: the path/id cannot be found (offline with an uncached hub id included), the
+            model type is not Llama-family, or the weights are not safetensors.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the weight-loading bar would clutter the CLI and test logs
+
+    source = os.path.expanduser(model) if _is_local(model) else model
+    # A hub id is "name" or "org/name"; anything path-like that is not a directory is a missing folder.
+    if not _is_local(model) and (model.startswith((".", "/", "~")) or model.count("/") > 1):
+        raise ModelLoadError(f"model directory {model!r} does not exist")
+    try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=False)
+    except OSError as exc:
+        raise ModelLoadError(
+            f"cannot load model {model!r}: not a local directory and not available from the hub cache "
+            f"(offline?). The embedded default model is {EMBEDDED_MODEL}"
+        ) from exc
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"model {model!r} has model_type {config.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=_DTYPES[dtype], use_safetensors=True, trust_remote_code=False
+        )
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot load weights of {model!r} (safetensors only): {str(exc).splitlines()[0]}") from exc
+    hf_model.to(device).eval()
+    return hf_model, tokenizer

@@ -1,0 +1,104 @@
+"""Run a transformers Llama-family model over packed tokens with K/V kept in the paged cache.
+
+Approach: our own forward loop over the Hugging Face modules. We call the model's own embedding, rotary
+embedding, RMSNorms, q/k/v/o projections, RoPE function and MLPs with its own weights, and replace only the
+two lines that store and read K/V: new keys/values are scattered into the block pool at the slot mapping
+(``kernels.write_kv``), and attention reads the context through the block table
+(``kernels.paged_attention``).
+
+Why not a custom ``Cache`` or attention function plugged into ``model.forward``: transformers' forward
+builds a padded ``[batch, seq]`` causal mask and expects one cache per batch row; a serving engine runs a
+*packed* batch (prefill chunks and decode tokens of different sequences one after another, vLLM's
+"varlen" layout) with one shared pool. Driving the layers ourselves keeps that layout explicit and the
+code short, and it stays the model's math: our tests check greedy tokens and logits against
+``model.generate``.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+
+
+@dataclass
+class SeqInput:
+    """One sequence's share of a step.
+
+    ``token_ids`` are the tokens computed now, at positions ``start_pos ..``; ``slot_mapping`` says where
+    their K/V go; ``block_table`` lists the sequence's physical blocks; after this step the cache holds
+    ``start_pos + len(token_ids)`` of its tokens.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    slot_mapping: list[int]
+    block_table: list[int]
+
+
+class ModelRunner:
+    """Owns the model and the KV cache tensors; ``execute`` runs one packed batch and returns logits."""
+
+    def __init__(self, model, kv_cache, backend: str) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.backend = backend
+        self.device = next(model.parameters()).device
+        base = model.model
+        self.base = base
+        first_attn = base.layers[0].self_attn
+        # The model's own RoPE function (Qwen, Mistral, Llama each define theirs in their module).
+        self.apply_rope = sys.modules[type(first_attn).__module__].apply_rotary_pos_emb
+        self.head_dim = first_attn.head_dim
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[SeqInput]) -> torch.Tensor:
+        """Compute the given tokens of every sequence and return float32 logits ``[num_seqs, vocab]`` of
+        each sequence's last token."""
+        dev = self.device
+        input_ids = torch.tensor([t for s in seqs for t in s.token_ids], device=dev)
+        positions = torch.tensor(
+            [s.start_pos + i for s in seqs for i in range(len(s.token_ids))], device=dev
+        )
+        slot_mapping = torch.tensor([x for s in seqs for x in s.slot_mapping], device=dev)
+        q_lens = torch.tensor([len(s.token_ids) for s in seqs])
+        query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.long)
+        query_start_loc[1:] = torch.cumsum(q_lens, 0)
+        context_lens = torch.tensor([s.start_pos + len(s.token_ids) for s in seqs])
+        max_blocks = max(len(s.block_table) for s in seqs)
+        block_tables = torch.full((len(seqs), max_blocks), -1, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            block_tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        meta = (block_tables.to(dev), context_lens.to(dev), query_start_loc.to(dev))
+
+        hidden = self._forward(input_ids, positions, slot_mapping, meta)
+        last = (query_start_loc[1:] - 1).to(dev)
+        return self.model.lm_head(hidden[last]).float()
+
+    def _forward(self, input_ids, positions, slot_mapping, meta) -> torch.Tensor:
+        """Decoder stack on ``T`` packed tokens -> final hidden states ``[T, hidden]``."""
+        base = self.base
+        num_tokens = input_ids.shape[0]
+        h = base.embed_tokens(input_ids)[None]  # [1, T, hidden]: the modules expect a batch dim
+        cos, sin = base.rotary_emb(h, positions[None])
+        for layer_idx, layer in enumerate(base.layers):
+            residual = h
+            x = layer.input_layernorm(h)
+            attn = layer.self_attn
+            q = attn.q_proj(x).view(1, num_tokens, -1, self.head_dim)
+            k = attn.k_proj(x).view(1, num_tokens, -1, self.head_dim)
+            v = attn.v_proj(x).view(1, num_tokens, -1, self.head_dim)
+            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over head_dim before RoPE
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [1, heads, T, D]
+            q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0]  # [T, heads, D]
+            kc, vc = self.kv_cache.key_cache[layer_idx], self.kv_cache.value_cache[layer_idx]
+            kernels.write_kv(k, v, kc, vc, slot_mapping, backend=self.backend)
+            o = kernels.paged_attention(q.contiguous(), kc, vc, *meta, scale=attn.scaling, backend=self.backend)
+            h = residual + attn.o_proj(o.reshape(1, num_tokens, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return base.norm(h)[0]

@@ -1,0 +1,72 @@
+"""Named scenarios: a set of requests plus the engine settings that make them interesting.
+
+The CLI, the app and the tests share this registry; later features add scenarios with ``register``.
+A scenario is reproducible from its name and a seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .config import SamplingParams
+
+
+@dataclass
+class Scenario:
+    """``build(seed)`` returns ``[(prompt, SamplingParams)]``; ``engine_defaults`` are EngineConfig fields
+    the scenario needs (e.g. a small pool), which command-line flags may override."""
+
+    name: str
+    description: str
+    build: Callable[[int], list[tuple[str, SamplingParams]]]
+    engine_defaults: dict = field(default_factory=dict)
+
+
+SCENARIOS: dict[str, Scenario] = {}
+
+
+def register(scenario: Scenario) -> Scenario:
+    SCENARIOS[scenario.name] = scenario
+    return scenario
+
+
+def get_scenario(name: str) -> Scenario:
+    """Raises ValueError naming the unknown scenario and the known ones."""
+    try:
+        return SCENARIOS[name]
+    except KeyError:
+        raise ValueError(f"unknown scenario {name!r}; known: {', '.join(sorted(SCENARIOS))}") from None
+
+
+BATCH_PROMPTS = [
+    "ROMEO. ",
+    "To be, or not to be, that is the question:",
+    "KING LEAR. Where is my fool? Ho, I think the world's asleep.",
+    "Now is the winter of our discontent made glorious summer by this sun of York;",
+    "HAMLET. ",
+    "Friends, Romans, countrymen, lend me your ears; I come to bury Caesar, not to praise him.",
+]
+
+
+def _single(seed: int) -> list[tuple[str, SamplingParams]]:
+    return [("ROMEO. But soft, what light through yonder window breaks?",
+             SamplingParams(max_tokens=48, temperature=0.0))]
+
+
+def _batch(seed: int) -> list[tuple[str, SamplingParams]]:
+    # Different prompt and output lengths, sampled with per-request seeds derived from the run's seed.
+    return [
+        (p, SamplingParams(max_tokens=24 + 8 * i, temperature=0.8, top_p=0.95, seed=seed * 1000 + i))
+        for i, p in enumerate(BATCH_PROMPTS)
+    ]
+
+
+register(Scenario("single", "one prompt, greedy, 48 tokens, roomy pool", _single))
+register(Scenario(
+    "batch",
+    "six prompts of different lengths decoding together in a pool of 12 blocks of 16: "
+    "too small for all of them, so the scheduler preempts and recomputes",
+    _batch,
+    {"block_size": 16, "num_blocks": 12, "max_model_len": 128},
+))

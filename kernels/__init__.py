@@ -1,0 +1,57 @@
+"""Attention backends for the paged KV cache, behind one dispatch point.
+
+``paged_attention`` and ``write_kv`` pick the implementation named by ``backend``:
+- "torch": the pure-PyTorch reference (``kernels.torch_ref``), used on the CPU;
+- "triton": Triton kernels (their own issue; until they land, asking for them raises ValueError);
+- "auto": Triton on CUDA when available, else the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import torch_ref
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def triton_available() -> bool:
+    try:
+        from . import triton_paged  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Turn "auto" into a concrete backend for ``device``. Raises ValueError for an unknown or unusable one."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if backend == "triton" and not triton_available():
+        raise ValueError("attention_backend 'triton' is not available in this build (kernels/triton_paged.py missing)")
+    return backend
+
+
+def _impl(backend: str):
+    if backend == "torch":
+        return torch_ref
+    from . import triton_paged
+
+    return triton_paged
+
+
+def write_kv(key, value, key_cache, value_cache, slot_mapping, backend: str = "torch") -> None:
+    """Scatter K/V ``[num_tokens, num_kv_heads, head_dim]`` into the pool at ``slot_mapping`` (-1 skips)."""
+    _impl(backend).write_kv(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention(query, key_cache, value_cache, block_tables, context_lens, query_start_loc, scale,
+                    backend: str = "torch"):
+    """Causal attention of packed queries ``[num_tokens, num_heads, head_dim]`` through block tables.
+
+    See ``kernels.torch_ref.paged_attention`` for shapes; every backend has the same contract.
+    """
+    return _impl(backend).paged_attention(query, key_cache, value_cache, block_tables, context_lens,
+                                          query_start_loc, scale)

@@ -1,0 +1,66 @@
+"""Shared fixtures. Tests run offline on the CPU in float32 with the embedded tiny model."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never try the network, even where one exists
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+from engine import EMBEDDED_MODEL, EngineConfig, LLMEngine
+
+# A fixed English text; tests cut prompts of exact token lengths from its encoding.
+TEXT = (
+    "FIRST CITIZEN. Before we proceed any further, hear me speak. You are all resolved rather to die than "
+    "to famish? We know it, we know it. Let us kill him, and we'll have corn at our own price. Is't a "
+    "verdict? No more talking on't; let it be done. Away, away! One word, good citizens. We are accounted "
+    "poor citizens, the patricians good. What authority surfeits on would relieve us: if they would yield "
+    "us but the superfluity, while it were wholesome, we might guess they relieved us humanely; but they "
+    "think we are too dear: the leanness that afflicts us, the object of our misery, is as an inventory to "
+    "particularise their abundance; our sufferance is a gain to them. Let us revenge this with our pikes, "
+    "ere we become rakes: for the gods know I speak this in hunger for bread, not in thirst for revenge."
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    return EMBEDDED_MODEL
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def text_ids(model_path) -> list[int]:
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model_path)(TEXT, add_special_tokens=False)["input_ids"]
+    assert len(ids) >= 200
+    return ids
+
+
+@pytest.fixture
+def make_engine(model_path):
+    def make(**kwargs) -> LLMEngine:
+        kwargs.setdefault("device", "cpu")
+        kwargs.setdefault("dtype", "float32")
+        return LLMEngine(EngineConfig(model=model_path, **kwargs))
+
+    return make

@@ -1,0 +1,77 @@
+"""The headless main job: ``python -m engine run``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from engine import read_trace
+from engine.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+TOP_KEYS = {"model", "device", "block_size", "num_blocks", "steps", "requests", "paged", "tokens_per_s"}
+REQUEST_KEYS = {"id", "prompt", "output_text", "output_token_ids", "block_table"}
+PAGED_KEYS = {"peak_blocks_used", "slots_allocated", "slots_used", "waste_pct"}
+
+
+def test_batch_json_through_the_real_entry_point():
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "engine", "run", "--scenario", "batch", "--json"],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert TOP_KEYS <= out.keys()
+    assert out["model"].endswith("tiny_model") and out["device"] == "cpu"
+    assert len(out["requests"]) == 6
+    for r in out["requests"]:
+        assert REQUEST_KEYS <= r.keys()
+        assert r["output_text"] and r["output_token_ids"] and r["block_table"]
+        assert r["finish_reason"] in ("stop", "length")
+    paged = out["paged"]
+    assert PAGED_KEYS <= paged.keys()
+    assert 0 < paged["slots_used"] <= paged["slots_allocated"] == paged["peak_blocks_used"] * out["block_size"]
+    assert out["events"]["preemptions"] > 0  # the batch scenario's pool is too small on purpose
+    assert out["tokens_per_s"] > 0
+
+
+def test_tiny_pool_preempts_and_still_finishes_every_request(capsys, tmp_path):
+    trace = tmp_path / "run.jsonl"
+    code = main(["run", "--scenario", "batch", "--device", "cpu", "--block-size", "4", "--num-blocks", "12",
+                 "--max-model-len", "48", "--json", "--trace", str(trace)])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["num_blocks"] == 12 and out["block_size"] == 4
+    assert out["events"]["preemptions"] > 0
+    assert all(r["finish_reason"] is not None for r in out["requests"])
+    records = list(read_trace(trace))
+    assert len(records) == out["steps"]
+    assert records[-1].snapshot.num_free_blocks == 12
+    preempts = [e for r in records for e in r.events if e.kind == "preempt"]
+    assert len(preempts) == out["events"]["preemptions"]
+
+
+def test_text_summary_lists_requests_and_steps(capsys):
+    assert main(["run", "--scenario", "single", "--device", "cpu", "--num-blocks", "16"]) == 0
+    text = capsys.readouterr().out
+    assert "[R1] 'ROMEO." in text
+    lines = text.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["step", "kind", "seqs"])
+    end = lines.index("", header)
+    table = [line.split() for line in lines[header + 1:end]]
+    assert [row[1] for row in table] == ["prefill"] + ["decode"] * (len(table) - 1)
+    assert len(table) == 48  # one prefill (first token) + 47 decode steps for max_tokens=48
+
+
+def test_kv_budget_flag_sets_the_pool(capsys):
+    assert main(["run", "--scenario", "single", "--device", "cpu", "--kv-budget-mb", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["num_blocks"] == (1024 * 1024) // (out["kv_bytes_per_token"] * out["block_size"])
+
+
+def test_bad_flag_value_is_one_line_error(capsys):
+    assert main(["run", "--scenario", "single", "--device", "cpu", "--block-size", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "error: block_size must be a positive integer, got 0"

@@ -74,12 +74,13 @@ class ModelRunner:
         for i, s in enumerate(seqs):
             block_tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
         meta = (block_tables.to(dev), context_lens.to(dev), query_start_loc.to(dev))
+        maxima = {"max_query_len": int(q_lens.max()), "max_context_len": int(context_lens.max())}
 
-        hidden = self._forward(input_ids, positions, slot_mapping, meta)
+        hidden = self._forward(input_ids, positions, slot_mapping, meta, maxima)
         last = (query_start_loc[1:] - 1).to(dev)
         return self.model.lm_head(hidden[last]).float()
 
-    def _forward(self, input_ids, positions, slot_mapping, meta) -> torch.Tensor:
+    def _forward(self, input_ids, positions, slot_mapping, meta, maxima) -> torch.Tensor:
         """Decoder stack on ``T`` packed tokens -> final hidden states ``[T, hidden]``."""
         base = self.base
         num_tokens = input_ids.shape[0]
@@ -98,7 +99,8 @@ class ModelRunner:
             q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0]  # [T, heads, D]
             kc, vc = self.kv_cache.key_cache[layer_idx], self.kv_cache.value_cache[layer_idx]
             kernels.write_kv(k, v, kc, vc, slot_mapping, backend=self.backend)
-            o = kernels.paged_attention(q.contiguous(), kc, vc, *meta, scale=attn.scaling, backend=self.backend)
+            o = kernels.paged_attention(q.contiguous(), kc, vc, *meta, scale=attn.scaling, backend=self.backend,
+                                        **maxima)
             h = residual + attn.o_proj(o.reshape(1, num_tokens, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return base.norm(h)[0]

@@ -2,15 +2,23 @@
 
 ``paged_attention`` and ``write_kv`` pick the implementation named by ``backend``:
 - "torch": the pure-PyTorch reference (``kernels.torch_ref``), used on the CPU;
-- "triton": Triton kernels (their own issue; until they land, asking for them raises ValueError);
+- "triton": the Triton kernels (``kernels.triton_paged``); without CUDA they run in Triton's interpreter
+  (slow, for tests and to show that the same kernel code drives the engine);
 - "auto": Triton on CUDA when available, else the reference.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import torch_ref
+
+if not torch.cuda.is_available():
+    # Without CUDA the Triton kernels can only run in Triton's interpreter, and Triton reads this switch
+    # once, when it is first imported (transformers may import it while loading a model), so set it now.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -18,7 +26,7 @@ BACKENDS = ("auto", "torch", "triton")
 def triton_available() -> bool:
     try:
         from . import triton_paged  # noqa: F401
-    except ImportError:
+    except ImportError:  # triton not installed (e.g. macOS), or imported too early for the interpreter
         return False
     return True
 
@@ -30,7 +38,8 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         return "triton" if device.type == "cuda" and triton_available() else "torch"
     if backend == "triton" and not triton_available():
-        raise ValueError("attention_backend 'triton' is not available in this build (kernels/triton_paged.py missing)")
+        raise ValueError("attention_backend 'triton' is not available: triton is not installed or could not "
+                         "be imported")
     return backend
 
 
@@ -48,10 +57,11 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, backend: str = "t
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, context_lens, query_start_loc, scale,
-                    backend: str = "torch"):
+                    backend: str = "torch", max_query_len: int | None = None, max_context_len: int | None = None):
     """Causal attention of packed queries ``[num_tokens, num_heads, head_dim]`` through block tables.
 
     See ``kernels.torch_ref.paged_attention`` for shapes; every backend has the same contract.
     """
     return _impl(backend).paged_attention(query, key_cache, value_cache, block_tables, context_lens,
-                                          query_start_loc, scale)
+                                          query_start_loc, scale, max_query_len=max_query_len,
+                                          max_context_len=max_context_len)

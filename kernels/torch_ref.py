@@ -33,7 +33,8 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+                    scale: float, max_query_len: int | None = None, max_context_len: int | None = None
+                    ) -> torch.Tensor:
     """Causal attention of packed query tokens against each sequence's cached context.
 
     Args:
@@ -46,6 +47,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             ``query_start_loc[i]:query_start_loc[i+1]``, which are its last tokens (positions
             ``context_len - q_len .. context_len - 1``). Decode is the case q_len = 1.
         scale: softmax scale, usually head_dim ** -0.5.
+        max_query_len, max_context_len: host-side maxima, a hint for GPU kernels (unused here).
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in the query's dtype. Grouped-query attention: query head

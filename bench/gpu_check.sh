@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# One prepared run on a CUDA machine: the GPU tests, then the kernel and engine benchmark.
+# Results go to $OUT (or ./gpu_out): gpu_tests.log, bench.log, benchmarks_gpu.md, bench.json.
+# Uses the machine's own python3 (torch, triton, transformers preinstalled); installs nothing.
+set -uo pipefail
+OUT="${OUT:-gpu_out}"; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY="${PYTHON:-python3}"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+"$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+"$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_triton.py 2>&1 | tee "$OUT/gpu_tests.log"
+"$PY" bench/kernels.py --out "$OUT/benchmarks_gpu.md" --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"

@@ -4,8 +4,10 @@ It decides *what* to allocate; the bytes live in ``engine.kv_cache.KVCache``. It
 lessons drive it directly.
 
 State, kept in plain lists and dicts (nano-vllm style):
-- ``free_block_queue``: free physical block ids. Allocation takes from the front, freed blocks go to the
-  back (vLLM's free block queue), so a fresh manager hands out 0, 1, 2, ... in order.
+- ``free_block_queue``: free physical block ids, in eviction order. Allocation takes from the front, freed
+  blocks go to the back (vLLM's free block queue), so a fresh manager hands out 0, 1, 2, ... in order. It
+  is an ``OrderedDict`` (a doubly linked list with O(1) removal), because a prefix-cache hit may take a
+  free block out of the middle.
 - ``ref_counts[b]``: how many block tables point at block ``b``. A block is free exactly when it is 0.
 - ``fills[b]``: tokens held in block ``b`` (0..block_size).
 - ``block_tables[seq]``: logical block ``i`` of ``seq`` (tokens ``i*B .. i*B+B-1``) -> physical block id.
@@ -15,21 +17,46 @@ Token ``t`` of a sequence lives in logical block ``t // B`` at offset ``t % B``;
 ``block_table[t // B] * B + t % B``, which indexes the flattened pool ``[num_blocks * B, ...]``.
 
 Sharing: ``fork`` makes a second table point at the same blocks (counts rise). Writing into a shared,
-partly filled block first copies it to a fresh block (copy-on-write); the copy is queued in
-``pending_copies`` so the owner of the KV tensors can copy the data before the write.
+partly filled block first copies it to a fresh block (copy-on-write); the copy is queued so the owner of
+the KV tensors copies the data before the write. Full blocks are never copied: nobody writes them again.
 
-Every decision is appended to ``events`` (``engine.records.Event``); the engine drains them each step.
+Automatic prefix caching (vLLM's design): a *full* block whose tokens are known gets a hash chained from
+its parent block's hash and its own token ids, so equal hashes mean equal whole prefixes. A new sequence
+reuses the blocks of its longest cached prefix, whether in use by others or free-but-cached; the last
+prompt token is never taken from the cache, so the model computes at least one token and has logits.
+Free cached blocks keep their hash until the free queue hands them out again (least recently freed first);
+that eviction drops the stale hash.
+
+Swapping: ``swap_out`` moves a set of sequences' blocks to a separate CPU swap pool (their GPU blocks are
+released) and ``swap_in`` brings them back into fresh GPU blocks, preserving sharing inside the set.
+
+Every decision is appended to ``events`` (``engine.records.Event``); data movement the KV tensors must do
+is queued in ``pending_ops`` as ``(kind, src, dst)`` with kind "copy" (GPU->GPU), "swap_out" (GPU->CPU) or
+"swap_in" (CPU->GPU), to be executed in order before the next forward pass.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from collections import OrderedDict
 
 from .records import Event
+
+NONE_HASH = ""
 
 
 class NoFreeBlocksError(RuntimeError):
     """Raised when an operation needs a free block and the pool has none; nothing was changed."""
+
+
+def block_hash(parent_hash: str, token_ids) -> str:
+    """Hash of a full block: SHA-256 over the parent block's hash and this block's token ids (16 hex chars).
+
+    Chaining makes the hash identify the whole prefix up to this block, not just its own tokens.
+    """
+    h = hashlib.sha256(parent_hash.encode())
+    h.update(b"|" + ",".join(map(str, token_ids)).encode())
+    return h.hexdigest()[:16]
 
 
 class BlockManager:
@@ -38,23 +65,41 @@ class BlockManager:
     Args:
         num_blocks: physical blocks in the pool (>= 1).
         block_size: token slots per block (>= 1).
+        enable_prefix_caching: reuse full blocks of identical prefixes (needs token ids on allocate/append).
+        num_swap_blocks: blocks in the CPU swap pool (0: no swapping).
 
     Raises:
-        ValueError: ``num_blocks`` or ``block_size`` is not a positive integer.
+        ValueError: a size is not a positive integer (``num_swap_blocks`` may be 0).
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 num_swap_blocks: int = 0) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(num_swap_blocks, bool) or not isinstance(num_swap_blocks, int) or num_swap_blocks < 0:
+            raise ValueError(f"num_swap_blocks must be an integer >= 0, got {num_swap_blocks!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_block_queue: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.free_block_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.ref_counts = [0] * num_blocks
         self.fills = [0] * num_blocks
         self.block_tables: dict[str, list[int]] = {}
         self.num_tokens: dict[str, int] = {}
-        self.pending_copies: list[tuple[int, int]] = []
+        # prefix caching
+        self.token_ids: dict[str, list[int]] = {}  # tokens of sequences that gave them (for hashing)
+        self.block_hashes: list[str | None] = [None] * num_blocks
+        self.cached_blocks: dict[str, int] = {}  # hash -> physical block
+        self.stats = {"prefix_queries": 0, "prefix_query_tokens": 0, "prefix_hit_tokens": 0, "evictions": 0}
+        # swap pool (CPU)
+        self.num_swap_blocks = num_swap_blocks
+        self.swap_free: list[int] = list(range(num_swap_blocks))
+        self.swap_ref_counts = [0] * num_swap_blocks
+        self.swap_fills = [0] * num_swap_blocks
+        self.swap_tables: dict[str, list[int]] = {}
+        self.swap_num_tokens: dict[str, int] = {}
+        self.pending_ops: list[tuple[str, int, int]] = []
         self.events: list[Event] = []
 
     # ----------------------------------------------------------------------------------------- queries
@@ -66,12 +111,37 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free_block_queue)
 
+    @property
+    def num_free_swap_blocks(self) -> int:
+        return len(self.swap_free)
+
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that ``num_tokens`` tokens occupy: ceil(num_tokens / block_size)."""
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        return self.blocks_needed(num_tokens) <= self.num_free_blocks
+    def match_prefix(self, token_ids: list[int]) -> list[int]:
+        """Physical blocks holding the longest cached prefix of ``token_ids`` (full blocks only, never the
+        block of the last token). Changes nothing. Empty when prefix caching is off."""
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        parent = NONE_HASH
+        for i in range((len(token_ids) - 1) // self.block_size):
+            parent = block_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
+            b = self.cached_blocks.get(parent)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def free_blocks_needed(self, num_tokens: int, token_ids: list[int] | None = None) -> int:
+        """Free-queue blocks that allocating ``num_tokens`` tokens would consume: fresh blocks, plus cached
+        hits that currently sit free (ref count 0) in the queue."""
+        hits = self.match_prefix(token_ids) if token_ids is not None else []
+        return self.blocks_needed(num_tokens) - len(hits) + sum(self.ref_counts[b] == 0 for b in hits)
+
+    def can_allocate(self, num_tokens: int, token_ids: list[int] | None = None) -> bool:
+        return self.free_blocks_needed(num_tokens, token_ids) <= self.num_free_blocks
 
     def needs_new_block(self, seq_id: str) -> bool:
         """True if appending one token to ``seq_id`` needs a fresh block (last block full, or shared: CoW)."""
@@ -101,48 +171,77 @@ class BlockManager:
         return [self.slot(seq_id, p) for p in range(start, end)]
 
     # ----------------------------------------------------------------------------------------- changes
-    def allocate(self, seq_id: str, num_tokens: int) -> list[int]:
+    def allocate(self, seq_id: str, num_tokens: int, token_ids: list[int] | None = None) -> list[int]:
+        """Give a new sequence the blocks for its first ``num_tokens`` tokens (prefill); see
+        ``allocate_with_prefix``. Returns the block table."""
+        return self.allocate_with_prefix(seq_id, num_tokens, token_ids)[0]
+
+    def allocate_with_prefix(self, seq_id: str, num_tokens: int,
+                             token_ids: list[int] | None = None) -> tuple[list[int], int]:
         """Give a new sequence the blocks for its first ``num_tokens`` tokens (prefill).
 
-        Takes ceil(num_tokens / B) blocks from the free queue; the last one may be partly filled.
+        With prefix caching and ``token_ids``, the longest cached prefix is reused (reference counts rise,
+        free cached blocks leave the free queue); the rest takes fresh blocks from the free queue. Full
+        fresh blocks are registered in the cache at once (their K/V are computed in this same step).
 
         Returns:
-            the sequence's block table.
+            (block table, number of leading tokens whose K/V are already cached and need no compute).
 
         Raises:
-            ValueError: ``seq_id`` already holds blocks, or ``num_tokens`` < 1.
+            ValueError: ``seq_id`` already holds blocks, ``num_tokens`` < 1, or ``token_ids`` has another length.
             NoFreeBlocksError: fewer free blocks than needed (nothing is taken).
         """
-        if seq_id in self.block_tables:
-            raise ValueError(f"sequence {seq_id!r} already holds blocks {self.block_tables[seq_id]}")
+        if seq_id in self.block_tables or seq_id in self.swap_tables:
+            raise ValueError(f"sequence {seq_id!r} already holds blocks")
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
             raise ValueError(f"num_tokens must be a positive integer, got {num_tokens!r}")
-        need = self.blocks_needed(num_tokens)
+        if token_ids is not None and len(token_ids) != num_tokens:
+            raise ValueError(f"got {len(token_ids)} token ids for num_tokens {num_tokens}")
+        need = self.free_blocks_needed(num_tokens, token_ids)
         if need > self.num_free_blocks:
             raise NoFreeBlocksError(
-                f"sequence {seq_id!r} needs {need} blocks for {num_tokens} tokens, {self.num_free_blocks} free"
+                f"sequence {seq_id!r} needs {need} free blocks for {num_tokens} tokens, {self.num_free_blocks} free"
             )
-        table = [self._take_block() for _ in range(need)]
+        hits = self.match_prefix(token_ids) if token_ids is not None else []
+        if self.enable_prefix_caching and token_ids is not None:
+            self.stats["prefix_queries"] += 1
+            self.stats["prefix_query_tokens"] += num_tokens
+            self.stats["prefix_hit_tokens"] += len(hits) * self.block_size
+        for b in hits:
+            if self.ref_counts[b] == 0:
+                del self.free_block_queue[b]
+            self.ref_counts[b] += 1
+        table = hits + [self._take_block() for _ in range(self.blocks_needed(num_tokens) - len(hits))]
         for i, b in enumerate(table):
             self.fills[b] = min(self.block_size, num_tokens - i * self.block_size)
         self.block_tables[seq_id] = table
         self.num_tokens[seq_id] = num_tokens
-        self.events.append(Event(
-            "allocate", seq_id, list(table),
-            f"{seq_id}: {num_tokens} tokens take {need} block{'s' * (need != 1)} {table}"
-            f" (last block holds {self.fills[table[-1]]}/{self.block_size})",
-            {"num_tokens": num_tokens},
-        ))
-        return list(table)
+        if token_ids is not None:
+            self.token_ids[seq_id] = list(token_ids)
+            for i in range(len(hits), num_tokens // self.block_size):
+                self._register_full_block(seq_id, i)
+        need_new = len(table) - len(hits)
+        msg = f"{seq_id}: {num_tokens} tokens take {need_new} new block{'s' * (need_new != 1)} {table[len(hits):]}"
+        if hits:
+            msg = (f"{seq_id}: prefix cache hit, {len(hits) * self.block_size} tokens in blocks {hits} reused; "
+                   f"{num_tokens - len(hits) * self.block_size} more tokens take {need_new} new blocks {table[len(hits):]}")
+        msg += f" (last block holds {self.fills[table[-1]]}/{self.block_size})"
+        self.events.append(Event("allocate", seq_id, list(table), msg,
+                                 {"num_tokens": num_tokens, "cached_tokens": len(hits) * self.block_size}))
+        if hits:
+            self.events.append(Event("prefix_hit", seq_id, list(hits),
+                                     f"{seq_id}: reused {len(hits)} cached blocks ({len(hits) * self.block_size} tokens)",
+                                     {"num_tokens": len(hits) * self.block_size}))
+        return list(table), len(hits) * self.block_size
 
-    def append_slot(self, seq_id: str) -> int:
+    def append_slot(self, seq_id: str, token_id: int | None = None) -> int:
         """Reserve the slot for one more token of ``seq_id`` (decode) and return its slot id.
 
         - last block has room and reference count 1: write in place;
         - last block full (or no block yet): take a fresh block;
         - last block has room but is shared (count > 1): copy-on-write, i.e. take a fresh block, queue the
-          copy (source, destination) in ``pending_copies``, point this table at the copy, decrement the
-          source's count. Full blocks are never copied.
+          copy (source, destination), point this table at the copy, decrement the source's count.
+        With prefix caching and a ``token_id``, a block that becomes full is registered in the cache.
 
         Raises:
             KeyError: unknown ``seq_id``.
@@ -169,12 +268,12 @@ class BlockManager:
             self.ref_counts[src] -= 1
             self.fills[dst] = self.fills[src]
             table[-1] = dst
-            self.pending_copies.append((src, dst))
+            self.pending_ops.append(("copy", src, dst))
             self.events.append(Event(
                 "cow", seq_id, [src, dst],
                 f"{seq_id}: block {src} is shared (count {self.ref_counts[src] + 1}) and partly filled, "
-                f"so it is copied to block {dst} before writing",
-                {"src": src, "dst": dst},
+                f"so it is copied to block {dst} before writing token {n}",
+                {"src": src, "dst": dst, "position": n},
             ))
         else:
             self.events.append(Event(
@@ -183,8 +282,15 @@ class BlockManager:
                 {"position": n},
             ))
         b = table[-1]
+        assert self.ref_counts[b] == 1, "a block is only ever written by its sole owner"
         self.fills[b] = offset + 1
         self.num_tokens[seq_id] = n + 1
+        if seq_id in self.token_ids:
+            if token_id is None:
+                raise ValueError(f"sequence {seq_id!r} was allocated with token ids; append_slot needs token_id")
+            self.token_ids[seq_id].append(token_id)
+            if offset + 1 == self.block_size:
+                self._register_full_block(seq_id, len(table) - 1)
         return b * self.block_size + offset
 
     def fork(self, parent_id: str, child_id: str) -> list[int]:
@@ -194,50 +300,144 @@ class BlockManager:
             KeyError: unknown parent. ValueError: the child already holds blocks.
         """
         table = self._table(parent_id)
-        if child_id in self.block_tables:
-            raise ValueError(f"sequence {child_id!r} already holds blocks {self.block_tables[child_id]}")
+        if child_id in self.block_tables or child_id in self.swap_tables:
+            raise ValueError(f"sequence {child_id!r} already holds blocks")
         for b in table:
             self.ref_counts[b] += 1
         self.block_tables[child_id] = list(table)
         self.num_tokens[child_id] = self.num_tokens[parent_id]
+        if parent_id in self.token_ids:
+            self.token_ids[child_id] = list(self.token_ids[parent_id])
         self.events.append(Event("fork", child_id, list(table),
                                  f"{child_id} forked from {parent_id}: shares blocks {table}",
                                  {"parent": parent_id}))
         return list(table)
 
     def free(self, seq_id: str) -> list[int]:
-        """Release ``seq_id``'s blocks: every count drops by one; blocks reaching 0 return to the free queue.
+        """Release ``seq_id``'s blocks: every count drops by one; blocks reaching 0 return to the free queue
+        (a cached block keeps its hash there until it is evicted). A swapped-out sequence releases its
+        swap blocks instead.
 
         Returns:
-            the blocks that became free (shared blocks still in use elsewhere are not among them).
+            the GPU blocks that became free (shared blocks still in use elsewhere are not among them).
 
         Raises:
             KeyError: unknown ``seq_id``.
         """
+        if seq_id in self.swap_tables:
+            self._release_swap(seq_id)
+            return []
         table = self._table(seq_id)
         freed = []
-        for b in reversed(table):  # tail first, as vLLM does, so the prefix stays cached longest
+        for b in reversed(table):  # tail first, as vLLM does, so a cached prefix stays cached longest
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self.fills[b] = 0
-                self.free_block_queue.append(b)
+                if self.block_hashes[b] is None:
+                    self.fills[b] = 0
+                self.free_block_queue[b] = None
                 freed.append(b)
         del self.block_tables[seq_id]
         del self.num_tokens[seq_id]
+        self.token_ids.pop(seq_id, None)
         kept = [b for b in table if b not in freed]
         msg = f"{seq_id}: released {len(table)} blocks, {len(freed)} free again {sorted(freed)}"
         if kept:
             msg += f", {len(kept)} still shared {kept}"
+        cached = [b for b in freed if self.block_hashes[b] is not None]
+        if cached:
+            msg += f"; {len(cached)} keep their prefix-cache hash until evicted"
         self.events.append(Event("free", seq_id, sorted(freed), msg, {"released": list(table)}))
         return sorted(freed)
 
+    # -------------------------------------------------------------------------------------------- swap
+    def can_swap_out(self, seq_ids: list[str]) -> bool:
+        return len(self._distinct_blocks(seq_ids)) <= self.num_free_swap_blocks
+
+    def swap_out(self, seq_ids: list[str], request_id: str | None = None) -> list[tuple[int, int]]:
+        """Move the blocks of ``seq_ids`` (one request's sequences) to the CPU swap pool.
+
+        Each distinct GPU block gets one CPU block (sharing inside the set is kept); the GPU references are
+        released like ``free``. Returns the (gpu, cpu) pairs, also queued as "swap_out" ops.
+
+        Raises:
+            NoFreeBlocksError: the swap pool is too small (nothing is changed).
+        """
+        distinct = self._distinct_blocks(seq_ids)
+        if len(distinct) > self.num_free_swap_blocks:
+            raise NoFreeBlocksError(f"swap pool has {self.num_free_swap_blocks} free blocks, "
+                                    f"{len(distinct)} needed for {seq_ids}")
+        mapping = {}
+        for b in distinct:
+            c = self.swap_free.pop(0)
+            mapping[b] = c
+            self.swap_fills[c] = self.fills[b]
+            self.pending_ops.append(("swap_out", b, c))
+        for s in seq_ids:
+            table = self.block_tables.pop(s)
+            self.swap_tables[s] = [mapping[b] for b in table]
+            for c in self.swap_tables[s]:
+                self.swap_ref_counts[c] += 1
+            self.swap_num_tokens[s] = self.num_tokens.pop(s)
+            for b in table:
+                self.ref_counts[b] -= 1
+                if self.ref_counts[b] == 0:
+                    if self.block_hashes[b] is None:
+                        self.fills[b] = 0
+                    self.free_block_queue[b] = None
+        pairs = list(mapping.items())
+        self.events.append(Event(
+            "swap_out", request_id or seq_ids[0], [g for g, _ in pairs],
+            f"{', '.join(seq_ids)}: {len(pairs)} blocks copied to the CPU swap pool "
+            f"({', '.join(f'{g}->cpu{c}' for g, c in pairs)}) and released on the GPU",
+            {"pairs": [list(p) for p in pairs], "seqs": list(seq_ids)},
+        ))
+        return pairs
+
+    def can_swap_in(self, seq_ids: list[str]) -> bool:
+        distinct = {c for s in seq_ids for c in self.swap_tables[s]}
+        return len(distinct) <= self.num_free_blocks
+
+    def swap_in(self, seq_ids: list[str], request_id: str | None = None) -> list[tuple[int, int]]:
+        """Bring swapped sequences back into fresh GPU blocks. Returns the (cpu, gpu) pairs, also queued as
+        "swap_in" ops. Raises NoFreeBlocksError if the GPU pool is too small (nothing is changed)."""
+        distinct = list(dict.fromkeys(c for s in seq_ids for c in self.swap_tables[s]))
+        if len(distinct) > self.num_free_blocks:
+            raise NoFreeBlocksError(f"swap-in of {seq_ids} needs {len(distinct)} blocks, {self.num_free_blocks} free")
+        mapping = {}
+        for c in distinct:
+            b = self._take_block()
+            self.ref_counts[b] = 0  # counted below, once per table entry (sharing inside the set is kept)
+            mapping[c] = b
+            self.fills[b] = self.swap_fills[c]
+            self.pending_ops.append(("swap_in", c, b))
+        for s in seq_ids:
+            self.block_tables[s] = [mapping[c] for c in self.swap_tables[s]]
+            for b in self.block_tables[s]:
+                self.ref_counts[b] += 1
+            self.num_tokens[s] = self.swap_num_tokens[s]
+            self._release_swap(s, quiet=True)
+        pairs = list(mapping.items())
+        self.events.append(Event(
+            "swap_in", request_id or seq_ids[0], [g for _, g in pairs],
+            f"{', '.join(seq_ids)}: {len(pairs)} blocks copied back from the CPU swap pool "
+            f"({', '.join(f'cpu{c}->{g}' for c, g in pairs)})",
+            {"pairs": [list(p) for p in pairs], "seqs": list(seq_ids)},
+        ))
+        return pairs
+
+    # ------------------------------------------------------------------------------------------- drains
     def drain_events(self) -> list[Event]:
         events, self.events = self.events, []
         return events
 
+    def drain_ops(self) -> list[tuple[str, int, int]]:
+        """Data movement queued since the last drain, in order: ("copy"|"swap_out"|"swap_in", src, dst)."""
+        ops, self.pending_ops = self.pending_ops, []
+        return ops
+
     def drain_copies(self) -> list[tuple[int, int]]:
-        copies, self.pending_copies = self.pending_copies, []
-        return copies
+        """The copy-on-write (src, dst) pairs queued since the last drain (drains every queued op)."""
+        return [(s, d) for kind, s, d in self.drain_ops() if kind == "copy"]
 
     # ---------------------------------------------------------------------------------------- helpers
     def owners(self) -> list[list[str]]:
@@ -255,7 +455,45 @@ class BlockManager:
             raise KeyError(f"unknown sequence {seq_id!r}") from None
 
     def _take_block(self) -> int:
-        b = self.free_block_queue.popleft()
+        b, _ = self.free_block_queue.popitem(last=False)
+        old = self.block_hashes[b]
+        if old is not None:  # evict a free cached block: its hash must no longer find it
+            if self.cached_blocks.get(old) == b:
+                del self.cached_blocks[old]
+            self.block_hashes[b] = None
+            self.stats["evictions"] += 1
+            self.events.append(Event("evict", None, [b],
+                                     f"block {b} evicted from the prefix cache (hash {old}) to be reused",
+                                     {"hash": old}))
         self.ref_counts[b] = 1
         self.fills[b] = 0
         return b
+
+    def _register_full_block(self, seq_id: str, index: int) -> None:
+        """Give logical block ``index`` of ``seq_id`` (full) its chained hash and cache it."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.block_tables[seq_id]
+        b = table[index]
+        if self.block_hashes[b] is not None:
+            return
+        parent = self.block_hashes[table[index - 1]] if index > 0 else NONE_HASH
+        if parent is None:  # parent not hashed (e.g. after a swap-in): leave this one out too
+            return
+        tokens = self.token_ids[seq_id][index * self.block_size:(index + 1) * self.block_size]
+        h = block_hash(parent, tokens)
+        self.block_hashes[b] = h
+        self.cached_blocks.setdefault(h, b)
+
+    def _distinct_blocks(self, seq_ids: list[str]) -> list[int]:
+        return list(dict.fromkeys(b for s in seq_ids for b in self._table(s)))
+
+    def _release_swap(self, seq_id: str, quiet: bool = False) -> None:
+        for c in self.swap_tables.pop(seq_id):
+            self.swap_ref_counts[c] -= 1
+            if self.swap_ref_counts[c] == 0:
+                self.swap_fills[c] = 0
+                self.swap_free.append(c)
+        self.swap_num_tokens.pop(seq_id, None)
+        if not quiet:
+            self.events.append(Event("free", seq_id, [], f"{seq_id}: released its swapped-out blocks"))

@@ -91,6 +91,8 @@ def summarize(engine, records: list[StepRecord], outputs) -> dict:
                 "finish_reason": o.finish_reason,
                 "num_preemptions": o.num_preemptions,
                 "block_table": o.block_table,
+                "outputs": [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
+                             "finish_reason": c.finish_reason, "score": round(c.score, 4)} for c in o.outputs],
             }
             for o in outputs
         ],
@@ -101,9 +103,16 @@ def summarize(engine, records: list[StepRecord], outputs) -> dict:
             "waste_pct": round(100.0 * (allocated - used) / allocated, 2) if allocated else 0.0,
         },
         "events": {
-            "preemptions": counts.get("preempt", 0),
-            "new_blocks": counts.get("new_block", 0),
             "allocations": counts.get("allocate", 0),
+            "new_blocks": counts.get("new_block", 0),
+            "cow_copies": counts.get("cow", 0),
+            "forks": counts.get("fork", 0),
+            "prefix_cache_hit_tokens": sum(e.data.get("num_tokens", 0) for r in records for e in r.events
+                                           if e.kind == "prefix_hit"),
+            "evictions": counts.get("evict", 0),
+            "preemptions": counts.get("preempt", 0),
+            "swaps_out": counts.get("swap_out", 0),
+            "swaps_in": counts.get("swap_in", 0),
         },
         "generated_tokens": generated,
         "tokens_per_s": round(generated / busy, 2) if busy else 0.0,
@@ -118,18 +127,22 @@ def print_text(summary: dict, records: list[StepRecord], out) -> None:
     for r in summary["requests"]:
         prompt = r["prompt"] if r["prompt"] is not None else r["prompt_token_ids"]
         w(f"[{r['id']}] {prompt!r}\n   -> {r['output_text']!r}\n")
+        for c in r["outputs"][1:]:
+            w(f"   -> [{c['index']}] {c['text']!r}\n")
         w(f"   {len(r['output_token_ids'])} tokens, finish: {r['finish_reason']}, "
           f"preempted {r['num_preemptions']}x, last block table {r['block_table']}\n")
     w(f"\n{'step':>5} {'kind':<8} {'seqs':>4} {'tokens':>6} {'used':>5} {'free':>5}  notes\n")
     for rec in records:
         snap = rec.snapshot
-        notes = "; ".join(e.message for e in rec.events if e.kind in ("preempt", "finish"))
+        notes = "; ".join(e.message for e in rec.events
+                          if e.kind in ("preempt", "finish", "cow", "fork", "prefix_hit", "swap_out", "swap_in", "evict"))
         w(f"{rec.step:>5} {rec.kind:<8} {len(rec.scheduled):>4} {rec.num_tokens:>6} "
           f"{snap.num_used_blocks:>5} {snap.num_free_blocks:>5}  {notes}\n")
     p = summary["paged"]
     w(f"\n{summary['steps']} steps, {summary['generated_tokens']} tokens generated, {summary['tokens_per_s']} tokens/s; "
       f"peak {p['peak_blocks_used']} blocks = {p['slots_allocated']} slots for {p['slots_used']} tokens "
-      f"({p['waste_pct']}% waste); {summary['events']['preemptions']} preemptions\n")
+      f"({p['waste_pct']}% waste)\n")
+    w("events: " + ", ".join(f"{k} {v}" for k, v in summary["events"].items()) + "\n")
 
 
 def run(args) -> int:

@@ -15,6 +15,7 @@ EMBEDDED_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny_m
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 def _check_positive_int(name: str, value, allow_none: bool = False) -> None:
@@ -43,6 +44,12 @@ class EngineConfig:
         device: "auto" (CUDA when present, else CPU), "cpu" or "cuda".
         dtype: None (float32 on CPU, bfloat16 on CUDA) or one of "float32", "float16", "bfloat16".
         attention_backend: "auto" (Triton on CUDA, PyTorch reference elsewhere), "torch" or "triton".
+        enable_prefix_caching: reuse the KV blocks of identical prompt prefixes (automatic prefix caching).
+        preemption_mode: what happens to the request evicted when the pool runs out: "recompute" (free its
+            blocks, prefill it again later) or "swap" (copy its blocks to a CPU swap pool and back; falls
+            back to recompute when the swap pool is full).
+        swap_space_blocks: blocks in the CPU swap pool; None means as many as the GPU pool in "swap" mode
+            and none in "recompute" mode.
 
     Raises:
         ValueError: a field is out of range, naming the field and the value.
@@ -58,6 +65,9 @@ class EngineConfig:
     device: str = "auto"
     dtype: str | None = None
     attention_backend: str = "auto"
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    swap_space_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -78,6 +88,14 @@ class EngineConfig:
             raise ValueError(f"dtype must be None or one of {DTYPES}, got {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.swap_space_blocks is not None and (
+                isinstance(self.swap_space_blocks, bool) or not isinstance(self.swap_space_blocks, int)
+                or self.swap_space_blocks < 0):
+            raise ValueError(f"swap_space_blocks must be an integer >= 0, got {self.swap_space_blocks!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
 
 
 @dataclass
@@ -89,8 +107,13 @@ class SamplingParams:
         temperature: 0 means greedy (argmax); > 0 divides the logits before softmax.
         top_p: nucleus sampling, keep the smallest set of tokens whose probability sums to >= top_p; in (0, 1].
         top_k: keep the k most likely tokens; -1 (or 0) keeps all.
-        seed: seed of this request's own random stream; None draws one.
+        seed: seed of this request's own random stream; None draws one. Sample ``i`` of ``n`` uses seed + i.
         ignore_eos: keep generating past the end-of-sequence token.
+        n: parallel sampling, ``n`` completions of one prompt that share the prompt's KV blocks.
+        beam_width: beam search with this many beams (1: off). Deterministic like transformers'
+            ``generate(num_beams=w, do_sample=False, early_stopping=False)``: temperature, top_p and top_k
+            do not apply to it.
+        length_penalty: beam search score = sum of log-probabilities / generated_length ** length_penalty.
 
     Raises:
         ValueError: a field is out of range, naming the field and the value.
@@ -102,6 +125,9 @@ class SamplingParams:
     top_k: int = -1
     seed: int | None = None
     ignore_eos: bool = False
+    n: int = 1
+    beam_width: int = 1
+    length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         _check_positive_int("max_tokens", self.max_tokens)
@@ -113,6 +139,17 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (all) or a positive integer, got {self.top_k!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        _check_positive_int("n", self.n)
+        _check_positive_int("beam_width", self.beam_width)
+        if self.n > 1 and self.beam_width > 1:
+            raise ValueError(f"use n ({self.n}) or beam_width ({self.beam_width}), not both")
+        if not isinstance(self.length_penalty, (int, float)) or self.length_penalty != self.length_penalty:
+            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences this request may hold at once."""
+        return max(self.n, self.beam_width)
 
     @property
     def greedy(self) -> bool:

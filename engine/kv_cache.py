@@ -32,17 +32,47 @@ class KVCache:
     """
 
     def __init__(self, geometry: KVGeometry, num_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, num_swap_blocks: int = 0) -> None:
         shape = (num_blocks, block_size, geometry.num_kv_heads, geometry.head_dim)
         self.geometry = geometry
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.key_cache = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(geometry.num_layers)]
         self.value_cache = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(geometry.num_layers)]
+        swap_shape = (num_swap_blocks, block_size, geometry.num_kv_heads, geometry.head_dim)
+        pin = device.type == "cuda"
+        self.swap_key = [torch.zeros(swap_shape, dtype=dtype, pin_memory=pin) for _ in range(geometry.num_layers)]
+        self.swap_value = [torch.zeros(swap_shape, dtype=dtype, pin_memory=pin) for _ in range(geometry.num_layers)]
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.key_cache + self.value_cache)
+
+    def apply(self, ops: list[tuple[str, int, int]]) -> None:
+        """Execute the block manager's queued data movement in order: ("copy", src, dst) GPU->GPU,
+        ("swap_out", gpu, cpu), ("swap_in", cpu, gpu). Consecutive ops of one kind are batched."""
+        i = 0
+        while i < len(ops):
+            kind = ops[i][0]
+            j = i
+            while j < len(ops) and ops[j][0] == kind:
+                j += 1
+            pairs = [(s, d) for _, s, d in ops[i:j]]
+            if kind == "copy":
+                self.copy_blocks(pairs)
+            else:
+                self._swap(pairs, out=kind == "swap_out")
+            i = j
+
+    def _swap(self, pairs: list[tuple[int, int]], out: bool) -> None:
+        src = torch.tensor([p[0] for p in pairs])
+        dst = torch.tensor([p[1] for p in pairs])
+        gpu_pairs = zip(self.key_cache + self.value_cache, self.swap_key + self.swap_value)
+        for gpu, cpu in gpu_pairs:
+            if out:
+                cpu[dst] = gpu[src.to(gpu.device)].to("cpu")
+            else:
+                gpu[dst.to(gpu.device)] = cpu[src].to(gpu.device, non_blocking=True)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy K and V of every layer from block ``src`` to block ``dst`` for each pair (copy-on-write)."""

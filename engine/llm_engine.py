@@ -26,12 +26,23 @@ from .config import EngineConfig, SamplingParams
 from .kv_cache import KVCache, num_blocks_for_budget
 from .model_loader import geometry_from_config, load_model, resolve_device, resolve_dtype
 from .model_runner import ModelRunner, SeqInput
-from .records import RequestState, ScheduledRequest, Snapshot, StepRecord
+from .records import ScheduledSequence, SequenceState, Snapshot, StepRecord
 from .sampler import sample
 from .scheduler import Scheduler
-from .sequence import FINISHED, Request, RequestOutput
+from .sequence import FINISHED, RUNNING, BeamState, CompletionOutput, Request, RequestOutput, Sequence
+
+BEAM_NEG = -1.0e9  # transformers' "impossible" beam score
 
 DEFAULT_POOL_REQUESTS = 4  # with neither num_blocks nor a budget, the pool holds 4 x max_model_len tokens
+
+
+class _StepOutput:
+    """What one step produced, keyed by sequence id."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, int] = {}
+        self.text: dict[str, str] = {}
+        self.finished: list[str] = []
 
 
 class LLMEngine:
@@ -73,10 +84,15 @@ class LLMEngine:
                 f"a long request could never be prefilled"
             )
 
-        self.block_manager = BlockManager(self.num_blocks, self.block_size)
+        swap_blocks = config.swap_space_blocks
+        if swap_blocks is None:
+            swap_blocks = self.num_blocks if config.preemption_mode == "swap" else 0
+        self.block_manager = BlockManager(self.num_blocks, self.block_size,
+                                          enable_prefix_caching=config.enable_prefix_caching,
+                                          num_swap_blocks=swap_blocks)
         self.kv_cache = KVCache(self.geometry, self.num_blocks, self.block_size, self.device,
-                                next(self.model.parameters()).dtype)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, max_batched)
+                                next(self.model.parameters()).dtype, num_swap_blocks=swap_blocks)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, max_batched, config.preemption_mode)
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend)
         self.requests: dict[str, Request] = {}
         self.step_count = 0
@@ -130,9 +146,25 @@ class LLMEngine:
             raise ValueError(
                 f"prompt of {len(ids)} tokens leaves no room to generate within max_model_len {self.max_model_len}"
             )
-        seed = params.seed if params.seed is not None else random.randrange(2**63)
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        return Request(rid, text, ids, params, gen)
+        if params.num_seqs > 1:
+            # each sample / beam must be able to grow to its end on its own, even without sharing
+            longest = min(len(ids) + params.max_tokens, self.max_model_len)
+            worst = params.num_seqs * self.block_manager.blocks_needed(longest)
+            if worst > self.num_blocks:
+                what = f"n={params.n} samples" if params.n > 1 else f"beam_width={params.beam_width} beams"
+                raise ValueError(f"{what} of up to {longest} tokens may need {worst} blocks but the pool has only "
+                                 f"{self.num_blocks}; lower max_tokens or use a bigger pool")
+        seed = params.seed if params.seed is not None else random.randrange(2**62)
+        req = Request(rid, text, ids, params, seed)
+        first_id = rid if params.num_seqs == 1 else (f"{rid}.b0" if params.beam_width > 1 else f"{rid}.0")
+        req.seqs.append(Sequence(first_id, list(ids), len(ids), self._generator(seed, 0)))
+        if params.beam_width > 1:
+            req.beam = BeamState(finished=[(BEAM_NEG, None, None)] * params.beam_width)
+        return req
+
+    @staticmethod
+    def _generator(seed: int, index: int) -> torch.Generator:
+        return torch.Generator(device="cpu").manual_seed(seed + index)
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -161,76 +193,208 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.step_count += 1
         batch = self.scheduler.schedule()
-        self.kv_cache.copy_blocks(self.block_manager.drain_copies())
-        new_tokens: dict[str, int] = {}
-        new_text: dict[str, str] = {}
-        finished: list[str] = []
-        scheduled: list[ScheduledRequest] = []
-        if batch.requests:
+        self.kv_cache.apply(self.block_manager.drain_ops())  # swaps and copy-on-write copies, in order
+        out = _StepOutput()
+        scheduled: list[ScheduledSequence] = []
+        if batch.seqs:
             inputs = []
-            for req, n in zip(batch.requests, batch.num_new_tokens):
-                start = req.num_cached - n
+            owner = {s.seq_id: r.request_id for r in batch.requests for s in r.seqs}
+            for seq, n in zip(batch.seqs, batch.num_new_tokens):
+                start = seq.num_cached - n
                 inputs.append(SeqInput(
-                    request_id=req.request_id,
-                    token_ids=req.all_token_ids[start:req.num_cached],
+                    request_id=seq.seq_id,
+                    token_ids=seq.token_ids[start:seq.num_cached],
                     start_pos=start,
-                    slot_mapping=self.block_manager.slot_mapping(req.request_id, start, req.num_cached),
-                    block_table=self.block_manager.block_tables[req.request_id],
+                    slot_mapping=self.block_manager.slot_mapping(seq.seq_id, start, seq.num_cached),
+                    block_table=self.block_manager.block_tables[seq.seq_id],
                 ))
-                scheduled.append(ScheduledRequest(req.request_id, n, start))
+                scheduled.append(ScheduledSequence(seq.seq_id, owner[seq.seq_id], n, start))
             logits = self.runner.execute(inputs)
-            for i, req in enumerate(batch.requests):
-                token = sample(logits[i], req.params, req.generator)
-                req.output_token_ids.append(token)
-                new_tokens[req.request_id] = token
-                new_text[req.request_id] = self.tokenizer.decode([token])
-                reason = self._finish_reason(req, token)
-                if reason:
-                    self.scheduler.finish(req, reason)
-                    finished.append(req.request_id)
+            rows = {seq.seq_id: logits[i] for i, seq in enumerate(batch.seqs)}
+            for req in batch.requests:
+                if req.is_beam_search:
+                    self._beam_step(req, rows, out)
+                else:
+                    self._sample_step(req, rows, out)
         events = self.block_manager.drain_events()
         return StepRecord(
             step=self.step_count, kind=batch.kind, scheduled=scheduled, events=events,
-            new_tokens=new_tokens, new_text=new_text, finished=finished, snapshot=self.snapshot(),
+            new_tokens=out.tokens, new_text=out.text, finished=out.finished, snapshot=self.snapshot(),
             elapsed_s=time.perf_counter() - t0,
         )
 
-    def _finish_reason(self, req: Request, token: int) -> str | None:
+    def _emit(self, out: "_StepOutput", seq: Sequence, token: int) -> None:
+        out.tokens[seq.seq_id] = token
+        out.text[seq.seq_id] = self.tokenizer.decode([token])
+
+    def _sample_step(self, req: Request, rows: dict, out: "_StepOutput") -> None:
+        """Sample the next token of each of the request's sequences that ran; parallel sampling forks the
+        ``n - 1`` other samples off the first right after the prompt's prefill (they share its blocks)."""
+        p = req.params
+        if p.n > 1 and len(req.seqs) == 1 and not req.seqs[0].output_token_ids:
+            parent = req.seqs[0]
+            for i in range(1, p.n):
+                child = Sequence(f"{req.request_id}.{i}", list(parent.token_ids), parent.prompt_len,
+                                 self._generator(req.seed, i), num_cached=parent.num_cached, status=RUNNING)
+                self.block_manager.fork(parent.seq_id, child.seq_id)
+                req.seqs.append(child)
+                rows[child.seq_id] = rows[parent.seq_id]  # same prompt, same logits, own random stream
+        for seq in req.live_seqs:
+            if seq.seq_id not in rows:
+                continue
+            token = sample(rows[seq.seq_id], p, seq.generator)
+            seq.token_ids.append(token)
+            self._emit(out, seq, token)
+            reason = self._finish_reason(req, seq, token)
+            if reason:
+                self.scheduler.finish_seq(req, seq, reason)
+                out.finished.append(seq.seq_id)
+        if not req.live_seqs:
+            self._finish(req, req.seqs[0].finish_reason)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        self.scheduler.finish(req, reason)
+        req.finish_step = self.step_count
+
+    def _beam_step(self, req: Request, rows: dict, out: "_StepOutput") -> None:
+        """One step of beam search on the live beams, mirroring transformers' ``_beam_search`` (v5):
+        top 2w continuations over all beams, the best w that did not stop continue, stopped ones among the
+        top w enter the finished list with score / generated_length ** length_penalty, and the search ends
+        when no running beam can beat the worst finished one (early_stopping=False) or every continuation
+        stops. Beams that continue from one parent are forks of it (sharing its blocks; the next write copies
+        the shared last block); parents nobody continues are freed."""
+        p, beam = req.params, req.beam
+        w = p.beam_width
+        live = req.live_seqs
+        prompt_len = len(req.prompt_token_ids)
+        log_probs = torch.log_softmax(torch.stack([rows[s.seq_id] for s in live]).float().cpu(), dim=-1)
+        vocab = log_probs.shape[-1]
+        acc = (log_probs + torch.tensor([s.score for s in live])[:, None]).reshape(-1)
+        cand_scores, cand_idx = torch.topk(acc, 2 * w)
+        parents = (cand_idx // vocab).tolist()
+        tokens = (cand_idx % vocab).tolist()
+        cur_len = live[0].num_tokens
+        max_length = min(prompt_len + p.max_tokens, self.max_model_len)
+        eos = None if p.ignore_eos else self.tokenizer.eos_token_id
+        hits = torch.tensor([t == eos or cur_len + 1 >= max_length for t in tokens])
+        # e. running beams for the next step
+        run_scores = cand_scores + hits.to(torch.float32) * BEAM_NEG
+        keep = torch.topk(run_scores, w)[1].tolist()
+        # f. finished hypotheses
+        just_finished = hits & (torch.arange(2 * w) < w)
+        fin = cand_scores / ((cur_len + 1 - prompt_len) ** p.length_penalty)
+        fin = fin + float(not beam.improvable) * BEAM_NEG
+        fin = fin + (~just_finished).to(torch.float32) * BEAM_NEG
+        merged_scores = torch.cat([torch.tensor([f[0] for f in beam.finished], dtype=torch.float32), fin])
+        slots = []
+        for k in torch.topk(merged_scores, w)[1].tolist():
+            if k < w:
+                slots.append(beam.finished[k])
+            else:
+                j = k - w
+                ids = live[parents[j]].token_ids + [tokens[j]]
+                reason = ("stop" if tokens[j] == eos else "length") if bool(just_finished[j]) else None
+                slots.append((float(merged_scores[k]), ids, reason))
+        beam.finished = slots
+        # g. stopping heuristic, after cur_len += 1
+        best_running = run_scores[keep[0]] / ((cur_len + 1 - prompt_len) ** p.length_penalty)
+        slot_scores = torch.tensor([f[0] for f in slots], dtype=torch.float32)
+        done_flags = torch.tensor([f[2] is not None for f in slots])
+        worst = torch.where(done_flags, slot_scores.min(), torch.tensor(BEAM_NEG))
+        beam.improvable = beam.improvable and bool(torch.any(best_running > worst))
+        if not beam.improvable or bool(hits.all()):
+            out.finished.extend(s.seq_id for s in live)
+            self._finish(req, slots[0][2] or "length")
+            return
+        # continue: the first beam taking a parent reuses its sequence, the others fork it
+        claimed: set[int] = set()
+        plan = []
+        for j in keep:
+            parent = live[parents[j]]
+            if parents[j] in claimed:
+                child = Sequence(f"{req.request_id}.b{beam.next_beam}", list(parent.token_ids), prompt_len,
+                                 num_cached=parent.num_cached, status=RUNNING)
+                beam.next_beam += 1
+                self.block_manager.fork(parent.seq_id, child.seq_id)
+                plan.append((child, tokens[j], float(run_scores[j])))
+            else:
+                claimed.add(parents[j])
+                plan.append((parent, tokens[j], float(run_scores[j])))
+        for i, s in enumerate(live):
+            if i not in claimed:
+                self.scheduler.finish_seq(req, s, "pruned")
+        for seq, token, score in plan:
+            seq.token_ids.append(token)
+            seq.score = score
+            self._emit(out, seq, token)
+        req.seqs = [seq for seq, _, _ in plan]  # beam order = score order, as transformers keeps it
+
+    def _finish_reason(self, req: Request, seq: Sequence, token: int) -> str | None:
         eos = self.tokenizer.eos_token_id
         if not req.params.ignore_eos and eos is not None and token == eos:
             return "stop"
-        if len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
+        if len(seq.output_token_ids) >= req.params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 
     # ----------------------------------------------------------------------------------------- outputs
     def snapshot(self) -> Snapshot:
+        """Pool, block tables and sequences now. Finished sequences appear in the snapshot of the step they
+        finished in (with their last block table), not afterwards, so a snapshot stays as small as the
+        live batch."""
         bm = self.block_manager
         states = []
         for req in self.requests.values():
-            table = bm.block_tables.get(req.request_id, req.last_block_table if req.status == FINISHED else [])
-            states.append(RequestState(
-                request_id=req.request_id, status=req.status, prompt_len=len(req.prompt_token_ids),
-                num_generated=len(req.output_token_ids),
-                num_tokens=bm.num_tokens.get(req.request_id, 0), block_table=list(table),
-                token_ids=req.all_token_ids, finish_reason=req.finish_reason,
-            ))
+            if req.status == FINISHED and req.finish_step != self.step_count:
+                continue
+            for seq in req.seqs:
+                if seq.seq_id in bm.block_tables:
+                    table, n = bm.block_tables[seq.seq_id], bm.num_tokens[seq.seq_id]
+                elif seq.seq_id in bm.swap_tables:
+                    table, n = bm.swap_tables[seq.seq_id], bm.swap_num_tokens[seq.seq_id]
+                else:
+                    table, n = (seq.last_block_table if seq.status == FINISHED else []), 0
+                states.append(SequenceState(
+                    seq_id=seq.seq_id, request_id=req.request_id, status=seq.status, prompt_len=seq.prompt_len,
+                    num_generated=len(seq.output_token_ids), num_tokens=n, block_table=list(table),
+                    token_ids=list(seq.token_ids), finish_reason=seq.finish_reason,
+                ))
         return Snapshot(
             num_blocks=bm.num_blocks, block_size=bm.block_size, num_free_blocks=bm.num_free_blocks,
-            ref_counts=list(bm.ref_counts), fills=list(bm.fills), owners=bm.owners(), requests=states,
+            ref_counts=list(bm.ref_counts), fills=list(bm.fills), owners=bm.owners(), sequences=states,
             waiting=[r.request_id for r in self.scheduler.waiting],
             running=[r.request_id for r in self.scheduler.running],
+            block_hashes=list(bm.block_hashes),
+            swapped=[r.request_id for r in self.scheduler.swapped],
+            num_swap_blocks=bm.num_swap_blocks, num_free_swap_blocks=bm.num_free_swap_blocks,
+            swap_fills=list(bm.swap_fills), prefix_cache=dict(bm.stats),
         )
 
     def get_output(self, request_id: str) -> RequestOutput:
-        """The request's output so far (``finish_reason`` None while it runs). Raises KeyError if unknown."""
+        """The request's output so far (``finish_reason`` None while it runs). Raises KeyError if unknown.
+
+        ``outputs``: one entry per sample in sample order, or per beam hypothesis best first (while a beam
+        search runs: its live beams)."""
         req = self.requests[request_id]
-        table = self.block_manager.block_tables.get(request_id, req.last_block_table)
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        prompt_len = len(req.prompt_token_ids)
+        if req.is_beam_search and req.status == FINISHED:
+            hyps = [h for h in req.beam.finished if h[1] is not None]
+            outputs = [CompletionOutput(i, ids[prompt_len:], decode(ids[prompt_len:]), reason, score)
+                       for i, (score, ids, reason) in enumerate(hyps)]
+        else:
+            outputs = [CompletionOutput(i, s.output_token_ids, decode(s.output_token_ids), s.finish_reason, s.score)
+                       for i, s in enumerate(req.seqs)]
+        first = req.seqs[0] if req.seqs else None
+        table = []
+        if first is not None:
+            table = self.block_manager.block_tables.get(first.seq_id, first.last_block_table)
+        best = outputs[0]
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids),
-            output_token_ids=list(req.output_token_ids),
-            output_text=self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True),
-            finish_reason=req.finish_reason, block_table=list(table), num_preemptions=req.num_preemptions,
+            output_token_ids=list(best.token_ids), output_text=best.text,
+            finish_reason=req.finish_reason if req.status == FINISHED else None, block_table=list(table),
+            num_preemptions=req.num_preemptions, outputs=outputs,
         )
 
     def generate(self, prompts: str | list, params: SamplingParams | list[SamplingParams] | None = None,

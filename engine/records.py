@@ -24,9 +24,12 @@ EVENT_KINDS = (
     "cow",        # copy-on-write: a shared, partly filled block was copied before writing
     "fork",       # a sequence now shares all of another's blocks
     "free",       # blocks returned to the free queue (count reached zero)
-    "preempt",    # a running request was evicted from the batch to free blocks
-    "finish",     # a request finished (EOS, max_tokens or max_model_len)
-    "reject",     # a request can never run (too long for the model or the pool)
+    "prefix_hit", # a new sequence reused cached blocks of an identical prefix
+    "evict",      # a free cached block was handed out again; its hash is dropped
+    "preempt",    # a running request was evicted from the batch to free blocks (recompute or swap)
+    "swap_out",   # blocks copied to the CPU swap pool and released on the GPU
+    "swap_in",    # blocks copied back from the swap pool into fresh GPU blocks
+    "finish",     # a request (or one of its samples / beams) finished
 )
 
 
@@ -50,16 +53,18 @@ class Event:
 
 
 @dataclass
-class RequestState:
-    """One request as the snapshot sees it.
+class SequenceState:
+    """One sequence (a request's only sequence, one of its ``n`` samples or one of its beams).
 
     ``num_tokens`` counts prompt + generated tokens whose K/V are in the pool (0 while waiting).
     ``token_ids`` is prompt + generated so far, so a viewer can show which text a block holds:
-    token ``t`` lives in logical block ``t // block_size``.
+    token ``t`` lives in logical block ``t // block_size``. ``block_table`` is the GPU table, or the CPU
+    swap-pool table while ``status`` is "swapped".
     """
 
+    seq_id: str
     request_id: str
-    status: str  # "waiting" | "running" | "finished" | "rejected"
+    status: str  # "waiting" | "running" | "swapped" | "finished"
     prompt_len: int
     num_generated: int
     num_tokens: int
@@ -72,8 +77,11 @@ class RequestState:
 class Snapshot:
     """The pool and every block table after a step.
 
-    ``ref_counts``, ``fills`` and ``owners`` are indexed by physical block id: reference count, tokens
-    held (0..block_size) and the ids of the requests whose block tables point at the block.
+    ``ref_counts``, ``fills``, ``owners`` and ``block_hashes`` are indexed by physical block id: reference
+    count, tokens held (0..block_size), the ids of the sequences whose block tables point at the block,
+    and its prefix-cache hash (None if not cached). A block with count 0 and a hash is free but cached.
+    ``swap_fills`` is indexed by CPU swap-pool block id. ``prefix_cache`` holds the cache's counters:
+    queries, query tokens, hit tokens, evictions.
     """
 
     num_blocks: int
@@ -82,9 +90,15 @@ class Snapshot:
     ref_counts: list[int]
     fills: list[int]
     owners: list[list[str]]
-    requests: list[RequestState]
+    sequences: list[SequenceState]
     waiting: list[str]
     running: list[str]
+    block_hashes: list[str | None] = field(default_factory=list)
+    swapped: list[str] = field(default_factory=list)
+    num_swap_blocks: int = 0
+    num_free_swap_blocks: int = 0
+    swap_fills: list[int] = field(default_factory=list)
+    prefix_cache: dict = field(default_factory=dict)
 
     @property
     def num_used_blocks(self) -> int:
@@ -102,9 +116,11 @@ class Snapshot:
 
 
 @dataclass
-class ScheduledRequest:
-    """A request that ran in this step: ``num_tokens`` computed, at positions ``[start_pos, start_pos + num_tokens)``."""
+class ScheduledSequence:
+    """A sequence that ran in this step: ``num_tokens`` computed, at positions
+    ``[start_pos, start_pos + num_tokens)``."""
 
+    seq_id: str
     request_id: str
     num_tokens: int
     start_pos: int
@@ -117,18 +133,18 @@ class StepRecord:
     Attributes:
         step: 1-based step number.
         kind: "prefill", "decode" or "idle" (nothing could run).
-        scheduled: requests that ran and how many tokens each computed.
+        scheduled: sequences that ran and how many tokens each computed.
         events: allocator and scheduler events, in the order they happened.
-        new_tokens: request id -> token id sampled this step.
-        new_text: request id -> text of that token.
-        finished: request ids that finished this step.
+        new_tokens: sequence id -> token id sampled this step.
+        new_text: sequence id -> text of that token.
+        finished: sequence ids that finished this step.
         snapshot: pool and block tables after the step.
         elapsed_s: wall time of the step, seconds.
     """
 
     step: int
     kind: str
-    scheduled: list[ScheduledRequest]
+    scheduled: list[ScheduledSequence]
     events: list[Event]
     new_tokens: dict[str, int]
     new_text: dict[str, str]
@@ -146,11 +162,11 @@ class StepRecord:
     @classmethod
     def from_dict(cls, d: dict) -> "StepRecord":
         snap = dict(d["snapshot"])
-        snap["requests"] = [RequestState(**r) for r in snap["requests"]]
+        snap["sequences"] = [SequenceState(**r) for r in snap["sequences"]]
         return cls(
             step=d["step"],
             kind=d["kind"],
-            scheduled=[ScheduledRequest(**s) for s in d["scheduled"]],
+            scheduled=[ScheduledSequence(**s) for s in d["scheduled"]],
             events=[Event(**e) for e in d["events"]],
             new_tokens=dict(d["new_tokens"]),
             new_text=dict(d["new_text"]),

@@ -62,7 +62,59 @@ def _batch(seed: int) -> list[tuple[str, SamplingParams]]:
     ]
 
 
+def _parallel_sampling(seed: int) -> list[tuple[str, SamplingParams]]:
+    return [("JULIET. O Romeo, Romeo, wherefore art thou Romeo?",
+             SamplingParams(n=4, max_tokens=32, temperature=0.9, top_p=0.95, seed=seed))]
+
+
+def _beam_search(seed: int) -> list[tuple[str, SamplingParams]]:
+    return [("HAMLET. To be, or not to be,", SamplingParams(beam_width=4, max_tokens=24, temperature=0.0))]
+
+
+SYSTEM_PROMPT = (
+    "You are the Chorus of an old play. Speak in plain verse, keep each answer short, never break the "
+    "scene, and remember that the audience sits in a small wooden theatre on a cold winter night. "
+    "The players are tired, the candles burn low, and the king has not yet come home from the war. "
+)
+QUESTIONS = ["Who comes?", "Where is the king?", "What news from France?", "Why so sad, my lord?",
+             "Shall we dance tonight?", "Is the queen well?", "What of the battle?", "Who holds the crown?"]
+
+
+def _shared_prefix(seed: int) -> list[tuple[str, SamplingParams]]:
+    return [(SYSTEM_PROMPT + "Q: " + q + "\nA:", SamplingParams(max_tokens=24, temperature=0.8, seed=seed + i))
+            for i, q in enumerate(QUESTIONS)]
+
+
+def _swap(seed: int) -> list[tuple[str, SamplingParams]]:
+    return [(p, SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, seed=seed * 1000 + i, ignore_eos=True))
+            for i, p in enumerate(BATCH_PROMPTS)]
+
+
 register(Scenario("single", "one prompt, greedy, 48 tokens, roomy pool", _single))
+register(Scenario(
+    "parallel-sampling",
+    "one prompt, n=4 samples: the samples share the prompt's blocks; the partly filled last block is "
+    "copied on write by every sample but the last",
+    _parallel_sampling, {"block_size": 16, "num_blocks": 32},
+))
+register(Scenario(
+    "beam-search",
+    "one prompt, beam search with 4 beams: beams fork from their parents and share their prefix blocks",
+    _beam_search, {"block_size": 8, "num_blocks": 64},
+))
+register(Scenario(
+    "shared-prefix",
+    "eight chat requests with one long common system prompt: automatic prefix caching stores its full "
+    "blocks once",
+    _shared_prefix, {"block_size": 16, "num_blocks": 64},
+))
+register(Scenario(
+    "swap",
+    "six requests in a pool of 16 blocks of 8: preemption copies the victim's blocks to a CPU swap pool "
+    "and back, no recompute",
+    _swap, {"block_size": 8, "num_blocks": 16, "max_model_len": 96, "preemption_mode": "swap",
+            "swap_space_blocks": 64},
+))
 register(Scenario(
     "batch",
     "six prompts of different lengths decoding together in a pool of 12 blocks of 16: "

@@ -1,20 +1,24 @@
-"""Continuous batching with preemption by recompute (vLLM v0's scheduling policy, simplified).
+"""Continuous batching with preemption by recompute or swap (vLLM v0's scheduling policy, simplified).
 
 Each step is either a prefill step or a decode step:
-- prefill: admit waiting requests in arrival order (first come, first served) while their tokens' blocks
-  fit in the free pool, the batch has room (``max_num_seqs``) and the step's token budget
+- swapped requests come back first: while the head of the swapped queue fits in the free pool, its blocks
+  are swapped in, and no new request is admitted until the swapped queue is empty;
+- prefill: admit waiting requests in arrival order (first come, first served) while their blocks fit in
+  the free pool, the batch has room (``max_num_seqs``) and the step's token budget
   (``max_num_batched_tokens``) allows. Admission stops at the first request that does not fit, so a long
-  request is never starved by shorter ones behind it.
-- decode: when nobody can be admitted, every running request computes one token. A request whose last
-  block is full needs a fresh block; if none is free, the most recently admitted running request is
-  preempted by recompute: its blocks are freed and it goes back to the *front* of the waiting queue, to be
-  prefilled again later over prompt + generated tokens (Kwon et al., SOSP 2023, section 4.5). The victim
-  may be the requester itself.
+  request is never starved by shorter ones behind it. With prefix caching a request's cached prefix is
+  not computed again.
+- decode: when nobody can be admitted, every live sequence of every running request computes one token.
+  Before a request's sequences append, the scheduler makes sure enough blocks are free for all of them
+  (a new block when the last is full, or a copy when it is shared); if not, it preempts the most recently
+  admitted running request (the victim may be the requester itself), by swap (copy its blocks to the CPU
+  swap pool, resume later without recomputing) when the swap pool has room, else by recompute (free its
+  blocks, requeue it at the *front* of the waiting queue, prefill prompt + generated tokens again later;
+  Kwon et al., SOSP 2023, section 4.5).
 
-Finished requests leave the batch at once (``finish``) and new ones join between steps.
-
-No deadlock: the engine guarantees ``max_model_len <= num_blocks * block_size``, so one request alone can
-always grow to its end; preemption empties the pool down to that one request if needed.
+No deadlock: the engine only accepts a request whose sequences fit the pool on their own at their longest
+(``num_seqs x ceil(max_len / B) <= num_blocks``), so a lone request can always finish; preemption empties
+the pool down to that one request if needed.
 """
 
 from __future__ import annotations
@@ -24,57 +28,92 @@ from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .records import Event
-from .sequence import FINISHED, RUNNING, WAITING, Request
+from .sequence import FINISHED, RUNNING, SWAPPED, WAITING, Request, Sequence
 
 
 @dataclass
 class Batch:
-    """What the scheduler chose for one step: ``kind`` and the requests with their new-token counts."""
+    """What the scheduler chose for one step: ``kind`` and, per sequence, how many tokens to compute."""
 
     kind: str  # "prefill" | "decode" | "idle"
+    seqs: list[Sequence] = field(default_factory=list)
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 preemption_mode: str = "recompute") -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.preemption_mode = preemption_mode
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is the preemption victim
+        self.swapped: deque[Request] = deque()
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> Batch:
-        batch = self._schedule_prefill()
-        if batch.requests:
-            return batch
+        self._swap_in()
+        if not self.swapped:
+            batch = self._schedule_prefill()
+            if batch.seqs:
+                return batch
         return self._schedule_decode()
+
+    def _num_running_seqs(self) -> int:
+        return sum(len(r.live_seqs) for r in self.running)
+
+    def _swap_in(self) -> None:
+        bm = self.block_manager
+        while self.swapped:
+            req = self.swapped[0]
+            ids = [s.seq_id for s in req.live_seqs]
+            if not bm.can_swap_in(ids) or self._num_running_seqs() + len(ids) > self.max_num_seqs:
+                return
+            self.swapped.popleft()
+            bm.swap_in(ids, request_id=req.request_id)
+            for s in req.live_seqs:
+                s.status = RUNNING
+            req.status = RUNNING
+            self.running.append(req)
 
     def _schedule_prefill(self) -> Batch:
         batch = Batch("prefill")
         tokens = 0
         bm = self.block_manager
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        while self.waiting:
             req = self.waiting[0]
-            n = req.num_tokens  # prompt, plus generated tokens when recomputing after preemption
-            if tokens + n > self.max_num_batched_tokens or not bm.can_allocate(n):
+            seqs = req.live_seqs
+            n = sum(s.num_tokens for s in seqs)  # prompt, plus generated tokens when recomputing
+            # tokens to compute: what the prefix cache does not already hold (the step's budget counts these)
+            compute = n - bm.block_size * sum(len(bm.match_prefix(s.token_ids)) for s in seqs)
+            # conservative: each sequence counted as if it hit only what is cached now
+            need = sum(bm.free_blocks_needed(s.num_tokens, s.token_ids) for s in seqs)
+            if (self._num_running_seqs() + len(seqs) > self.max_num_seqs
+                    or tokens + compute > self.max_num_batched_tokens or need > bm.num_free_blocks):
                 break
             self.waiting.popleft()
-            bm.allocate(req.request_id, n)
+            computed = 0
+            for s in seqs:
+                _, cached = bm.allocate_with_prefix(s.seq_id, s.num_tokens, s.token_ids)
+                s.status = RUNNING
+                s.num_cached = s.num_tokens
+                batch.seqs.append(s)
+                batch.num_new_tokens.append(s.num_tokens - cached)
+                computed += s.num_tokens - cached
             req.status = RUNNING
-            req.num_cached = n
             self.running.append(req)
             batch.requests.append(req)
-            batch.num_new_tokens.append(n)
-            tokens += n
+            tokens += computed
             verb = "re-admitted (recompute)" if req.num_preemptions else "admitted"
-            bm.events.append(Event("admit", req.request_id, [], f"{req.request_id} {verb}: prefill of {n} tokens"))
+            bm.events.append(Event("admit", req.request_id, [],
+                                   f"{req.request_id} {verb}: prefill computes {computed} of {n} tokens"))
         return batch
 
     def _schedule_decode(self) -> Batch:
@@ -83,43 +122,71 @@ class Scheduler:
         for req in list(self.running):
             if req.status != RUNNING:  # preempted earlier in this loop
                 continue
-            while not bm.can_append(req.request_id):
-                victim = self.running[-1]
-                self.preempt(victim, reason=f"{req.request_id} needs a new block and none is free")
-                if victim is req:
-                    break
+            seqs = req.live_seqs
+            # every sequence may need a block (a new one, or a copy of a shared last block)
+            need = sum(bm.needs_new_block(s.seq_id) for s in seqs)
+            while bm.num_free_blocks < need and req.status == RUNNING:
+                self.preempt(self.running[-1], reason=f"{req.request_id} needs {need} free blocks, "
+                                                      f"{bm.num_free_blocks} are free")
             if req.status != RUNNING:
                 continue
-            bm.append_slot(req.request_id)
-            req.num_cached += 1
+            for s in seqs:
+                bm.append_slot(s.seq_id, s.token_ids[s.num_cached])
+                s.num_cached += 1
+                batch.seqs.append(s)
+                batch.num_new_tokens.append(1)
             batch.requests.append(req)
-            batch.num_new_tokens.append(1)
         return batch
 
     def preempt(self, req: Request, reason: str) -> None:
-        """Preempt ``req`` by recompute: free its blocks, put it at the front of the waiting queue."""
+        """Evict ``req`` from the batch: swap when enabled and the swap pool has room, else recompute."""
         bm = self.block_manager
-        blocks = list(bm.block_tables[req.request_id])
+        ids = [s.seq_id for s in req.live_seqs]
+        blocks = sorted({b for i in ids for b in bm.block_tables[i]})
         self.running.remove(req)
-        bm.events.append(Event(
-            "preempt", req.request_id, blocks,
-            f"{req.request_id} preempted ({reason}): its {len(blocks)} blocks are freed and its "
-            f"{req.num_tokens} tokens will be recomputed",
-            {"mode": "recompute", "reason": reason},
-        ))
-        bm.free(req.request_id)
-        req.status = WAITING
-        req.num_cached = 0
+        mode = "swap" if self.preemption_mode == "swap" and bm.can_swap_out(ids) else "recompute"
+        note = ""
+        if self.preemption_mode == "swap" and mode == "recompute":
+            note = " (swap pool full, falling back to recompute)"
+        if mode == "swap":
+            what = f"its {len(blocks)} blocks go to the CPU swap pool and it resumes later without recomputing"
+        else:
+            what = (f"its {len(blocks)} blocks are freed and its {sum(s.num_tokens for s in req.live_seqs)} "
+                    f"tokens will be recomputed")
+        bm.events.append(Event("preempt", req.request_id, blocks,
+                               f"{req.request_id} preempted by {mode}{note} ({reason}): {what}",
+                               {"mode": mode, "reason": reason}))
         req.num_preemptions += 1
+        if mode == "swap":
+            bm.swap_out(ids, request_id=req.request_id)
+            for s in req.live_seqs:
+                s.status = SWAPPED
+            req.status = SWAPPED
+            self.swapped.append(req)
+            return
+        for s in req.live_seqs:
+            bm.free(s.seq_id)
+            s.status = WAITING
+            s.num_cached = 0
+        req.status = WAITING
         self.waiting.appendleft(req)
 
-    def finish(self, req: Request, reason: str) -> None:
-        """Remove a finished request from the batch and free its blocks at once."""
+    def finish_seq(self, req: Request, seq: Sequence, reason: str) -> None:
+        """One sequence is done: free its blocks at once."""
         bm = self.block_manager
-        req.last_block_table = list(bm.block_tables[req.request_id])
-        self.running.remove(req)
+        seq.last_block_table = list(bm.block_tables.get(seq.seq_id, []))
+        seq.status = FINISHED
+        seq.finish_reason = reason
+        bm.free(seq.seq_id)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Remove a finished request from the batch; free whatever its sequences still hold."""
+        for s in req.live_seqs:
+            self.finish_seq(req, s, reason)
+        if req in self.running:
+            self.running.remove(req)
         req.status = FINISHED
         req.finish_reason = reason
-        bm.events.append(Event("finish", req.request_id, [],
-                               f"{req.request_id} finished ({reason}) after {len(req.output_token_ids)} tokens"))
-        bm.free(req.request_id)
+        self.block_manager.events.append(Event(
+            "finish", req.request_id, [],
+            f"{req.request_id} finished ({reason}) after {max(len(s.output_token_ids) for s in req.seqs)} tokens"))

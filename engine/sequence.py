@@ -1,4 +1,10 @@
-"""A request as the engine tracks it: its tokens, its sampling stream and its status."""
+"""Requests and their sequences, as the engine tracks them.
+
+A ``Request`` is what a user submitted (one prompt, one ``SamplingParams``). It owns one or more
+``Sequence``s (vLLM's "sequence group"): one for plain generation, ``n`` for parallel sampling, up to
+``beam_width`` live beams for beam search. Block tables belong to sequences; scheduling (admission,
+preemption, swapping) works on whole requests.
+"""
 
 from __future__ import annotations
 
@@ -8,43 +14,93 @@ import torch
 
 from .config import SamplingParams
 
-WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+WAITING, RUNNING, SWAPPED, FINISHED = "waiting", "running", "swapped", "finished"
 
 
 @dataclass
-class Request:
-    """One prompt being served.
+class Sequence:
+    """One token stream with its own block table.
 
     ``num_cached`` counts tokens whose K/V are in the pool. After each step the newest sampled token is
     not cached yet: the next decode step computes it (writes its K/V) and samples the one after.
     """
 
+    seq_id: str
+    token_ids: list[int]
+    prompt_len: int
+    generator: torch.Generator | None = None
+    num_cached: int = 0
+    status: str = WAITING
+    finish_reason: str | None = None
+    score: float = 0.0  # beam search: accumulated log-probability
+    last_block_table: list[int] = field(default_factory=list)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class BeamState:
+    """Beam search bookkeeping, mirroring transformers' ``_beam_search`` (v5) so results match it.
+
+    ``finished`` holds up to ``beam_width`` hypotheses as (length-penalised score, token ids, reason),
+    best first; ``improvable`` is transformers' early-stop heuristic (early_stopping=False).
+    """
+
+    finished: list[tuple[float, list[int], str]] = field(default_factory=list)
+    improvable: bool = True
+    next_beam: int = 1
+
+
+@dataclass
+class Request:
+    """One submitted prompt and its sequences."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
-    output_token_ids: list[int] = field(default_factory=list)
+    seed: int
+    seqs: list[Sequence] = field(default_factory=list)
     status: str = WAITING
     finish_reason: str | None = None
-    num_cached: int = 0
     num_preemptions: int = 0
-    last_block_table: list[int] = field(default_factory=list)
+    beam: BeamState | None = None
+    finish_step: int = -1
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def live_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if s.status != FINISHED]
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+    def is_beam_search(self) -> bool:
+        return self.beam is not None
+
+
+@dataclass
+class CompletionOutput:
+    """One sample or beam of a request (vLLM's name). ``score``: accumulated log-probability for samples,
+    length-penalised beam score for beams."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    score: float = 0.0
 
 
 @dataclass
 class RequestOutput:
     """The result of one request (vLLM's name).
 
-    ``block_table`` is the request's last block table before its blocks were freed (physical block ids).
+    ``outputs`` has one entry per sample (``n``) or beam (best first). The top-level ``output_token_ids``,
+    ``output_text`` and ``finish_reason`` are those of ``outputs[0]``. ``block_table`` is the first
+    sequence's last block table before its blocks were freed (physical block ids).
     ``finish_reason``: "stop" (EOS), "length" (max_tokens or max_model_len) or None while running.
     """
 
@@ -56,6 +112,7 @@ class RequestOutput:
     finish_reason: str | None
     block_table: list[int]
     num_preemptions: int = 0
+    outputs: list[CompletionOutput] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

@@ -75,6 +75,6 @@ install_torch() {
 
 install_torch
 log "installing the project and its dev tools"
-"${PIP[@]}" install -e ".[dev]"
+"${PIP[@]}" install -q -e ".[dev]"
 "$VENV/bin/python" -c 'import torch, transformers, engine; print(f"[setup] torch {torch.__version__}, transformers {transformers.__version__}: ready")' >&2
 echo "$want_stamp" > "$STAMP"

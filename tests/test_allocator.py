@@ -9,7 +9,7 @@ from engine import SamplingParams
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_block_count_new_block_timing_and_release(block_size, make_engine, text_ids):
-    engine = make_engine(block_size=block_size, num_blocks=512 // block_size + 8)
+    engine = make_engine(block_size=block_size, num_blocks=512 // block_size + 8, enable_prefix_caching=False)
     lengths = (1, 5, 17, 31)
     for i, n in enumerate(lengths):
         engine.add_request(text_ids[:n], SamplingParams(max_tokens=10 + 3 * i, temperature=0.0, ignore_eos=True))
@@ -18,7 +18,7 @@ def test_block_count_new_block_timing_and_release(block_size, make_engine, text_
         rec = engine.step()
         steps += 1
         snap = rec.snapshot
-        running = [r for r in snap.requests if r.status == "running"]
+        running = [r for r in snap.sequences if r.status == "running"]
         # every block in use belongs to a running request and each holds ceil(tokens / B) blocks
         assert snap.num_used_blocks == sum(-(-r.num_tokens // block_size) for r in running)
         for r in running:
@@ -27,9 +27,9 @@ def test_block_count_new_block_timing_and_release(block_size, make_engine, text_
             new_block = {e.request_id: e.data["position"] for e in rec.events if e.kind == "new_block"}
             for s in rec.scheduled:
                 # a decode step writes token index s.start_pos; it takes a block exactly when that is k*B
-                assert (s.request_id in new_block) == (s.start_pos % block_size == 0), (rec.step, s)
-                if s.request_id in new_block:
-                    assert new_block[s.request_id] == s.start_pos
+                assert (s.seq_id in new_block) == (s.start_pos % block_size == 0), (rec.step, s)
+                if s.seq_id in new_block:
+                    assert new_block[s.seq_id] == s.start_pos
         if rec.kind == "prefill":
             for e in rec.events:
                 if e.kind == "allocate":

@@ -136,3 +136,48 @@ def test_invariants_hold_under_any_operation_sequence(num_blocks, block_size, op
             assert len(table) == -(-tokens // block_size)
             assert bm.fills[table[-1]] == tokens - (len(table) - 1) * block_size
             assert all(bm.fills[b] == block_size for b in table[:-1])
+
+
+# ------------------------------------------------------------------------------------ prefix caching
+def test_freed_block_reused_for_other_tokens_is_not_found_by_its_old_hash():
+    bm = BlockManager(num_blocks=2, block_size=2, enable_prefix_caching=True)
+    bm.allocate("A", 3, [1, 2, 3])  # block 0 = [1, 2] is full and cached
+    assert bm.match_prefix([1, 2, 9]) == [0]
+    bm.free("A")
+    assert bm.match_prefix([1, 2, 9]) == [0]  # free but still cached
+    bm.allocate("B", 3, [5, 6, 7])  # needs both blocks: block 0 is evicted and rewritten
+    assert [e.kind for e in bm.drain_events()].count("evict") == 1
+    assert bm.match_prefix([1, 2, 9]) == []
+    assert bm.stats["evictions"] == 1
+
+
+def test_prompt_shorter_than_one_block_gets_no_hit():
+    bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=True)
+    assert bm.allocate_with_prefix("A", 3, [1, 2, 3])[1] == 0
+    assert bm.allocate_with_prefix("B", 3, [1, 2, 3])[1] == 0
+    assert bm.block_tables["A"] != bm.block_tables["B"]
+
+
+def test_hit_on_a_free_cached_block_takes_it_out_of_the_free_queue():
+    bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    bm.allocate("A", 5, [1, 2, 3, 4, 5])
+    bm.free("A")
+    assert bm.num_free_blocks == 4
+    table, cached = bm.allocate_with_prefix("B", 5, [1, 2, 3, 4, 9])
+    assert cached == 4 and table[:2] == [0, 1]
+    assert bm.num_free_blocks == 1
+
+
+def test_long_system_prompt_is_stored_once_for_fifty_requests():
+    """LESSON_BRIEF section 4: a 1,600-token system prompt (100 blocks of 16) shared by 50 chats."""
+    bm = BlockManager(num_blocks=400, block_size=16, enable_prefix_caching=True)
+    system = [t % 50 for t in range(1600)]
+    for i in range(50):
+        bm.allocate(f"chat{i}", 1605, system + [100 + i] * 5)
+    assert bm.num_used_blocks == 100 + 50  # the system prompt once, one private block per chat
+    shared = bm.block_tables["chat0"][:100]
+    assert all(bm.ref_counts[b] == 50 for b in shared)
+    private = bm.block_tables["chat7"][100]
+    assert bm.free("chat7") == [private]
+    assert all(bm.ref_counts[b] == 49 for b in shared)  # ending one chat frees none of the shared blocks
+    assert bm.num_used_blocks == 100 + 49

@@ -75,3 +75,50 @@ def test_bad_flag_value_is_one_line_error(capsys):
     assert main(["run", "--scenario", "single", "--device", "cpu", "--block-size", "0"]) == 2
     err = capsys.readouterr().err
     assert err.strip() == "error: block_size must be a positive integer, got 0"
+
+
+def run_json(capsys, *argv) -> dict:
+    assert main(["run", "--device", "cpu", "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_parallel_sampling_scenario_events_add_up(capsys):
+    out = run_json(capsys, "--scenario", "parallel-sampling")
+    [req] = out["requests"]
+    assert len(req["outputs"]) == 4 and all(o["text"] for o in req["outputs"])
+    ev = out["events"]
+    assert ev["forks"] == 3
+    mid_block = len(req["prompt_token_ids"]) % out["block_size"] != 0
+    assert ev["cow_copies"] == (3 if mid_block else 0)  # every sample but the last copies the shared block
+
+
+def test_beam_search_scenario(capsys):
+    out = run_json(capsys, "--scenario", "beam-search")
+    [req] = out["requests"]
+    assert len(req["outputs"]) == 4
+    scores = [o["score"] for o in req["outputs"]]
+    assert scores == sorted(scores, reverse=True)
+    assert out["events"]["forks"] > 0 and out["events"]["cow_copies"] > 0
+
+
+def test_shared_prefix_scenario_hits_what_is_shared(capsys):
+    out = run_json(capsys, "--scenario", "shared-prefix")
+    B = out["block_size"]
+    expected = 0
+    seen = []
+    for r in out["requests"]:  # all admitted in one step, in order: each hits the longest earlier prefix
+        ids = r["prompt_token_ids"]
+        common = max((next((i for i, (a, b) in enumerate(zip(ids, s)) if a != b), min(len(ids), len(s)))
+                      for s in seen), default=0)
+        expected += min(common, len(ids) - 1) // B * B
+        seen.append(ids)
+    assert expected > 0
+    assert out["events"]["prefix_cache_hit_tokens"] == expected
+
+
+def test_swap_scenario_swaps_out_and_back(capsys):
+    out = run_json(capsys, "--scenario", "swap")
+    ev = out["events"]
+    assert ev["preemptions"] > 0
+    assert ev["swaps_out"] == ev["swaps_in"] == ev["preemptions"]
+    assert all(len(r["output_token_ids"]) == 40 for r in out["requests"])

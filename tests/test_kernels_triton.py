@@ -137,3 +137,24 @@ def test_engine_on_gpu_matches_cpu_reference(model_path, text_ids):
     assert gpu.backend == "triton"
     expected = [o.output_token_ids for o in cpu.generate(prompts, params)]
     assert [o.output_token_ids for o in gpu.generate(prompts, params)] == expected
+
+
+@pytest.mark.gpu
+def test_swap_beam_and_prefix_cache_on_gpu_match_cpu(model_path, text_ids):
+    """Copy-on-write, swap to pinned CPU memory and back, and prefix-cache hits on the GPU."""
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    def run(device):
+        common = dict(model=model_path, device=device, dtype="float32", block_size=4)
+        swap = LLMEngine(EngineConfig(num_blocks=14, max_model_len=32, preemption_mode="swap", **common))
+        prompts = [text_ids[:n] for n in (9, 6, 11, 7)]
+        records = []
+        outs = swap.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0), on_step=records.append)
+        assert any(e.kind == "swap_in" for r in records for e in r.events)
+        beam = LLMEngine(EngineConfig(num_blocks=128, **common))
+        [b] = beam.generate([text_ids[:7]], SamplingParams(beam_width=4, max_tokens=12))
+        cached = LLMEngine(EngineConfig(num_blocks=64, **common))
+        again = cached.generate([text_ids[:14], text_ids[:14]], SamplingParams(max_tokens=8, temperature=0.0))
+        return [o.output_token_ids for o in outs], b.output_token_ids, [o.output_token_ids for o in again]
+
+    assert run("cuda") == run("cpu")

@@ -27,7 +27,7 @@ def test_snapshot_reports_owners_counts_and_fills(make_engine, text_ids):
     rid = engine.add_request(text_ids[:6], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     rec = engine.step()
     snap = rec.snapshot
-    [state] = snap.requests
+    [state] = snap.sequences
     assert state.block_table == [0, 1] and state.num_tokens == 6
     assert snap.owners[0] == [rid] and snap.owners[1] == [rid] and snap.owners[2] == []
     assert snap.ref_counts[:3] == [1, 1, 0] and snap.fills[:3] == [4, 2, 0]

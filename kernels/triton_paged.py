@@ -42,6 +42,7 @@ so the same kernel code runs on the CPU (slowly) for tests and for ``attention_b
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -205,17 +206,26 @@ def _merge_splits_kernel(
              mask=offs_d < HEAD_DIM)
 
 
-def _num_splits(batch: int, num_kv_heads: int, max_context: int, block_n: int, device) -> int:
-    """Split the context only when (sequence, KV head) programs alone would leave SMs idle and the
-    context is long enough that each split still gets several tiles."""
+MIN_TOKENS_PER_SPLIT = 1024
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _num_splits(batch: int, num_kv_heads: int, max_context: int, device) -> int:
+    """Split the context only when (sequence, KV head) programs alone would leave SMs idle, and give
+    every split at least ``MIN_TOKENS_PER_SPLIT`` tokens: measured on an H200 (docs/benchmarks.md), a
+    split of fewer tokens costs more in the extra merge launch than it gains in parallelism."""
     if INTERPRET or device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
     programs = batch * num_kv_heads
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     if programs >= sms:
         return 1
     want = -(-2 * sms // programs)
-    max_by_len = max(1, max_context // (4 * block_n))
+    max_by_len = max(1, max_context // MIN_TOKENS_PER_SPLIT)
     return int(min(want, max_by_len, 64))
 
 
@@ -259,7 +269,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, q
     if decode:
         block_m = max(1, 16 // g_pad)  # rows = block_m * g_pad >= 16 for tl.dot; extra rows are masked
         if num_splits is None:
-            num_splits = _num_splits(num_seqs, num_kv_heads, max_ctx, block_n, query.device)
+            num_splits = _num_splits(num_seqs, num_kv_heads, max_ctx, query.device)
     else:
         block_m = block_m or max(1, 64 // g_pad)
         num_splits = 1

@@ -217,17 +217,17 @@ def _sm_count(device_index: int) -> int:
 
 def _num_splits(batch: int, num_kv_heads: int, max_context: int, device) -> int:
     """Split the context only when (sequence, KV head) programs alone would leave SMs idle: then aim for
-    about four programs per SM, each split holding at least ``MIN_TOKENS_PER_SPLIT`` tokens, at most
-    ``MAX_SPLITS`` splits. Chosen from the split-factor sweep on an H200 (docs/benchmarks.md): at batch 1
-    and 1,024 tokens 8 splits took 18 us against 35 us unsplit; at batch 16 and 8,192 tokens 4 splits
-    took 140 us against 250 us."""
+    about two programs per SM, each split holding at least ``MIN_TOKENS_PER_SPLIT`` tokens, at most
+    ``MAX_SPLITS`` splits. Chosen from split-factor sweeps on an H200 (docs/benchmarks.md): at batch 1
+    and 1,024 tokens 8 splits took 13.5 us against 35 us unsplit; at batch 16 (128 programs) 3-4 splits
+    were best, while 5 (four programs per SM) ran 20% slower than 3."""
     if INTERPRET or device.type != "cuda":
         return 1
     programs = batch * num_kv_heads
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     if programs >= sms:
         return 1
-    want = -(-4 * sms // programs)
+    want = -(-2 * sms // programs)
     max_by_len = max(1, max_context // MIN_TOKENS_PER_SPLIT)
     return int(min(want, max_by_len, MAX_SPLITS))
 

@@ -1,6 +1,8 @@
 """GPU benchmark of the Triton paged-attention kernels and of the engine; writes a Markdown report.
 
-    python bench/kernels.py --out docs/benchmarks_gpu.md [--json results.json] [--quick]
+    python bench/kernels.py [--out docs/benchmarks.md] [--json results.json] [--quick]
+
+It replaces the "gpu-kernels" section of the report (bench/report.py), leaving other sections alone.
 
 Measures (CUDA only; times are medians of ``triton.testing.do_bench``, in microseconds):
 1. Decode attention, fp16, block size 16, a Llama-3-8B-like layer (32 query heads, 8 KV heads,
@@ -219,7 +221,8 @@ def markdown(env, decode, sweep, splits, engine_rows, command) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True, help="Markdown report to write")
+    p.add_argument("--out", type=Path, default=Path("docs/benchmarks.md"),
+                   help="Markdown report whose gpu-kernels section is written")
     p.add_argument("--json", type=Path, help="raw results as JSON")
     p.add_argument("--quick", action="store_true", help="a few shapes only")
     args = p.parse_args(argv)
@@ -251,8 +254,9 @@ def main(argv=None) -> int:
     for r in engine_rows:
         print(json.dumps(r), flush=True)
     command = "python bench/kernels.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(markdown(env, decode, sweep, splits, engine_rows, command))
+    from bench.report import write_section
+
+    write_section(args.out, "gpu-kernels", markdown(env, decode, sweep, splits, engine_rows, command))
     if args.json:
         args.json.write_text(json.dumps({"env": env, "decode": decode, "sweep": sweep,
                                          "splits": splits,

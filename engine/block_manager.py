@@ -101,6 +101,7 @@ class BlockManager:
         self.swap_num_tokens: dict[str, int] = {}
         self.pending_ops: list[tuple[str, int, int]] = []
         self.events: list[Event] = []
+        self.peak_used_blocks = 0  # most blocks in use at any moment, also within a step
 
     # ----------------------------------------------------------------------------------------- queries
     @property
@@ -143,6 +144,14 @@ class BlockManager:
     def can_allocate(self, num_tokens: int, token_ids: list[int] | None = None) -> bool:
         return self.free_blocks_needed(num_tokens, token_ids) <= self.num_free_blocks
 
+    def admission_refusal(self, token_lists: list[list[int]]) -> str | None:
+        """Why sequences with these tokens cannot all be allocated now (None if they can). Conservative:
+        each sequence counts only the prefix-cache hits that exist before any of them is allocated."""
+        need = sum(self.free_blocks_needed(len(ids), ids) for ids in token_lists)
+        if need <= self.num_free_blocks:
+            return None
+        return f"needs {need} free blocks, {self.num_free_blocks} free"
+
     def needs_new_block(self, seq_id: str) -> bool:
         """True if appending one token to ``seq_id`` needs a fresh block (last block full, or shared: CoW)."""
         table = self._table(seq_id)
@@ -167,7 +176,9 @@ class BlockManager:
         return table[position // self.block_size] * self.block_size + position % self.block_size
 
     def slot_mapping(self, seq_id: str, start: int, end: int) -> list[int]:
-        """Slot ids of tokens ``start .. end-1`` of ``seq_id``."""
+        """Slot ids of tokens ``start .. end-1`` of ``seq_id``. Raises ValueError if ``start > end``."""
+        if start > end:
+            raise ValueError(f"slot_mapping range start {start} is after end {end}")
         return [self.slot(seq_id, p) for p in range(start, end)]
 
     # ----------------------------------------------------------------------------------------- changes
@@ -467,6 +478,7 @@ class BlockManager:
                                      {"hash": old}))
         self.ref_counts[b] = 1
         self.fills[b] = 0
+        self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
         return b
 
     def _register_full_block(self, seq_id: str, index: int) -> None:

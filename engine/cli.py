@@ -2,18 +2,27 @@
 
 Prints each request's prompt and generated text and a per-step table of blocks used/free, or with
 ``--json`` one JSON object (keys listed in ``summarize``). ``--trace FILE`` writes every StepRecord as
-JSON lines.
+JSON lines (with ``--allocator both``, the contiguous run goes to ``FILE`` with ``.contiguous`` before
+its suffix).
+
+Scenarios that compare (``lesson-lengths``, ``chat-workload``) run the paged engine and the contiguous
+baseline on the same requests in the same KV byte budget unless ``--allocator`` picks one.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import statistics
 import sys
+from pathlib import Path
 
 from .config import EMBEDDED_MODEL, EngineConfig
 from .records import StepRecord, write_trace
 from .scenarios import SCENARIOS, get_scenario
+from .workloads import run_workload
 
 MIB = 1024 * 1024
 
@@ -31,23 +40,30 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-model-len", type=int, help="longest sequence, tokens")
     run.add_argument("--device", default="auto", help="auto | cpu | cuda")
     run.add_argument("--seed", type=int, default=0, help="seed of the scenario's sampling streams")
+    run.add_argument("--allocator", choices=("paged", "contiguous", "both"),
+                     help="KV allocator (default: both for scenarios that compare, else paged)")
+    run.add_argument("--reservation", type=int, help="contiguous baseline: slots reserved per request "
+                                                     "(default: the scenario's, or max model length)")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     run.add_argument("--trace", help="write every StepRecord to this JSON-lines file")
     sub.add_parser("scenarios", help="list the scenarios")
     return p
 
 
-def engine_config(args, scenario) -> EngineConfig:
+def engine_config(args, scenario, allocator: str = "paged") -> EngineConfig:
     """Scenario defaults, overridden by the flags the user gave."""
     fields = dict(scenario.engine_defaults)
+    fields["allocator"] = allocator
+    if args.reservation is not None:
+        fields["reservation_tokens"] = args.reservation
     if args.block_size is not None:
         fields["block_size"] = args.block_size
     if args.num_blocks is not None:
         fields["num_blocks"] = args.num_blocks
         fields.pop("kv_budget_bytes", None)
     if args.kv_budget_mb is not None:
-        if args.kv_budget_mb <= 0:
-            raise ValueError(f"--kv-budget-mb must be > 0, got {args.kv_budget_mb}")
+        if not math.isfinite(args.kv_budget_mb) or args.kv_budget_mb <= 0:
+            raise ValueError(f"--kv-budget-mb must be a finite number > 0, got {args.kv_budget_mb}")
         fields["kv_budget_bytes"] = int(args.kv_budget_mb * MIB)
         fields.pop("num_blocks", None)
     if args.max_model_len is not None:
@@ -55,26 +71,94 @@ def engine_config(args, scenario) -> EngineConfig:
     return EngineConfig(model=args.model, device=args.device, **fields)
 
 
-def summarize(engine, records: list[StepRecord], outputs) -> dict:
-    """The ``--json`` object.
+def final_lengths(outputs) -> list[int]:
+    """Each completion's final length L = prompt + generated tokens (what it needed at its longest)."""
+    return [len(o.prompt_token_ids) + len(c.token_ids) for o in outputs for c in o.outputs]
 
-    ``paged`` describes the step of peak block use: ``slots_allocated`` = blocks in use x block size,
-    ``slots_used`` = tokens whose K/V those blocks hold, ``waste_pct`` = unused share of allocated slots.
-    """
-    peak = max(records, key=lambda r: r.snapshot.num_used_blocks) if records else None
-    allocated = peak.snapshot.slots_allocated if peak else 0
-    used = peak.snapshot.slots_used if peak else 0
+
+def _pct(part: float, whole: float) -> float:
+    return round(100.0 * part / whole, 2) if whole else 0.0
+
+
+def _run_stats(records: list[StepRecord], outputs) -> dict:
     busy = sum(r.elapsed_s for r in records)
-    generated = sum(len(o.output_token_ids) for o in outputs)
+    generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    live = [r.snapshot for r in records if r.snapshot.slots_allocated]
+    waited = {e.request_id for r in records for e in r.events if e.kind == "wait"}
+    return {
+        "steps": len(records),
+        "generated_tokens": generated,
+        "seconds": round(busy, 3),
+        "tokens_per_s": round(generated / busy, 2) if busy else 0.0,
+        "peak_concurrency": max((len(r.snapshot.running) for r in records), default=0),
+        "mean_concurrency": round(statistics.fmean(len(r.snapshot.running) for r in records), 2) if records else 0.0,
+        "kv_utilization": round(statistics.fmean(s.slots_used / s.slots_allocated for s in live) * 100, 2)
+        if live else 0.0,
+        "queued_at_door": len(waited),
+    }
+
+
+def paged_summary(engine, records: list[StepRecord], outputs) -> dict:
+    """Paged accounting per request at its final length L: ceil(L / B) blocks, and the live pool's peak.
+
+    ``kv_utilization``: token slots holding real K/V over slots in allocated blocks, averaged over steps (%).
+    """
+    B = engine.block_size
+    lengths = final_lengths(outputs)
+    blocks = sum(-(-n // B) for n in lengths)
+    used = sum(lengths)
+    return {
+        "peak_blocks_used": engine.block_manager.peak_used_blocks,
+        "blocks_allocated": blocks,
+        "slots_allocated": blocks * B,
+        "slots_used": used,
+        "waste_pct": _pct(blocks * B - used, blocks * B),
+        **_run_stats(records, outputs),
+    }
+
+
+def contiguous_summary(engine, records: list[StepRecord], outputs) -> dict:
+    """Contiguous accounting per request at its final length L: a reservation of R slots, L of them used.
+
+    ``internal_frag_slots`` = sum of R - L; ``external_frag_slots`` = the largest number of free slots
+    that sat in gaps smaller than one reservation at any step; ``queued_at_door`` = requests that had to
+    wait because no gap was large enough.
+    """
+    R = engine.block_manager.reservation
+    lengths = final_lengths(outputs)
+    used = sum(lengths)
+    reserved = R * len(lengths)
+    return {
+        "reservation": R,
+        "capacity_slots": engine.block_manager.capacity,
+        "reserved_slots": reserved,
+        "used_slots": used,
+        "waste_pct": _pct(reserved - used, reserved),
+        "internal_frag_slots": reserved - used,
+        "external_frag_slots": max((r.snapshot.contiguous["external_frag_slots"] for r in records), default=0),
+        **_run_stats(records, outputs),
+    }
+
+
+def summarize(runs: dict) -> dict:
+    """The ``--json`` object, from ``{"paged" | "contiguous": (engine, records, outputs)}``.
+
+    Top-level fields describe the paged run (the contiguous one if only it ran); ``paged`` and
+    ``contiguous`` hold each allocator's accounting.
+    """
+    engine, records, outputs = runs.get("paged") or runs["contiguous"]
     counts: dict[str, int] = {}
     for r in records:
         for e in r.events:
             counts[e.kind] = counts.get(e.kind, 0) + 1
-    return {
+    busy = sum(r.elapsed_s for r in records)
+    generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)  # every sample and beam
+    out = {
         "model": engine.config.model,
         "device": str(engine.device),
         "dtype": engine.dtype,
         "attention_backend": engine.backend,
+        "allocators": list(runs),
         "block_size": engine.block_size,
         "num_blocks": engine.num_blocks,
         "max_model_len": engine.max_model_len,
@@ -96,12 +180,6 @@ def summarize(engine, records: list[StepRecord], outputs) -> dict:
             }
             for o in outputs
         ],
-        "paged": {
-            "peak_blocks_used": peak.snapshot.num_used_blocks if peak else 0,
-            "slots_allocated": allocated,
-            "slots_used": used,
-            "waste_pct": round(100.0 * (allocated - used) / allocated, 2) if allocated else 0.0,
-        },
         "events": {
             "allocations": counts.get("allocate", 0),
             "new_blocks": counts.get("new_block", 0),
@@ -117,6 +195,11 @@ def summarize(engine, records: list[StepRecord], outputs) -> dict:
         "generated_tokens": generated,
         "tokens_per_s": round(generated / busy, 2) if busy else 0.0,
     }
+    if "paged" in runs:
+        out["paged"] = paged_summary(*runs["paged"])
+    if "contiguous" in runs:
+        out["contiguous"] = contiguous_summary(*runs["contiguous"])
+    return out
 
 
 def print_text(summary: dict, records: list[StepRecord], out) -> None:
@@ -138,10 +221,19 @@ def print_text(summary: dict, records: list[StepRecord], out) -> None:
                           if e.kind in ("preempt", "finish", "cow", "fork", "prefix_hit", "swap_out", "swap_in", "evict"))
         w(f"{rec.step:>5} {rec.kind:<8} {len(rec.scheduled):>4} {rec.num_tokens:>6} "
           f"{snap.num_used_blocks:>5} {snap.num_free_blocks:>5}  {notes}\n")
-    p = summary["paged"]
-    w(f"\n{summary['steps']} steps, {summary['generated_tokens']} tokens generated, {summary['tokens_per_s']} tokens/s; "
-      f"peak {p['peak_blocks_used']} blocks = {p['slots_allocated']} slots for {p['slots_used']} tokens "
-      f"({p['waste_pct']}% waste)\n")
+    w(f"\n{summary['steps']} steps, {summary['generated_tokens']} tokens generated, {summary['tokens_per_s']} tokens/s\n")
+    if "paged" in summary:
+        p = summary["paged"]
+        w(f"paged: {p['blocks_allocated']} blocks = {p['slots_allocated']:,} slots for {p['slots_used']:,} tokens "
+          f"at their final lengths ({p['waste_pct']}% waste); peak {p['peak_blocks_used']} blocks in use, "
+          f"peak concurrency {p['peak_concurrency']}, KV utilisation {p['kv_utilization']}%\n")
+    if "contiguous" in summary:
+        c = summary["contiguous"]
+        w(f"contiguous: {c['reserved_slots']:,} slots reserved ({c['reservation']:,} per request) for "
+          f"{c['used_slots']:,} tokens ({c['waste_pct']}% waste: {c['internal_frag_slots']:,} never used); "
+          f"external fragmentation up to {c['external_frag_slots']:,} slots; {c['queued_at_door']} requests "
+          f"waited at the door; peak concurrency {c['peak_concurrency']}, KV utilisation {c['kv_utilization']}%, "
+          f"{c['steps']} steps, {c['tokens_per_s']} tokens/s\n")
     w("events: " + ", ".join(f"{k} {v}" for k, v in summary["events"].items()) + "\n")
 
 
@@ -149,18 +241,33 @@ def run(args) -> int:
     from .llm_engine import LLMEngine  # heavy (torch, transformers): only for the run command
 
     scenario = get_scenario(args.scenario)
-    engine = LLMEngine(engine_config(args, scenario))
-    requests = scenario.build(args.seed)
-    records: list[StepRecord] = []
-    outputs = engine.generate([p for p, _ in requests], [sp for _, sp in requests], on_step=records.append)
+    if not 0 <= args.seed < 2**40:
+        raise ValueError(f"--seed must be an integer in [0, 2**40), got {args.seed}")
     if args.trace:
-        write_trace(records, args.trace)
-    summary = summarize(engine, records, outputs)
+        parent = Path(args.trace).resolve().parent
+        if Path(args.trace).is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise ValueError(f"--trace {args.trace!r} is not a writable file path")
+    choice = args.allocator or ("both" if scenario.compare else "paged")
+    allocators = ["paged", "contiguous"] if choice == "both" else [choice]
+    configs = {a: engine_config(args, scenario, a) for a in allocators}  # bad flags fail before any work
+    runs = {}
+    for alloc in allocators:
+        engine = LLMEngine(configs[alloc])
+        tokenize = lambda text: engine.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        records: list[StepRecord] = []
+        outputs = run_workload(engine, scenario.make(args.seed, tokenize), on_step=records.append)
+        runs[alloc] = (engine, records, outputs)
+        if args.trace:
+            path = Path(args.trace)
+            if alloc == "contiguous" and len(allocators) > 1:
+                path = path.with_name(f"{path.stem}.contiguous{path.suffix}")
+            write_trace(records, path)
+    summary = summarize(runs)
     if args.json:
         json.dump(summary, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        print_text(summary, records, sys.stdout)
+        print_text(summary, runs.get("paged", runs.get("contiguous"))[1], sys.stdout)
     return 0
 
 
@@ -168,13 +275,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "scenarios":
         for s in SCENARIOS.values():
-            print(f"{s.name:<12} {s.description}")
+            print(f"{s.name:<20} {s.description}")
         return 0
     try:
         return run(args)
     except ValueError as exc:  # bad flags, bad model: one clear line, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `... --json | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

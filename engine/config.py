@@ -6,6 +6,7 @@ never reaches the engine and nothing already in the engine is touched.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,8 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 PREEMPTION_MODES = ("recompute", "swap")
+MAX_SEED = 2**62  # sample i of n uses seed + i; torch generators take 64-bit seeds
+ALLOCATORS = ("paged", "contiguous")
 
 
 def _check_positive_int(name: str, value, allow_none: bool = False) -> None:
@@ -50,6 +53,11 @@ class EngineConfig:
             back to recompute when the swap pool is full).
         swap_space_blocks: blocks in the CPU swap pool; None means as many as the GPU pool in "swap" mode
             and none in "recompute" mode.
+        allocator: "paged" (block pool) or "contiguous" (the baseline: one flat region of
+            num_blocks x block_size slots, the same bytes, where each request reserves
+            ``reservation_tokens`` contiguous slots first-fit at admission).
+        reservation_tokens: slots each request reserves in contiguous mode; None means max_model_len. A
+            request also stops at its reservation.
 
     Raises:
         ValueError: a field is out of range, naming the field and the value.
@@ -68,6 +76,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
     swap_space_blocks: int | None = None
+    allocator: str = "paged"
+    reservation_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -94,6 +104,9 @@ class EngineConfig:
                 isinstance(self.swap_space_blocks, bool) or not isinstance(self.swap_space_blocks, int)
                 or self.swap_space_blocks < 0):
             raise ValueError(f"swap_space_blocks must be an integer >= 0, got {self.swap_space_blocks!r}")
+        if self.allocator not in ALLOCATORS:
+            raise ValueError(f"allocator must be one of {ALLOCATORS}, got {self.allocator!r}")
+        _check_positive_int("reservation_tokens", self.reservation_tokens, allow_none=True)
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
 
@@ -131,20 +144,22 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check_positive_int("max_tokens", self.max_tokens)
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0 or self.temperature != self.temperature:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if (isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float))
+                or not math.isfinite(self.temperature) or self.temperature < 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (all) or a positive integer, got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < MAX_SEED):
+            raise ValueError(f"seed must be None or an integer in [0, 2**62), got {self.seed!r}")
         _check_positive_int("n", self.n)
         _check_positive_int("beam_width", self.beam_width)
         if self.n > 1 and self.beam_width > 1:
             raise ValueError(f"use n ({self.n}) or beam_width ({self.beam_width}), not both")
-        if not isinstance(self.length_penalty, (int, float)) or self.length_penalty != self.length_penalty:
-            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+        if not isinstance(self.length_penalty, (int, float)) or not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
 
     @property
     def num_seqs(self) -> int:

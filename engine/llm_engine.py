@@ -14,6 +14,8 @@ in the paged pool, each request samples its next token, finished requests free t
 
 from __future__ import annotations
 
+import numbers
+import os
 import random
 import time
 
@@ -22,6 +24,7 @@ import torch
 import kernels
 
 from .block_manager import BlockManager
+from .contiguous import ContiguousAllocator
 from .config import EngineConfig, SamplingParams
 from .kv_cache import KVCache, num_blocks_for_budget
 from .model_loader import geometry_from_config, load_model, resolve_device, resolve_dtype
@@ -77,6 +80,17 @@ class LLMEngine:
                 f"({self.num_blocks} blocks x {self.block_size}); one request could never finish"
             )
         self.max_model_len = config.max_model_len or min(model_max, capacity)
+        if self.block_size > self.max_model_len:
+            raise ValueError(f"block_size {self.block_size} exceeds max_model_len {self.max_model_len}: one block "
+                             f"would be longer than the longest sequence")
+        self._check_memory(self.num_blocks * self.geometry.bytes_per_block(self.block_size))
+        self.contiguous = config.allocator == "contiguous"
+        if self.contiguous:
+            reservation = config.reservation_tokens or self.max_model_len
+            if reservation > capacity:
+                raise ValueError(f"reservation_tokens {reservation} is larger than the region of {capacity} slots "
+                                 f"({self.num_blocks} blocks x {self.block_size}); no request could be admitted")
+            self.max_model_len = min(self.max_model_len, reservation)  # a request stops at its reservation
         max_batched = config.max_num_batched_tokens or max(self.max_model_len, 2048)
         if max_batched < self.max_model_len:
             raise ValueError(
@@ -87,16 +101,36 @@ class LLMEngine:
         swap_blocks = config.swap_space_blocks
         if swap_blocks is None:
             swap_blocks = self.num_blocks if config.preemption_mode == "swap" else 0
-        self.block_manager = BlockManager(self.num_blocks, self.block_size,
-                                          enable_prefix_caching=config.enable_prefix_caching,
-                                          num_swap_blocks=swap_blocks)
-        self.kv_cache = KVCache(self.geometry, self.num_blocks, self.block_size, self.device,
-                                next(self.model.parameters()).dtype, num_swap_blocks=swap_blocks)
+        dtype = next(self.model.parameters()).dtype
+        if self.contiguous:
+            # the same bytes as the paged pool, as one flat region of slots ("blocks" of one token)
+            self.block_manager = ContiguousAllocator(capacity, reservation)
+            self.kv_cache = KVCache(self.geometry, capacity, 1, self.device, dtype)
+        else:
+            self.block_manager = BlockManager(self.num_blocks, self.block_size,
+                                              enable_prefix_caching=config.enable_prefix_caching,
+                                              num_swap_blocks=swap_blocks)
+            self.kv_cache = KVCache(self.geometry, self.num_blocks, self.block_size, self.device, dtype,
+                                    num_swap_blocks=swap_blocks)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, max_batched, config.preemption_mode)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.backend)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.backend, contiguous=self.contiguous)
         self.requests: dict[str, Request] = {}
         self.step_count = 0
         self._next_id = 1
+
+    def _check_memory(self, nbytes: int) -> None:
+        """Refuse a KV pool the device cannot hold, before trying to allocate it."""
+        if self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+        else:
+            try:
+                free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            except (ValueError, OSError, AttributeError):
+                return
+        if nbytes > free:
+            raise ValueError(
+                f"a KV pool of {self.num_blocks} blocks x {self.block_size} tokens needs {nbytes / 2**30:.2f} GiB "
+                f"but only {free / 2**30:.2f} GiB are free on {self.device}; use fewer blocks or a smaller budget")
 
     def _pool_blocks(self, config: EngineConfig, model_max: int) -> int:
         if config.num_blocks is not None:
@@ -116,16 +150,26 @@ class LLMEngine:
                 never fit in the pool or leaves no room to generate within max_model_len. The engine is
                 unchanged.
         """
-        rid = request_id if request_id is not None else f"R{self._next_id}"
+        rid = request_id if request_id is not None else self._auto_ids(1)[0]
         request = self._make_request(prompt, params or SamplingParams(), rid)
-        self._enqueue(request, auto_id=request_id is None)
+        self._enqueue(request)
         return rid
 
-    def _enqueue(self, request: Request, auto_id: bool) -> None:
+    def _auto_ids(self, count: int) -> list[str]:
+        """The next ``count`` free ids "R<k>", skipping ids a caller chose."""
+        ids, k = [], self._next_id
+        while len(ids) < count:
+            if f"R{k}" not in self.requests:
+                ids.append(f"R{k}")
+            k += 1
+        return ids
+
+    def _enqueue(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self.scheduler.add(request)
-        if auto_id:
-            self._next_id += 1
+        rid = request.request_id
+        if rid.startswith("R") and rid[1:].isdigit():
+            self._next_id = max(self._next_id, int(rid[1:]) + 1)
 
     def _make_request(self, prompt, params: SamplingParams, rid: str) -> Request:
         """Validate and tokenize; raises ValueError and changes nothing on bad input."""
@@ -136,7 +180,13 @@ class LLMEngine:
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
         text, ids = self._tokenize(prompt)
-        need = self.block_manager.blocks_needed(len(ids))
+        if params.num_seqs > self.config.max_num_seqs:
+            raise ValueError(f"{params.num_seqs} samples/beams exceed max_num_seqs {self.config.max_num_seqs}; "
+                             f"they could never run together")
+        if self.contiguous and params.num_seqs > 1:
+            raise ValueError(f"the contiguous allocator serves one sequence per request; got n={params.n}, "
+                             f"beam_width={params.beam_width}")
+        need = -(-len(ids) // self.block_size)
         if need > self.num_blocks:
             raise ValueError(
                 f"prompt of {len(ids)} tokens needs {need} blocks of {self.block_size} but the pool has only "
@@ -149,7 +199,7 @@ class LLMEngine:
         if params.num_seqs > 1:
             # each sample / beam must be able to grow to its end on its own, even without sharing
             longest = min(len(ids) + params.max_tokens, self.max_model_len)
-            worst = params.num_seqs * self.block_manager.blocks_needed(longest)
+            worst = params.num_seqs * -(-longest // self.block_size)
             if worst > self.num_blocks:
                 what = f"n={params.n} samples" if params.n > 1 else f"beam_width={params.beam_width} beams"
                 raise ValueError(f"{what} of up to {longest} tokens may need {worst} blocks but the pool has only "
@@ -178,10 +228,14 @@ class LLMEngine:
             if not prompt:
                 raise ValueError("prompt is empty ([])")
             vocab = self.model.config.vocab_size
-            bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+            bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
             if bad:
-                raise ValueError(f"prompt token id {bad[0]!r} is not in the vocabulary [0, {vocab})")
-            return None, list(prompt)
+                raise ValueError(f"prompt token id {bad[0]!r} is not an integer")
+            ids = [int(t) for t in prompt]  # numpy / torch integers too
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]} is not in the vocabulary [0, {vocab})")
+            return None, ids
         raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def has_unfinished(self) -> bool:
@@ -206,7 +260,8 @@ class LLMEngine:
                     token_ids=seq.token_ids[start:seq.num_cached],
                     start_pos=start,
                     slot_mapping=self.block_manager.slot_mapping(seq.seq_id, start, seq.num_cached),
-                    block_table=self.block_manager.block_tables[seq.seq_id],
+                    block_table=[] if self.contiguous else self.block_manager.block_tables[seq.seq_id],
+                    region_start=self.block_manager.start_of(seq.seq_id) if self.contiguous else 0,
                 ))
                 scheduled.append(ScheduledSequence(seq.seq_id, owner[seq.seq_id], n, start))
             logits = self.runner.execute(inputs)
@@ -253,7 +308,12 @@ class LLMEngine:
             self._finish(req, req.seqs[0].finish_reason)
 
     def _finish(self, req: Request, reason: str) -> None:
-        self.scheduler.finish(req, reason)
+        if req.is_beam_search:
+            best = next((ids for _, ids, _ in req.beam.finished if ids is not None), None)
+            length = len(best) - len(req.prompt_token_ids) if best else 0
+        else:
+            length = max(len(s.output_token_ids) for s in req.seqs)
+        self.scheduler.finish(req, reason, length)
         req.finish_step = self.step_count
 
     def _beam_step(self, req: Request, rows: dict, out: "_StepOutput") -> None:
@@ -348,26 +408,31 @@ class LLMEngine:
             if req.status == FINISHED and req.finish_step != self.step_count:
                 continue
             for seq in req.seqs:
+                table, n = [], bm.num_tokens.get(seq.seq_id, 0)
                 if seq.seq_id in bm.block_tables:
-                    table, n = bm.block_tables[seq.seq_id], bm.num_tokens[seq.seq_id]
-                elif seq.seq_id in bm.swap_tables:
+                    table = bm.block_tables[seq.seq_id]
+                elif not self.contiguous and seq.seq_id in bm.swap_tables:
                     table, n = bm.swap_tables[seq.seq_id], bm.swap_num_tokens[seq.seq_id]
-                else:
-                    table, n = (seq.last_block_table if seq.status == FINISHED else []), 0
+                elif seq.status == FINISHED:
+                    table = seq.last_block_table
                 states.append(SequenceState(
                     seq_id=seq.seq_id, request_id=req.request_id, status=seq.status, prompt_len=seq.prompt_len,
                     num_generated=len(seq.output_token_ids), num_tokens=n, block_table=list(table),
                     token_ids=list(seq.token_ids), finish_reason=seq.finish_reason,
                 ))
+        queues = dict(waiting=[r.request_id for r in self.scheduler.waiting],
+                      running=[r.request_id for r in self.scheduler.running],
+                      swapped=[r.request_id for r in self.scheduler.swapped])
+        if self.contiguous:
+            return Snapshot(num_blocks=bm.capacity, block_size=1, num_free_blocks=bm.free_slots, ref_counts=[],
+                            fills=[], owners=[], sequences=states, allocator="contiguous",
+                            contiguous=bm.layout(), **queues)
         return Snapshot(
             num_blocks=bm.num_blocks, block_size=bm.block_size, num_free_blocks=bm.num_free_blocks,
             ref_counts=list(bm.ref_counts), fills=list(bm.fills), owners=bm.owners(), sequences=states,
-            waiting=[r.request_id for r in self.scheduler.waiting],
-            running=[r.request_id for r in self.scheduler.running],
-            block_hashes=list(bm.block_hashes),
-            swapped=[r.request_id for r in self.scheduler.swapped],
-            num_swap_blocks=bm.num_swap_blocks, num_free_swap_blocks=bm.num_free_swap_blocks,
-            swap_fills=list(bm.swap_fills), prefix_cache=dict(bm.stats),
+            block_hashes=list(bm.block_hashes), num_swap_blocks=bm.num_swap_blocks,
+            num_free_swap_blocks=bm.num_free_swap_blocks, swap_fills=list(bm.swap_fills),
+            prefix_cache=dict(bm.stats), **queues,
         )
 
     def get_output(self, request_id: str) -> RequestOutput:
@@ -412,10 +477,10 @@ class LLMEngine:
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
-        made = [self._make_request(p, sp, f"R{self._next_id + i}")
-                for i, (p, sp) in enumerate(zip(prompts, params_list))]
+        made = [self._make_request(p, sp, rid)
+                for rid, p, sp in zip(self._auto_ids(len(prompts)), prompts, params_list)]
         for req in made:  # all valid: only now is anything added
-            self._enqueue(req, auto_id=True)
+            self._enqueue(req)
         ids = [req.request_id for req in made]
         while any(self.requests[r].status != FINISHED for r in ids):
             record = self.step()

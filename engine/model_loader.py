@@ -86,6 +86,31 @@ def _is_local(model: str) -> bool:
     return os.path.isdir(os.path.expanduser(model))
 
 
+def _in_hub_cache(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # an id the hub library rejects is not cached either
+        return False
+
+
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Can we open a TCP connection to the hub (HF_ENDPOINT or huggingface.co)? False when offline
+    (HF_HUB_OFFLINE=1) or when the network is unreachable, so a missing model fails in seconds."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
 def load_model(model: str, device: torch.device, dtype: str):
     """Load ``(model, tokenizer)`` from a local directory or a hub id.
 
@@ -102,13 +127,17 @@ def load_model(model: str, device: torch.device, dtype: str):
     # A hub id is "name" or "org/name"; anything path-like that is not a directory is a missing folder.
     if not _is_local(model) and (model.startswith((".", "/", "~")) or model.count("/") > 1):
         raise ModelLoadError(f"model directory {model!r} does not exist")
+    offline_msg = (f"cannot load model {model!r}: not a local directory and not in the hub cache, and the hub "
+                   f"cannot be reached (offline?). The embedded default model is {EMBEDDED_MODEL}")
+    if not _is_local(model) and not _in_hub_cache(model) and not _hub_reachable():
+        raise ModelLoadError(offline_msg)  # at once, instead of a long series of retries
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=False)
     except OSError as exc:
-        raise ModelLoadError(
-            f"cannot load model {model!r}: not a local directory and not available from the hub cache "
-            f"(offline?). The embedded default model is {EMBEDDED_MODEL}"
-        ) from exc
+        raise ModelLoadError(offline_msg) from exc
+    except ValueError as exc:  # a directory without a usable config.json
+        raise ModelLoadError(f"{model!r} is not a model transformers can read: "
+                             f"{str(exc).splitlines()[0]}") from exc
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ModelLoadError(
             f"model {model!r} has model_type {config.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"

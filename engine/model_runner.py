@@ -38,13 +38,15 @@ class SeqInput:
     start_pos: int
     slot_mapping: list[int]
     block_table: list[int]
+    region_start: int = 0  # contiguous baseline: the first slot of the sequence's reserved range
 
 
 class ModelRunner:
     """Owns the model and the KV cache tensors; ``execute`` runs one packed batch and returns logits."""
 
-    def __init__(self, model, kv_cache, backend: str) -> None:
+    def __init__(self, model, kv_cache, backend: str, contiguous: bool = False) -> None:
         self.model = model
+        self.contiguous = contiguous
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = next(model.parameters()).device
@@ -69,11 +71,14 @@ class ModelRunner:
         query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.long)
         query_start_loc[1:] = torch.cumsum(q_lens, 0)
         context_lens = torch.tensor([s.start_pos + len(s.token_ids) for s in seqs])
-        max_blocks = max(len(s.block_table) for s in seqs)
-        block_tables = torch.full((len(seqs), max_blocks), -1, dtype=torch.int32)
-        for i, s in enumerate(seqs):
-            block_tables[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-        meta = (block_tables.to(dev), context_lens.to(dev), query_start_loc.to(dev))
+        if self.contiguous:
+            where = torch.tensor([s.region_start for s in seqs])  # each sequence's range, no block table
+        else:
+            max_blocks = max(len(s.block_table) for s in seqs)
+            where = torch.full((len(seqs), max_blocks), -1, dtype=torch.int32)
+            for i, s in enumerate(seqs):
+                where[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+        meta = (where.to(dev), context_lens.to(dev), query_start_loc.to(dev))
         maxima = {"max_query_len": int(q_lens.max()), "max_context_len": int(context_lens.max())}
 
         hidden = self._forward(input_ids, positions, slot_mapping, meta, maxima)
@@ -99,8 +104,12 @@ class ModelRunner:
             q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0]  # [T, heads, D]
             kc, vc = self.kv_cache.key_cache[layer_idx], self.kv_cache.value_cache[layer_idx]
             kernels.write_kv(k, v, kc, vc, slot_mapping, backend=self.backend)
-            o = kernels.paged_attention(q.contiguous(), kc, vc, *meta, scale=attn.scaling, backend=self.backend,
-                                        **maxima)
+            if self.contiguous:
+                o = kernels.contiguous_attention(q, kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:]), *meta,
+                                                 scale=attn.scaling)
+            else:
+                o = kernels.paged_attention(q.contiguous(), kc, vc, *meta, scale=attn.scaling, backend=self.backend,
+                                            **maxima)
             h = residual + attn.o_proj(o.reshape(1, num_tokens, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return base.norm(h)[0]

@@ -18,6 +18,7 @@ from typing import Iterable, Iterator
 # Kinds of allocator / scheduler event a StepRecord may carry.
 EVENT_KINDS = (
     "admit",      # a waiting request joined the running batch
+    "wait",       # the next waiting request cannot be admitted yet (not enough free memory), and why
     "allocate",   # prefill took blocks for a request's tokens
     "new_block",  # decode took one fresh block because the last one was full
     "append",     # decode wrote one token into a slot of an existing block
@@ -82,6 +83,11 @@ class Snapshot:
     and its prefix-cache hash (None if not cached). A block with count 0 and a hash is free but cached.
     ``swap_fills`` is indexed by CPU swap-pool block id. ``prefix_cache`` holds the cache's counters:
     queries, query tokens, hit tokens, evictions.
+
+    For the contiguous baseline (``allocator == "contiguous"``) the pool fields describe slots (block size
+    1, per-block lists empty) and ``contiguous`` holds the region's layout and accounting: capacity,
+    reservation, each reservation's start/length/used, the gaps, used, reserved-but-unused, internal and
+    external fragmentation, free slots and the largest gap (``ContiguousAllocator.layout``).
     """
 
     num_blocks: int
@@ -99,6 +105,8 @@ class Snapshot:
     num_free_swap_blocks: int = 0
     swap_fills: list[int] = field(default_factory=list)
     prefix_cache: dict = field(default_factory=dict)
+    allocator: str = "paged"
+    contiguous: dict | None = None
 
     @property
     def num_used_blocks(self) -> int:
@@ -106,13 +114,22 @@ class Snapshot:
 
     @property
     def slots_used(self) -> int:
-        """Token slots holding real K/V (tokens)."""
-        return sum(self.fills)
+        """Token slots holding real K/V of live sequences (tokens)."""
+        if self.contiguous is not None:
+            return self.contiguous["used_slots"]
+        return sum(f for f, c in zip(self.fills, self.ref_counts) if c > 0)
 
     @property
     def slots_allocated(self) -> int:
-        """Token slots in blocks that are in use (tokens)."""
+        """Token slots taken by live sequences: blocks in use x block size (paged), or reserved slots
+        (contiguous)."""
+        if self.contiguous is not None:
+            return self.contiguous["used_slots"] + self.contiguous["reserved_unused_slots"]
         return self.num_used_blocks * self.block_size
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
 
 
 @dataclass

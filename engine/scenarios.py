@@ -1,4 +1,4 @@
-"""Named scenarios: a set of requests plus the engine settings that make them interesting.
+"""Named scenarios: a workload plus the engine settings that make it interesting.
 
 The CLI, the app and the tests share this registry; later features add scenarios with ``register``.
 A scenario is reproducible from its name and a seed.
@@ -9,18 +9,32 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from .config import SamplingParams
+from .workloads import Workload, WorkloadRequest, lognormal_lengths, synthetic_workload
+
+# LESSON_BRIEF section 2: final lengths of 8 requests (numpy, seed 7), max length 2,048, block size 16.
+LESSON_LENGTHS = [853, 581, 631, 812, 541, 709, 758, 241]
 
 
 @dataclass
 class Scenario:
-    """``build(seed)`` returns ``[(prompt, SamplingParams)]``; ``engine_defaults`` are EngineConfig fields
-    the scenario needs (e.g. a small pool), which command-line flags may override."""
+    """``make(seed, tokenize)`` returns the Workload; ``engine_defaults`` are EngineConfig fields the
+    scenario needs (e.g. a small pool), which command-line flags may override; ``compare`` scenarios run
+    the paged engine and the contiguous baseline on the same requests by default."""
 
     name: str
     description: str
-    build: Callable[[int], list[tuple[str, SamplingParams]]]
+    build: Callable
     engine_defaults: dict = field(default_factory=dict)
+    compare: bool = False
+
+    def make(self, seed: int, tokenize: Callable[[str], list[int]]) -> Workload:
+        built = self.build(seed, tokenize)
+        if isinstance(built, Workload):
+            return built
+        return Workload(self.name, seed, [WorkloadRequest(0, p, sp) for p, sp in built], self.description)
 
 
 SCENARIOS: dict[str, Scenario] = {}
@@ -49,12 +63,12 @@ BATCH_PROMPTS = [
 ]
 
 
-def _single(seed: int) -> list[tuple[str, SamplingParams]]:
+def _single(seed: int, tokenize=None) -> list[tuple[str, SamplingParams]]:
     return [("ROMEO. But soft, what light through yonder window breaks?",
              SamplingParams(max_tokens=48, temperature=0.0))]
 
 
-def _batch(seed: int) -> list[tuple[str, SamplingParams]]:
+def _batch(seed: int, tokenize=None) -> list[tuple[str, SamplingParams]]:
     # Different prompt and output lengths, sampled with per-request seeds derived from the run's seed.
     return [
         (p, SamplingParams(max_tokens=24 + 8 * i, temperature=0.8, top_p=0.95, seed=seed * 1000 + i))
@@ -62,12 +76,12 @@ def _batch(seed: int) -> list[tuple[str, SamplingParams]]:
     ]
 
 
-def _parallel_sampling(seed: int) -> list[tuple[str, SamplingParams]]:
+def _parallel_sampling(seed: int, tokenize=None) -> list[tuple[str, SamplingParams]]:
     return [("JULIET. O Romeo, Romeo, wherefore art thou Romeo?",
              SamplingParams(n=4, max_tokens=32, temperature=0.9, top_p=0.95, seed=seed))]
 
 
-def _beam_search(seed: int) -> list[tuple[str, SamplingParams]]:
+def _beam_search(seed: int, tokenize=None) -> list[tuple[str, SamplingParams]]:
     return [("HAMLET. To be, or not to be,", SamplingParams(beam_width=4, max_tokens=24, temperature=0.0))]
 
 
@@ -80,12 +94,12 @@ QUESTIONS = ["Who comes?", "Where is the king?", "What news from France?", "Why 
              "Shall we dance tonight?", "Is the queen well?", "What of the battle?", "Who holds the crown?"]
 
 
-def _shared_prefix(seed: int) -> list[tuple[str, SamplingParams]]:
+def _shared_prefix(seed: int, tokenize=None) -> list[tuple[str, SamplingParams]]:
     return [(SYSTEM_PROMPT + "Q: " + q + "\nA:", SamplingParams(max_tokens=24, temperature=0.8, seed=seed + i))
             for i, q in enumerate(QUESTIONS)]
 
 
-def _swap(seed: int) -> list[tuple[str, SamplingParams]]:
+def _swap(seed: int, tokenize=None) -> list[tuple[str, SamplingParams]]:
     return [(p, SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, seed=seed * 1000 + i, ignore_eos=True))
             for i, p in enumerate(BATCH_PROMPTS)]
 
@@ -121,4 +135,36 @@ register(Scenario(
     "too small for all of them, so the scheduler preempts and recomputes",
     _batch,
     {"block_size": 16, "num_blocks": 12, "max_model_len": 128},
+))
+
+
+def _lesson_lengths(seed: int, tokenize) -> list[tuple[str, SamplingParams]]:
+    # a short prompt, then exactly L - prompt tokens: the final lengths are the lesson's
+    prompt = "ROMEO. "
+    n = len(tokenize(prompt))
+    return [(prompt, SamplingParams(max_tokens=length - n, temperature=0.8, seed=seed + i, ignore_eos=True))
+            for i, length in enumerate(LESSON_LENGTHS)]
+
+
+def _chat_workload(seed: int, tokenize) -> Workload:
+    rng = np.random.default_rng(seed)
+    n = 32
+    prompts = lognormal_lengths(rng, n, median=48, sigma=0.8, lo=8, hi=300)
+    outputs = lognormal_lengths(rng, n, median=64, sigma=0.7, lo=8, hi=200)
+    return synthetic_workload("chat-workload", seed, tokenize, n, prompts, outputs)
+
+
+register(Scenario(
+    "lesson-lengths",
+    "the lesson's 8 requests (final lengths 853, 581, 631, 812, 541, 709, 758, 241), max length 2,048, "
+    "B=16: contiguous wastes 68.7% of what it reserves, paged 1.4%",
+    _lesson_lengths, {"block_size": 16, "num_blocks": 1024, "max_model_len": 2048, "reservation_tokens": 2048},
+    compare=True,
+))
+register(Scenario(
+    "chat-workload",
+    "32 chat-like requests with long-tailed prompt and reply lengths in 128 blocks of 16 (2,048 slots): "
+    "the contiguous baseline reserves 512 slots each, so it runs 4 at a time and queues the rest",
+    _chat_workload, {"block_size": 16, "num_blocks": 128, "max_model_len": 512, "reservation_tokens": 512},
+    compare=True,
 ))

@@ -74,7 +74,7 @@ class Scheduler:
         while self.swapped:
             req = self.swapped[0]
             ids = [s.seq_id for s in req.live_seqs]
-            if not bm.can_swap_in(ids) or self._num_running_seqs() + len(ids) > self.max_num_seqs:
+            if not bm.can_swap_in(ids) or (self.running and self._num_running_seqs() + len(ids) > self.max_num_seqs):
                 return
             self.swapped.popleft()
             bm.swap_in(ids, request_id=req.request_id)
@@ -93,10 +93,14 @@ class Scheduler:
             n = sum(s.num_tokens for s in seqs)  # prompt, plus generated tokens when recomputing
             # tokens to compute: what the prefix cache does not already hold (the step's budget counts these)
             compute = n - bm.block_size * sum(len(bm.match_prefix(s.token_ids)) for s in seqs)
-            # conservative: each sequence counted as if it hit only what is cached now
-            need = sum(bm.free_blocks_needed(s.num_tokens, s.token_ids) for s in seqs)
-            if (self._num_running_seqs() + len(seqs) > self.max_num_seqs
-                    or tokens + compute > self.max_num_batched_tokens or need > bm.num_free_blocks):
+            # the step's limits never keep a request out of an empty batch (else it could wait forever)
+            if batch.seqs and (self._num_running_seqs() + len(seqs) > self.max_num_seqs
+                               or tokens + compute > self.max_num_batched_tokens):
+                break
+            refusal = bm.admission_refusal([s.token_ids for s in seqs])
+            if refusal is not None:
+                bm.events.append(Event("wait", req.request_id, [], f"{req.request_id} waits at the door: {refusal}",
+                                       {"reason": refusal}))
                 break
             self.waiting.popleft()
             computed = 0
@@ -124,8 +128,8 @@ class Scheduler:
                 continue
             seqs = req.live_seqs
             # every sequence may need a block (a new one, or a copy of a shared last block)
-            need = sum(bm.needs_new_block(s.seq_id) for s in seqs)
-            while bm.num_free_blocks < need and req.status == RUNNING:
+            need = sum(bm.needs_new_block(s.seq_id) for s in seqs)  # always 0 for contiguous reservations
+            while need and bm.num_free_blocks < need and req.status == RUNNING:
                 self.preempt(self.running[-1], reason=f"{req.request_id} needs {need} free blocks, "
                                                       f"{bm.num_free_blocks} are free")
             if req.status != RUNNING:
@@ -179,8 +183,9 @@ class Scheduler:
         seq.finish_reason = reason
         bm.free(seq.seq_id)
 
-    def finish(self, req: Request, reason: str) -> None:
-        """Remove a finished request from the batch; free whatever its sequences still hold."""
+    def finish(self, req: Request, reason: str, num_tokens: int) -> None:
+        """Remove a finished request from the batch; free whatever its sequences still hold.
+        ``num_tokens``: generated tokens of its (best) output, for the event's sentence."""
         for s in req.live_seqs:
             self.finish_seq(req, s, reason)
         if req in self.running:
@@ -189,4 +194,4 @@ class Scheduler:
         req.finish_reason = reason
         self.block_manager.events.append(Event(
             "finish", req.request_id, [],
-            f"{req.request_id} finished ({reason}) after {max(len(s.output_token_ids) for s in req.seqs)} tokens"))
+            f"{req.request_id} finished ({reason}) after {num_tokens} tokens"))

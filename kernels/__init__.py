@@ -56,6 +56,13 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, backend: str = "t
     _impl(backend).write_kv(key, value, key_cache, value_cache, slot_mapping)
 
 
+def contiguous_attention(query, key_region, value_region, region_starts, context_lens, query_start_loc, scale):
+    """The contiguous baseline's attention over each sequence's own slice of a ``[capacity, Hk, D]``
+    region (PyTorch on every device: it is the baseline, not the product)."""
+    return torch_ref.contiguous_attention(query, key_region, value_region, region_starts, context_lens,
+                                          query_start_loc, scale)
+
+
 def paged_attention(query, key_cache, value_cache, block_tables, context_lens, query_start_loc, scale,
                     backend: str = "torch", max_query_len: int | None = None, max_context_len: int | None = None):
     """Causal attention of packed queries ``[num_tokens, num_heads, head_dim]`` through block tables.

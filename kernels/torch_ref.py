@@ -47,27 +47,76 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             ``query_start_loc[i]:query_start_loc[i+1]``, which are its last tokens (positions
             ``context_len - q_len .. context_len - 1``). Decode is the case q_len = 1.
         scale: softmax scale, usually head_dim ** -0.5.
-        max_query_len, max_context_len: host-side maxima, a hint for GPU kernels (unused here).
+        max_query_len, max_context_len: host-side maxima (saves reading them from the tensors).
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in the query's dtype. Grouped-query attention: query head
         ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+
+    A decode step (one query per sequence) is computed for the whole batch at once, over contexts padded to
+    the longest; prefill goes sequence by sequence.
     """
+    num_seqs = context_lens.shape[0]
+    max_q = max_query_len or int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if max_q == 1 and query.shape[0] == num_seqs:
+        max_ctx = max_context_len or int(context_lens.max())
+        block_size = key_cache.shape[1]
+        tables = block_tables[:, : -(-max_ctx // block_size)].long().clamp(min=0)  # -1 padding is masked below
+        k = key_cache[tables].flatten(1, 2)  # [num_seqs, padded_ctx, Hk, D]
+        v = value_cache[tables].flatten(1, 2)
+        return _decode(query, k, v, context_lens, scale)
     out = torch.empty_like(query)
-    num_heads = query.shape[1]
-    num_kv_heads = key_cache.shape[2]
-    group = num_heads // num_kv_heads
     starts = query_start_loc.tolist()
-    lens = context_lens.tolist()
-    for i, ctx in enumerate(lens):
-        q = query[starts[i]:starts[i + 1]].float()  # [q_len, Hq, D]
-        q_len = q.shape[0]
-        k = gather_kv(key_cache, block_tables[i], ctx).float().repeat_interleave(group, dim=1)  # [ctx, Hq, D]
-        v = gather_kv(value_cache, block_tables[i], ctx).float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-        q_pos = torch.arange(ctx - q_len, ctx, device=query.device)
-        k_pos = torch.arange(ctx, device=query.device)
-        scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[starts[i]:starts[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+    for i, ctx in enumerate(context_lens.tolist()):
+        k = gather_kv(key_cache, block_tables[i], ctx)
+        v = gather_kv(value_cache, block_tables[i], ctx)
+        out[starts[i]:starts[i + 1]] = causal_attention(query[starts[i]:starts[i + 1]], k, v, scale)
+    return out
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One sequence: queries ``[q_len, Hq, D]`` are its last q_len positions; ``k, v`` ``[ctx, Hk, D]``.
+    Float32 math, grouped-query heads; returns ``[q_len, Hq, D]`` in the query's dtype."""
+    q_len, num_heads, head_dim = q.shape
+    ctx, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    qg = q.float().view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hk, G, q_len, D]
+    scores = torch.matmul(qg, k.float().permute(1, 2, 0)[:, None]) * scale  # [Hk, G, q_len, ctx]
+    q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
+    k_pos = torch.arange(ctx, device=q.device)
+    scores.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.float().permute(1, 0, 2)[:, None])  # [Hk, G, q_len, D]
+    return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim).to(q.dtype)
+
+
+def _decode(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_lens: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """One query token per sequence against padded contexts ``k, v`` ``[num_seqs, L, Hk, D]``; positions
+    at or past each ``context_lens[i]`` are masked."""
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = k.shape[2]
+    q = query.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.matmul(q, k.float().permute(0, 2, 3, 1)) * scale  # [S, Hk, G, L]
+    pad = torch.arange(k.shape[1], device=query.device)[None, :] >= context_lens[:, None]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.float().permute(0, 2, 1, 3))  # [S, Hk, G, D]
+    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def contiguous_attention(query: torch.Tensor, key_region: torch.Tensor, value_region: torch.Tensor,
+                         region_starts: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """The contiguous baseline's attention: sequence ``i``'s K/V are the plain slice
+    ``region[region_starts[i] : region_starts[i] + context_lens[i]]`` of a ``[capacity, Hk, D]`` region
+    (no block table). Same query layout and result as ``paged_attention``."""
+    num_seqs = context_lens.shape[0]
+    if query.shape[0] == num_seqs:  # decode: one query each, the whole batch at once
+        offsets = torch.arange(int(context_lens.max()), device=query.device)
+        idx = (region_starts[:, None] + offsets[None, :]).clamp(max=key_region.shape[0] - 1)
+        return _decode(query, key_region[idx], value_region[idx], context_lens, scale)
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    for i, (base, ctx) in enumerate(zip(region_starts.tolist(), context_lens.tolist())):
+        k, v = key_region[base:base + ctx], value_region[base:base + ctx]
+        out[starts[i]:starts[i + 1]] = causal_attention(query[starts[i]:starts[i + 1]], k, v, scale)
     return out

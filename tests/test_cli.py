@@ -32,7 +32,11 @@ def test_batch_json_through_the_real_entry_point():
         assert r["finish_reason"] in ("stop", "length")
     paged = out["paged"]
     assert PAGED_KEYS <= paged.keys()
-    assert 0 < paged["slots_used"] <= paged["slots_allocated"] == paged["peak_blocks_used"] * out["block_size"]
+    B = out["block_size"]
+    lengths = [len(r["prompt_token_ids"]) + len(r["output_token_ids"]) for r in out["requests"]]
+    assert paged["slots_used"] == sum(lengths)  # at each request's final length
+    assert paged["slots_allocated"] == sum(-(-n // B) for n in lengths) * B
+    assert 0 < paged["peak_blocks_used"] <= out["num_blocks"]
     assert out["events"]["preemptions"] > 0  # the batch scenario's pool is too small on purpose
     assert out["tokens_per_s"] > 0
 
@@ -122,3 +126,19 @@ def test_swap_scenario_swaps_out_and_back(capsys):
     assert ev["preemptions"] > 0
     assert ev["swaps_out"] == ev["swaps_in"] == ev["preemptions"]
     assert all(len(r["output_token_ids"]) == 40 for r in out["requests"])
+
+
+def test_counts_cover_every_sample_and_the_peak_inside_a_step(capsys):
+    out = run_json(capsys, "--scenario", "parallel-sampling")
+    [req] = out["requests"]
+    assert out["generated_tokens"] == sum(len(o["token_ids"]) for o in req["outputs"])
+    # a request that finishes in the step it was admitted in still counts toward the peak
+    out = run_json(capsys, "--scenario", "single", "--num-blocks", "2", "--max-model-len", "20")
+    assert out["paged"]["peak_blocks_used"] == 2
+
+
+def test_beam_finish_sentence_matches_the_best_beam(capsys, tmp_path):
+    trace = tmp_path / "beam.jsonl"
+    out = run_json(capsys, "--scenario", "beam-search", "--trace", str(trace))
+    [finish] = [e for r in read_trace(trace) for e in r.events if e.kind == "finish"]
+    assert finish.message.endswith(f"after {len(out['requests'][0]['output_token_ids'])} tokens")

@@ -108,3 +108,48 @@ def test_duplicate_request_id(make_engine, text_ids):
     engine.add_request(text_ids[:3], request_id="chat-1")
     with pytest.raises(ValueError, match="'chat-1' is already in use"):
         engine.add_request(text_ids[:3], request_id="chat-1")
+
+
+def test_many_samples_recomputed_under_a_small_token_budget_finish(make_engine):
+    """A preempted n=4 request must come back even if its recompute exceeds max_num_batched_tokens."""
+    engine = make_engine(block_size=16, num_blocks=16, max_model_len=64, max_num_batched_tokens=64,
+                         enable_prefix_caching=False)
+    outs = engine.generate([[5] * 20, [7] * 20], [
+        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+        SamplingParams(n=4, max_tokens=40, seed=1, ignore_eos=True)])
+    assert [len(c.token_ids) for o in outs for c in o.outputs] == [40, 40, 40, 40, 40]
+    assert engine.block_manager.num_free_blocks == 16
+
+
+def test_more_samples_than_max_num_seqs_is_refused(make_engine):
+    engine = make_engine(block_size=16, num_blocks=64, max_num_seqs=2)
+    with pytest.raises(ValueError, match="4 samples/beams exceed max_num_seqs 2"):
+        engine.add_request([5] * 10, SamplingParams(n=4))
+
+
+def test_auto_ids_skip_ids_the_caller_chose(make_engine):
+    engine = make_engine(block_size=16, num_blocks=64)
+    engine.add_request([5] * 3, request_id="R1")
+    assert engine.add_request([5] * 3) == "R2"
+    assert [o.request_id for o in engine.generate([[6] * 3], SamplingParams(max_tokens=2))] == ["R3"]
+
+
+def test_numpy_token_ids_are_accepted(make_engine):
+    import numpy as np
+
+    engine = make_engine(block_size=16, num_blocks=64)
+    rid = engine.add_request(list(np.array([5, 6, 7], dtype=np.int64)), SamplingParams(max_tokens=2))
+    assert engine.requests[rid].prompt_token_ids == [5, 6, 7]
+
+
+@pytest.mark.parametrize("kwargs, named", [({"temperature": float("inf")}, "temperature .*inf"),
+                                           ({"length_penalty": float("nan")}, "length_penalty .*nan"),
+                                           ({"seed": 2**70}, "seed .*"), ({"seed": -1}, "seed .*-1")])
+def test_non_finite_or_out_of_range_params(kwargs, named):
+    with pytest.raises(ValueError, match=named):
+        SamplingParams(**kwargs)
+
+
+def test_block_larger_than_the_longest_sequence(make_engine):
+    with pytest.raises(ValueError, match="block_size 4096 exceeds max_model_len"):
+        make_engine(block_size=4096, num_blocks=1, max_model_len=2048)

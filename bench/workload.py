@@ -111,12 +111,14 @@ def plot(path: Path, paged: dict, contiguous: dict, refs: dict, sweep: list[dict
     import matplotlib.pyplot as plt
 
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.2))
-    names = ["paged", "contiguous"] + list(refs)
+    short = {"transformers generate, one at a time": "HF generate\n(one at a time)",
+             "transformers generate_batch (continuous batching)": "HF generate_batch"}
+    names = ["paged", "contiguous"] + [short.get(n, n) for n in refs]
     vals = [paged["tokens_per_s"], contiguous["tokens_per_s"]] + [r.get("tokens_per_s", 0) for r in refs.values()]
     a.bar(names, vals, color=["#0072B2", "#D55E00", "#999999", "#CCCCCC"][: len(names)])
     a.set_ylabel("tokens / s (CPU)")
     a.set_title("throughput, same workload and KV budget")
-    a.tick_params(axis="x", rotation=15)
+    a.tick_params(axis="x", labelsize=8)
     b.plot(paged["concurrency_trace"], label="paged", color="#0072B2")
     b.plot(contiguous["concurrency_trace"], label="contiguous", color="#D55E00")
     b.set_xlabel("engine step")

@@ -30,7 +30,7 @@ from .kv_cache import KVCache, num_blocks_for_budget
 from .model_loader import geometry_from_config, load_model, resolve_device, resolve_dtype
 from .model_runner import ModelRunner, SeqInput
 from .records import ScheduledSequence, SequenceState, Snapshot, StepRecord
-from .sampler import sample
+from .sampler import sample_batch
 from .scheduler import Scheduler
 from .sequence import FINISHED, RUNNING, BeamState, CompletionOutput, Request, RequestOutput, Sequence
 
@@ -266,11 +266,13 @@ class LLMEngine:
                 scheduled.append(ScheduledSequence(seq.seq_id, owner[seq.seq_id], n, start))
             logits = self.runner.execute(inputs)
             rows = {seq.seq_id: logits[i] for i, seq in enumerate(batch.seqs)}
+            sampled = [r for r in batch.requests if not r.is_beam_search]
+            for req in sampled:
+                self._fork_samples(req, rows)
+            self._sample_step(sampled, rows, out)
             for req in batch.requests:
                 if req.is_beam_search:
                     self._beam_step(req, rows, out)
-                else:
-                    self._sample_step(req, rows, out)
         events = self.block_manager.drain_events()
         return StepRecord(
             step=self.step_count, kind=batch.kind, scheduled=scheduled, events=events,
@@ -282,9 +284,9 @@ class LLMEngine:
         out.tokens[seq.seq_id] = token
         out.text[seq.seq_id] = self.tokenizer.decode([token])
 
-    def _sample_step(self, req: Request, rows: dict, out: "_StepOutput") -> None:
-        """Sample the next token of each of the request's sequences that ran; parallel sampling forks the
-        ``n - 1`` other samples off the first right after the prompt's prefill (they share its blocks)."""
+    def _fork_samples(self, req: Request, rows: dict) -> None:
+        """Parallel sampling: right after the prompt's prefill, fork the ``n - 1`` other samples off the
+        first; they share its blocks and its logits, and each has its own random stream."""
         p = req.params
         if p.n > 1 and len(req.seqs) == 1 and not req.seqs[0].output_token_ids:
             parent = req.seqs[0]
@@ -293,19 +295,25 @@ class LLMEngine:
                                  self._generator(req.seed, i), num_cached=parent.num_cached, status=RUNNING)
                 self.block_manager.fork(parent.seq_id, child.seq_id)
                 req.seqs.append(child)
-                rows[child.seq_id] = rows[parent.seq_id]  # same prompt, same logits, own random stream
-        for seq in req.live_seqs:
-            if seq.seq_id not in rows:
-                continue
-            token = sample(rows[seq.seq_id], p, seq.generator)
+                rows[child.seq_id] = rows[parent.seq_id]
+
+    def _sample_step(self, requests: list[Request], rows: dict, out: "_StepOutput") -> None:
+        """Sample the next token of every sequence of these requests that ran, all in one batch."""
+        todo = [(req, seq) for req in requests for seq in req.live_seqs if seq.seq_id in rows]
+        if not todo:
+            return
+        tokens = sample_batch(torch.stack([rows[seq.seq_id] for _, seq in todo]),
+                              [req.params for req, _ in todo], [seq.generator for _, seq in todo])
+        for (req, seq), token in zip(todo, tokens):
             seq.token_ids.append(token)
             self._emit(out, seq, token)
             reason = self._finish_reason(req, seq, token)
             if reason:
                 self.scheduler.finish_seq(req, seq, reason)
                 out.finished.append(seq.seq_id)
-        if not req.live_seqs:
-            self._finish(req, req.seqs[0].finish_reason)
+        for req in requests:
+            if not req.live_seqs and req.status != FINISHED:
+                self._finish(req, req.seqs[0].finish_reason)
 
     def _finish(self, req: Request, reason: str) -> None:
         if req.is_beam_search:

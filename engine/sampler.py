@@ -1,4 +1,9 @@
-"""Choose the next token from logits: greedy, temperature, top-k, top-p, each request with its own seed."""
+"""Choose next tokens from logits: greedy, temperature, top-k, top-p, each sequence with its own seed.
+
+All sequences of a step are sampled together (one sort, one softmax over the batch); only the uniform
+random number each sequence draws comes from its own ``torch.Generator``, so a seeded sequence gets the
+same tokens whatever else is in the batch.
+"""
 
 from __future__ import annotations
 
@@ -7,24 +12,34 @@ import torch
 from .config import SamplingParams
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Pick one token id from float32 ``logits [vocab]``.
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
+    """Pick one token id per row of float32 ``logits [num_seqs, vocab]``.
 
-    Greedy (temperature 0) is argmax. Otherwise: divide by temperature, keep the top-k logits (k > 0),
-    keep the smallest set of most likely tokens whose probabilities sum to >= top_p (the most likely token
-    always stays), renormalise and draw with the request's own ``generator`` (on the CPU, so a seed gives
-    the same tokens on every device).
+    Greedy rows (temperature 0) take the argmax. Other rows: divide by the temperature, keep the top-k
+    logits (k > 0), keep the smallest set of most likely tokens whose probabilities sum to >= top_p (the
+    most likely token always stays), renormalise, and invert the cumulative distribution at a uniform
+    draw from the row's own generator (on the CPU, so a seed gives the same tokens on every device).
     """
-    if params.greedy:
-        return int(torch.argmax(logits))
-    logits = logits.float().cpu() / params.temperature
-    if params.top_k > 0 and params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        before = torch.cumsum(sorted_probs, 0) - sorted_probs  # mass of the tokens ranked above each
-        sorted_probs[before >= params.top_p] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+    logits = logits.float().cpu()
+    tokens = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        vocab = logits.shape[-1]
+        temps = torch.tensor([params[i].temperature for i in rows])[:, None]
+        ks = torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in rows])[:, None]
+        ps = torch.tensor([params[i].top_p for i in rows])[:, None]
+        sorted_logits, order = torch.sort(logits[rows] / temps, dim=-1, descending=True)
+        sorted_logits.masked_fill_(torch.arange(vocab)[None, :] >= ks, float("-inf"))
+        probs = torch.softmax(sorted_logits, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # mass of the tokens ranked above each
+        probs.masked_fill_(before >= ps, 0.0)
+        cdf = torch.cumsum(probs, dim=-1)
+        u = torch.stack([torch.rand((), generator=generators[i]) for i in rows])[:, None] * cdf[:, -1:]
+        pick = torch.searchsorted(cdf, u).clamp(max=vocab - 1)
+        tokens[rows] = order.gather(-1, pick)[:, 0]
+    return tokens.tolist()
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One row of ``sample_batch``: a token id from float32 ``logits [vocab]``."""
+    return sample_batch(logits[None], [params], [generator])[0]

@@ -341,11 +341,7 @@ class BlockManager:
         table = self._table(seq_id)
         freed = []
         for b in reversed(table):  # tail first, as vLLM does, so a cached prefix stays cached longest
-            self.ref_counts[b] -= 1
-            if self.ref_counts[b] == 0:
-                if self.block_hashes[b] is None:
-                    self.fills[b] = 0
-                self.free_block_queue[b] = None
+            if self._release_block(b):
                 freed.append(b)
         del self.block_tables[seq_id]
         del self.num_tokens[seq_id]
@@ -389,12 +385,8 @@ class BlockManager:
             for c in self.swap_tables[s]:
                 self.swap_ref_counts[c] += 1
             self.swap_num_tokens[s] = self.num_tokens.pop(s)
-            for b in table:
-                self.ref_counts[b] -= 1
-                if self.ref_counts[b] == 0:
-                    if self.block_hashes[b] is None:
-                        self.fills[b] = 0
-                    self.free_block_queue[b] = None
+            for b in reversed(table):
+                self._release_block(b)
         pairs = list(mapping.items())
         self.events.append(Event(
             "swap_out", request_id or seq_ids[0], [g for g, _ in pairs],
@@ -480,6 +472,17 @@ class BlockManager:
         self.fills[b] = 0
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
         return b
+
+    def _release_block(self, b: int) -> bool:
+        """Drop one reference to block ``b``; at zero it joins the free queue (a cached block keeps its hash
+        and content until evicted). Returns whether it became free."""
+        self.ref_counts[b] -= 1
+        if self.ref_counts[b]:
+            return False
+        if self.block_hashes[b] is None:
+            self.fills[b] = 0
+        self.free_block_queue[b] = None
+        return True
 
     def _register_full_block(self, seq_id: str, index: int) -> None:
         """Give logical block ``index`` of ``seq_id`` (full) its chained hash and cache it."""

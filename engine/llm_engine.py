@@ -256,7 +256,7 @@ class LLMEngine:
             for seq, n in zip(batch.seqs, batch.num_new_tokens):
                 start = seq.num_cached - n
                 inputs.append(SeqInput(
-                    request_id=seq.seq_id,
+                    seq_id=seq.seq_id,
                     token_ids=seq.token_ids[start:seq.num_cached],
                     start_pos=start,
                     slot_mapping=self.block_manager.slot_mapping(seq.seq_id, start, seq.num_cached),

@@ -33,7 +33,7 @@ class SeqInput:
     ``start_pos + len(token_ids)`` of its tokens.
     """
 
-    request_id: str
+    seq_id: str
     token_ids: list[int]
     start_pos: int
     slot_mapping: list[int]

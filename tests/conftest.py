@@ -64,3 +64,18 @@ def make_engine(model_path):
         return LLMEngine(EngineConfig(model=model_path, **kwargs))
 
     return make
+
+
+def capture_logits(engine) -> dict[str, list[torch.Tensor]]:
+    """Wrap the engine's model runner so every step's logits are kept per sequence id, in step order."""
+    seen: dict[str, list[torch.Tensor]] = {}
+    execute = engine.runner.execute
+
+    def wrapped(seqs):
+        logits = execute(seqs)
+        for seq, row in zip(seqs, logits):
+            seen.setdefault(seq.seq_id, []).append(row.clone())
+        return logits
+
+    engine.runner.execute = wrapped
+    return seen

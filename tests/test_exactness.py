@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import capture_logits
 
 from engine import SamplingParams
 
@@ -25,21 +26,6 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_new: int = MAX_NEW) -> list[i
 def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf_model(input_ids=torch.tensor([token_ids])).logits[0].float()
-
-
-def capture_logits(engine) -> dict[str, list[torch.Tensor]]:
-    """Wrap the model runner so every step's logits are kept per request id, in step order."""
-    seen: dict[str, list[torch.Tensor]] = {}
-    execute = engine.runner.execute
-
-    def wrapped(seqs):
-        logits = execute(seqs)
-        for seq, row in zip(seqs, logits):
-            seen.setdefault(seq.request_id, []).append(row.clone())
-        return logits
-
-    engine.runner.execute = wrapped
-    return seen
 
 
 def prompt_lengths(block_size: int) -> list[int]:

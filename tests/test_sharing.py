@@ -7,24 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import capture_logits
 
 from engine import SamplingParams
 
 GREEDY = dict(temperature=0.0)
-
-
-def capture_logits(engine) -> dict[str, list[torch.Tensor]]:
-    seen: dict[str, list[torch.Tensor]] = {}
-    execute = engine.runner.execute
-
-    def wrapped(seqs):
-        logits = execute(seqs)
-        for seq, row in zip(seqs, logits):
-            seen.setdefault(seq.request_id, []).append(row.clone())
-        return logits
-
-    engine.runner.execute = wrapped
-    return seen
 
 
 # ------------------------------------------------------------------------------------ parallel sampling

@@ -205,7 +205,9 @@ def summarize(runs: dict) -> dict:
 def print_text(summary: dict, records: list[StepRecord], out) -> None:
     w = out.write
     w(f"model {summary['model']}  device {summary['device']} ({summary['dtype']}, {summary['attention_backend']} attention)\n")
-    w(f"pool {summary['num_blocks']} blocks x {summary['block_size']} tokens, "
+    what = "paged pool" if "paged" in summary else "contiguous region"
+    w(f"{what}: {summary['num_blocks']} blocks x {summary['block_size']} tokens = "
+      f"{summary['num_blocks'] * summary['block_size']:,} token slots, "
       f"{summary['kv_bytes_per_token']:,} bytes of KV per token, {summary['kv_cache_bytes'] / MIB:.2f} MiB\n\n")
     for r in summary["requests"]:
         prompt = r["prompt"] if r["prompt"] is not None else r["prompt_token_ids"]
@@ -214,13 +216,19 @@ def print_text(summary: dict, records: list[StepRecord], out) -> None:
             w(f"   -> [{c['index']}] {c['text']!r}\n")
         w(f"   {len(r['output_token_ids'])} tokens, finish: {r['finish_reason']}, "
           f"preempted {r['num_preemptions']}x, last block table {r['block_table']}\n")
-    w(f"\n{'step':>5} {'kind':<8} {'seqs':>4} {'tokens':>6} {'used':>5} {'free':>5}  notes\n")
+    unit = "blocks" if "paged" in summary else "slots"
+    w(f"\n{'step':>5} {'kind':<8} {'seqs':>4} {'tokens':>6} {'used':>6} {'free':>6}  notes (used/free in {unit}; "
+      f"contiguous 'used' = reserved)\n")
+    waited: set = set()
     for rec in records:
         snap = rec.snapshot
-        notes = "; ".join(e.message for e in rec.events
-                          if e.kind in ("preempt", "finish", "cow", "fork", "prefix_hit", "swap_out", "swap_in", "evict"))
+        shown = [e for e in rec.events if e.kind in ("preempt", "finish", "cow", "fork", "prefix_hit", "swap_out",
+                                                     "swap_in", "evict")
+                 or e.kind == "wait" and e.request_id not in waited]
+        waited |= {e.request_id for e in rec.events if e.kind == "wait"}
+        notes = "; ".join(e.message for e in shown)
         w(f"{rec.step:>5} {rec.kind:<8} {len(rec.scheduled):>4} {rec.num_tokens:>6} "
-          f"{snap.num_used_blocks:>5} {snap.num_free_blocks:>5}  {notes}\n")
+          f"{snap.num_used_blocks:>6} {snap.num_free_blocks:>6}  {notes}\n")
     w(f"\n{summary['steps']} steps, {summary['generated_tokens']} tokens generated, {summary['tokens_per_s']} tokens/s\n")
     if "paged" in summary:
         p = summary["paged"]
@@ -250,12 +258,29 @@ def run(args) -> int:
     choice = args.allocator or ("both" if scenario.compare else "paged")
     allocators = ["paged", "contiguous"] if choice == "both" else [choice]
     configs = {a: engine_config(args, scenario, a) for a in allocators}  # bad flags fail before any work
+    engines, workloads = {}, {}
+    for alloc in allocators:  # build every engine and check every request before running anything
+        engine = LLMEngine(configs[alloc], (engines[allocators[0]].model, engines[allocators[0]].tokenizer)
+                           if engines else None)
+        tokenize = lambda text, e=engine: e.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        workloads[alloc] = scenario.make(args.seed, tokenize)
+        for i, r in enumerate(workloads[alloc].requests):
+            try:
+                engine._make_request(r.prompt, r.params, f"check{i}")
+            except ValueError as exc:
+                raise ValueError(f"{alloc} allocator: request {i + 1} of {args.scenario!r}: {exc}") from None
+        engines[alloc] = engine
+    if "contiguous" in engines:
+        cont = engines["contiguous"]
+        longest = max(len(cont._tokenize(r.prompt)[1]) + r.params.max_tokens for r in workloads["contiguous"].requests)
+        if longest > cont.max_model_len:
+            print(f"note: on the contiguous baseline requests stop at its {cont.max_model_len}-slot reservation; "
+                  f"the longest request here needs {longest}, so its outputs are cut short", file=sys.stderr)
     runs = {}
     for alloc in allocators:
-        engine = LLMEngine(configs[alloc])
-        tokenize = lambda text: engine.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        engine = engines[alloc]
         records: list[StepRecord] = []
-        outputs = run_workload(engine, scenario.make(args.seed, tokenize), on_step=records.append)
+        outputs = run_workload(engine, workloads[alloc], on_step=records.append)
         runs[alloc] = (engine, records, outputs)
         if args.trace:
             path = Path(args.trace)

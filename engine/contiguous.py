@@ -46,7 +46,10 @@ class ContiguousAllocator:
         self.reservation = reservation
         self.regions: dict[str, tuple[int, int]] = {}  # seq -> (start, length)
         self.num_tokens: dict[str, int] = {}
-        self.internal_frag_slots = 0  # cumulative: reserved slots finished requests never used
+        # cumulative: reserved slots finished requests never wrote. A request's last sampled token is never
+        # written (nothing computes it), so this counts one slot more per request than the CLI's summary,
+        # which measures each request at its final length (prompt + generated tokens).
+        self.internal_frag_slots = 0
         self.finished_reserved_slots = 0
         self.finished_used_slots = 0
         self.events: list[Event] = []
@@ -81,6 +84,8 @@ class ContiguousAllocator:
 
     def external_frag(self, need: int | None = None) -> int:
         """Free slots in gaps smaller than ``need`` slots (default: one reservation)."""
+        if need is not None and (isinstance(need, bool) or not isinstance(need, int) or need <= 0):
+            raise ValueError(f"need must be a positive integer, got {need!r}")
         need = need or self.reservation
         return sum(length for _, length in self.gaps() if length < need)
 
@@ -107,7 +112,11 @@ class ContiguousAllocator:
         return start + position
 
     def slot_mapping(self, seq_id: str, start: int, end: int) -> list[int]:
+        """Slots of tokens ``start .. end-1``; raises ValueError outside the tokens the sequence holds."""
         base = self.regions[seq_id][0]
+        if not 0 <= start <= end <= self.num_tokens[seq_id]:
+            raise ValueError(f"tokens {start}..{end - 1} are not held by sequence {seq_id!r} "
+                             f"({self.num_tokens[seq_id]} tokens)")
         return list(range(base + start, base + end))
 
     def start_of(self, seq_id: str) -> int:
@@ -122,6 +131,9 @@ class ContiguousAllocator:
         Returns the start slot. Raises ValueError (bad sizes, more tokens than the reservation) or
         RuntimeError when no gap is large enough (nothing is changed).
         """
+        if reservation is not None and (isinstance(reservation, bool) or not isinstance(reservation, int)
+                                        or reservation <= 0):
+            raise ValueError(f"reservation must be a positive integer, got {reservation!r}")
         size = reservation or self.reservation
         if seq_id in self.regions:
             raise ValueError(f"sequence {seq_id!r} already holds a reservation")

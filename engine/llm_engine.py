@@ -57,13 +57,16 @@ class LLMEngine:
         engine.model_loader.ModelLoadError (a ValueError): the model cannot be found or is unsupported.
     """
 
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, loaded: tuple | None = None) -> None:
+        """``loaded``: an already loaded ``(model, tokenizer)`` for ``config.model`` on the config's device
+        and dtype (from ``engine.model_loader.load_model``), shared read-only between engines (the app
+        keeps one copy of the weights for all sessions)."""
         config = config or EngineConfig()
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.backend = kernels.resolve_backend(config.attention_backend, self.device)
-        self.model, self.tokenizer = load_model(config.model, self.device, self.dtype)
+        self.model, self.tokenizer = loaded or load_model(config.model, self.device, self.dtype)
         self.geometry = geometry_from_config(self.model.config, self.dtype)
         self.block_size = config.block_size
 
@@ -193,9 +196,10 @@ class LLMEngine:
                 f"{self.num_blocks}; it can never fit"
             )
         if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt of {len(ids)} tokens leaves no room to generate within max_model_len {self.max_model_len}"
-            )
+            limit = (f"the contiguous reservation of {self.max_model_len} slots (reservation_tokens)"
+                     if self.contiguous and self.max_model_len < (self.config.max_model_len or 10**9)
+                     else f"max_model_len {self.max_model_len}")
+            raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate within {limit}")
         if params.num_seqs > 1:
             # each sample / beam must be able to grow to its end on its own, even without sharing
             longest = min(len(ids) + params.max_tokens, self.max_model_len)

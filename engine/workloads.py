@@ -6,6 +6,7 @@ can be run on exactly the same requests.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -61,8 +62,8 @@ def arrivals(rng: np.random.Generator, n: int, mode: str, rate: float) -> list[i
     if mode == "all":
         return [0] * n
     if mode == "poisson":
-        if rate <= 0:
-            raise ValueError(f"poisson arrival rate must be > 0, got {rate}")
+        if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate >= 1e-3):
+            raise ValueError(f"poisson arrival rate must be a finite number >= 0.001 requests per step, got {rate}")
         return np.floor(np.cumsum(rng.exponential(1.0 / rate, n))).astype(int).tolist()
     raise ValueError(f"arrival mode must be 'all' or 'poisson', got {mode!r}")
 
@@ -72,6 +73,9 @@ def synthetic_workload(name: str, seed: int, tokenize: Callable[[str], list[int]
                        system_prompt: str = "", temperature: float = 0.8) -> Workload:
     """Requests whose prompts are ``prompt_lens[i]`` tokens of real text (after an optional shared
     ``system_prompt``) and which generate exactly ``output_lens[i]`` tokens (``ignore_eos``)."""
+    for name, lens in (("prompt_lens", prompt_lens), ("output_lens", output_lens)):
+        if len(lens) != num_requests or any(int(n) < 1 for n in lens):
+            raise ValueError(f"{name} must hold {num_requests} lengths >= 1, got {list(lens)[:8]}...")
     rng = np.random.default_rng(seed)
     source = tokenize(SOURCE_TEXT)
     system = tokenize(system_prompt) if system_prompt else []

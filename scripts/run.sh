@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Set everything up (once) and run the main job: the headless demo on the embedded model.
-# Extra arguments go to `python -m engine run`, e.g. `scripts/run.sh --scenario single --json`.
+# Set everything up (once) and start the app on the embedded model: Streamlit prints the local URL.
+# Extra arguments go to `streamlit run`, e.g. `scripts/run.sh --server.port 8600`.
+# The headless demo without a browser: `.venv/bin/python -m engine run --scenario batch`.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
-if [ "$#" -eq 0 ]; then set -- --scenario batch; fi
-exec "$ROOT/.venv/bin/python" -m engine run "$@"
+exec "$ROOT/.venv/bin/python" -m streamlit run app.py "$@"

@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # Set everything up (once) and run the test suite. Extra arguments go to pytest.
+# The browser test needs Chromium: installed here from Debian's packages when missing and we are root.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup.sh"
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[test] installing Debian's chromium for the browser test" >&2
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null \
+        || echo "[test] could not install chromium: the browser test will be skipped" >&2
+fi
 cd "$ROOT"
 exec "$ROOT/.venv/bin/python" -m pytest "$@"

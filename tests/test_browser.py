@@ -1,0 +1,75 @@
+"""A real browser: `streamlit run` on a free localhost port, driven by Playwright in Debian's Chromium."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+pytestmark = [pytest.mark.browser,
+              pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Chromium is not installed")]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app_url():
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(port),
+                             "--server.address", "127.0.0.1", "--server.headless", "true"],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(url + "/_stcore/health", timeout=2)
+            break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("streamlit did not start within 90 s")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=20)
+
+
+def test_stepping_in_a_real_browser(app_url, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run"])
+        page = browser.new_page(viewport={"width": 1280, "height": 720})
+        page.goto(app_url, wait_until="networkidle")
+        step = page.get_by_role("button", name=re.compile(r"^Step"))
+        step.wait_for(timeout=90_000)
+
+        step.click()
+        page.wait_for_selector("text=step 1 of 1", timeout=60_000)
+        first_pool = page.locator(".js-plotly-plot").first.inner_html()
+        for n in (2, 3):
+            step.click()
+            page.wait_for_selector(f"text=step {n} of {n}", timeout=60_000)
+        assert page.locator(".js-plotly-plot").first.inner_html() != first_pool  # the pool figure changed
+        assert page.locator("[data-testid='stDataFrame']").count() >= 1  # the block table is shown
+        assert "Traceback" not in page.locator("body").inner_text()
+        assert page.locator("[data-testid='stException']").count() == 0
+        page.screenshot(path=str(tmp_path / "playground.png"), full_page=False)
+        browser.close()

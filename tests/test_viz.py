@@ -1,0 +1,74 @@
+"""Figure builders are pure functions of snapshots: tested on hand-made snapshots, without torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace as NS
+
+from viz import block_pool_figure, contiguous_region_figure, paged_slot_cells, pool_cells, region_cells
+from viz.colors import CACHED_FREE, EXTERNAL, FREE, SHARED, SLACK, request_color
+
+
+def snapshot():
+    """8 blocks of 4: A owns 0, 7 is shared by A and B (count 2), 3 is B's partly filled block, 5 is free
+    but cached, the rest free."""
+    seqs = [NS(seq_id="A", status="running", block_table=[0, 7], token_ids=[1, 2, 3, 4, 5, 6], prompt_len=6,
+               num_tokens=6),
+            NS(seq_id="B", status="running", block_table=[7, 3], token_ids=[5, 6, 7, 8, 9], prompt_len=5,
+               num_tokens=5)]
+    owners = [["A"], [], [], ["B"], [], [], [], ["A", "B"]]
+    return NS(num_blocks=8, block_size=4, num_free_blocks=5, ref_counts=[1, 0, 0, 1, 0, 0, 0, 2],
+              fills=[4, 0, 0, 1, 0, 3, 0, 2], owners=owners, sequences=seqs,
+              block_hashes=[None, None, None, None, None, "abc123", None, None])
+
+
+def test_cells_say_count_owners_fill_and_cache():
+    cells = pool_cells(snapshot(), ["A", "B"], decode=lambda ids: "|".join(map(str, ids)))
+    seven = cells[7]
+    assert seven["ref_count"] == 2 and seven["owners"] == ["A", "B"]
+    assert seven["color"] == SHARED and seven["label"] == "x2<br>2/4"
+    assert cells[0]["label"] == "A<br>4/4" and cells[0]["color"] == request_color("A", ["A", "B"])
+    assert cells[0]["text"] == "1|2|3|4"  # the tokens block 0 holds
+    assert cells[5]["color"] == CACHED_FREE and cells[5]["hash"] == "abc123"
+    assert cells[6]["color"] == FREE and cells[6]["label"] == ""
+
+
+def test_pool_figure_is_one_heatmap_with_outlined_highlights():
+    fig = block_pool_figure(snapshot(), ["A", "B"], highlight=[3], selected="A")
+    kinds = [t.type for t in fig.data]
+    assert kinds[0] == "heatmap" and kinds.count("heatmap") == 1
+    outlined = fig.data[1]
+    assert len(outlined.x) == 3  # block 3 (highlight) and A's blocks 0 and 7
+
+
+def test_slot_mode_has_one_cell_per_slot():
+    fig = block_pool_figure(snapshot(), ["A", "B"], slot_mode=True)
+    z = fig.data[0].z
+    assert len(z) == 8 and all(len(row) == 4 for row in z)
+    assert z[3][0] != z[3][1]  # block 3 holds one token: its first slot is coloured, the rest are free
+
+
+def test_paged_slots_show_last_block_slack():
+    slots = paged_slot_cells(snapshot(), ["A", "B"])
+    assert len(slots) == 32
+    assert slots[12] == request_color("B", ["A", "B"]) and slots[13:16] == [SLACK] * 3
+    assert slots[28:30] == [SHARED] * 2 and slots[30:32] == [SLACK] * 2
+
+
+def test_contiguous_strip_shows_the_external_fragmentation_gap():
+    layout = {"capacity_slots": 30, "reservation": 10,
+              "regions": [{"seq_id": "R1", "start": 0, "length": 10, "used": 4},
+                          {"seq_id": "R2", "start": 16, "length": 10, "used": 10}],
+              "gaps": [{"start": 10, "length": 6}, {"start": 26, "length": 4}],
+              "used_slots": 14, "reserved_unused_slots": 6, "internal_frag_slots": 0, "external_frag_slots": 10}
+    slots = region_cells(layout, ["R1", "R2"])
+    assert slots[:4] == [request_color("R1", ["R1", "R2"])] * 4 and slots[4:10] == [SLACK] * 6
+    assert slots[10:16] == [EXTERNAL] * 6 and slots[26:30] == [EXTERNAL] * 4
+    fig = contiguous_region_figure(layout, ["R1", "R2"])
+    assert "external fragmentation 10" in fig.layout.title.text
+
+
+def test_viz_does_not_import_torch():
+    code = "import sys, viz; assert 'torch' not in sys.modules, 'viz imported torch'"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

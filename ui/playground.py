@@ -1,0 +1,252 @@
+"""Playground: step a real model through prefill and decode and watch the paged pool next to the
+contiguous baseline. Every number shown is read from the engines' StepRecords."""
+
+from __future__ import annotations
+
+import html
+
+import pandas as pd
+import streamlit as st
+
+from engine import SamplingParams
+from engine.config import PREEMPTION_MODES
+from engine.scenarios import SCENARIOS
+from ui.state import build_lab, default_settings, get_lab, shared_model
+from ui.lab import LabSettings
+from viz import block_pool_figure, block_table_rows, contiguous_region_figure, paged_slots_figure, timeline_figure
+from viz.colors import request_color, request_id_of
+
+PRESET_DEFAULTS = {"block_size": 16, "num_blocks": 64, "max_model_len": 256}
+
+
+# ------------------------------------------------------------------------------------------------ sidebar
+def settings_form(current: LabSettings) -> None:
+    with st.sidebar.form("engine"):
+        st.subheader("Engine")
+        presets = ["custom"] + list(SCENARIOS)
+        preset = st.selectbox("Preset", presets, index=presets.index(current.preset),
+                              help="A scenario's requests, or 'custom' to add your own.")
+        model = st.text_input("Model (embedded default, local path or hub id)", current.model)
+        c1, c2 = st.columns(2)
+        block_size = c1.number_input("Block size", value=current.block_size, step=1)
+        num_blocks = c2.number_input("Pool (blocks)", value=current.num_blocks, step=1)
+        c3, c4 = st.columns(2)
+        max_len = c3.number_input("Max model length", value=current.max_model_len, step=1)
+        reservation = c4.number_input("Contiguous reservation", value=current.reservation or current.max_model_len,
+                                      step=1)
+        caching = st.checkbox("Prefix caching", value=current.enable_prefix_caching)
+        mode = st.radio("Preemption", PREEMPTION_MODES, index=PREEMPTION_MODES.index(current.preemption_mode),
+                        horizontal=True)
+        swap = st.number_input("Swap pool (blocks, 0 = as big as the pool)", value=current.swap_space_blocks or 0,
+                               step=1)
+        seed = st.number_input("Seed", value=current.seed, min_value=0, step=1)
+        use_preset = st.checkbox("Use the preset's pool settings", value=False,
+                                 help="Take block size, pool and lengths from the preset instead.")
+        if st.form_submit_button("Apply and reset", type="primary"):
+            fields = dict(block_size=int(block_size), num_blocks=int(num_blocks), max_model_len=int(max_len),
+                          reservation=int(reservation))
+            if use_preset and preset != "custom":
+                d = SCENARIOS[preset].engine_defaults
+                fields = dict(block_size=d.get("block_size", 16), num_blocks=d.get("num_blocks", 64),
+                              max_model_len=d.get("max_model_len", 256),
+                              reservation=d.get("reservation_tokens", d.get("max_model_len", 256)))
+            build_lab(LabSettings(model=model.strip(), preset=preset, enable_prefix_caching=caching,
+                                  preemption_mode=mode, swap_space_blocks=int(swap) or None, seed=int(seed),
+                                  **fields))
+            st.rerun()
+
+
+def request_form(lab) -> None:
+    with st.sidebar.form("add", clear_on_submit=False):
+        st.subheader("Add a request")
+        prompt = st.text_area("Prompt", "ROMEO. ", height=70)
+        c1, c2 = st.columns(2)
+        max_tokens = c1.number_input("max_tokens", value=24, step=1)
+        temperature = c2.number_input("temperature", value=0.8, step=0.1, format="%.2f")
+        c3, c4, c5 = st.columns(3)
+        n = c3.number_input("n", value=1, step=1)
+        beam = c4.number_input("beams", value=1, step=1)
+        seed = c5.number_input("seed", value=0, step=1)
+        if st.form_submit_button("Add request (also mid-run)"):
+            try:
+                params = SamplingParams(max_tokens=int(max_tokens), temperature=float(temperature), n=int(n),
+                                        beam_width=int(beam), seed=int(seed))
+                rid = lab.add_request(prompt, params)
+                st.session_state["flash"] = f"added {rid}"
+            except ValueError as exc:
+                st.session_state["flash_error"] = str(exc)
+
+
+# ------------------------------------------------------------------------------------------------- views
+def tinted_text(seq, table_colors: str) -> str:
+    """The sequence's tokens, each tinted by its logical block (alternating shades of its request colour)."""
+    tokenizer = shared_model(get_lab().settings.model)[1]
+    B = get_lab().paged.block_size
+    parts = []
+    for t, tok in enumerate(seq.token_ids):
+        piece = html.escape(tokenizer.decode([tok])).replace("\n", "⏎")
+        alpha = "55" if (t // B) % 2 == 0 else "99"
+        weight = "700" if t >= seq.prompt_len else "400"
+        parts.append(f'<span title="token {t}: logical block {t // B}, offset {t % B}" '
+                     f'style="background:{table_colors}{alpha};font-weight:{weight}">{piece}</span>')
+    return "".join(parts)
+
+
+def token_locator(snap, B: int) -> None:
+    live = [s for s in snap.sequences if s.block_table]
+    if not live:
+        return
+    c1, c2 = st.columns([2, 1])
+    seq = c1.selectbox("Where does token t live?", live, format_func=lambda s: s.seq_id, key="loc_seq")
+    t = c2.number_input("token t", min_value=0, max_value=max(0, seq.num_tokens - 1), value=0, step=1, key="loc_t")
+    logical, offset = divmod(int(t), B)
+    if logical < len(seq.block_table):
+        physical = seq.block_table[logical]
+        st.write(f"token {t} -> logical block {t} // {B} = **{logical}**, offset {t} % {B} = **{offset}** -> "
+                 f"physical block **{physical}** -> slot {physical} x {B} + {offset} = **{physical * B + offset}**")
+
+
+def main() -> None:
+    lab = get_lab()
+    if lab is None:
+        if not build_lab(default_settings()):
+            st.error(st.session_state.get("lab_error"))
+            st.stop()
+        lab = get_lab()
+    settings_form(lab.settings)
+    request_form(lab)
+    if err := st.session_state.pop("lab_error", None):
+        st.error(f"Settings not applied: {err}")
+    if err := st.session_state.pop("flash_error", None):
+        st.error(f"Request not added: {err}")
+    if msg := st.session_state.pop("flash", None):
+        st.success(msg)
+
+    st.title("Playground")
+    # ---------------------------------------------------------------------------------------- stepping
+    c = st.columns([1.6, 1.8, 1.1, 1.1, 3.4], vertical_alignment="center")
+    total = lab.step_count
+    cursor = st.session_state.get("cursor", -1)
+    if c[0].button("Back", shortcut="PageUp", width="stretch", disabled=total < 2,
+                   help="Show the previous step (PageUp). Recorded, not re-run."):
+        st.session_state["cursor"] = max(0, (cursor if cursor >= 0 else total - 1) - 1)
+        st.rerun()
+    if c[1].button("Step", type="primary", shortcut="PageDown", width="stretch",
+                   help="Run one engine step (PageDown, or a presenter's clicker)."):
+        if cursor >= 0 and cursor < total - 1:
+            st.session_state["cursor"] = cursor + 1  # replay forward through what was recorded
+        elif lab.has_work():
+            lab.step()
+            st.session_state["cursor"] = -1
+        st.rerun()
+    if c[2].button("Reset", width="stretch", help="Rebuild the engines with the same settings"):
+        build_lab(lab.settings)
+        st.rerun()
+    playing = c[3].toggle("Play", key="playing", help="Step automatically")
+    speed = c[4].select_slider("Speed (steps per second)", [0.5, 1, 2, 4, 8], value=2, key="speed")
+
+    if playing:
+        @st.fragment(run_every=1.0 / speed)
+        def _play():
+            if lab.has_work():
+                lab.step()
+                st.session_state["cursor"] = -1
+                st.rerun(scope="app")
+            else:
+                st.session_state["playing"] = False
+        _play()
+
+    total = lab.step_count
+    if total == 0:
+        st.info("Nothing has run yet. Press **Step** (or PageDown) to run the first engine step"
+                + (f"; {len(lab.pending)} requests are queued by the preset." if lab.pending else
+                   "; add a request in the sidebar first."))
+        for note in lab.notes:
+            st.caption(note)
+        return
+    cursor = st.session_state.get("cursor", -1)
+    index = total - 1 if cursor < 0 else min(cursor, total - 1)
+    if total > 1:
+        index = st.slider("Step", 1, total, index + 1, key=f"scrub_{total}_{index}") - 1
+        if index != total - 1:
+            st.session_state["cursor"] = index
+    paged, contiguous = lab.record(index)
+    snap = paged.snapshot
+    decode = shared_model(lab.settings.model)[1].decode
+    order = lab.order
+    B = snap.block_size
+
+    st.caption(f"step {paged.step} of {total} ({paged.kind}); "
+               f"{'replaying recorded steps' if index < total - 1 else 'latest'}"
+               + ("" if lab.has_work() else "; all requests finished"))
+    m = st.columns(6)
+    m[0].metric("paged: running", len(snap.running))
+    m[1].metric("paged: free blocks", f"{snap.num_free_blocks}/{snap.num_blocks}")
+    used, alloc = snap.slots_used, snap.slots_allocated
+    m[2].metric("paged: slack", f"{100 * (alloc - used) / alloc:.1f}%" if alloc else "-")
+    if contiguous is not None:
+        cs = contiguous.snapshot
+        m[3].metric("contiguous: running", len(cs.running))
+        m[4].metric("contiguous: waiting", len(cs.waiting))
+        cu, ca = cs.slots_used, cs.slots_allocated
+        m[5].metric("contiguous: reserved unused", f"{100 * (ca - cu) / ca:.1f}%" if ca else "-")
+
+    # ------------------------------------------------------------------------------------------ pools
+    left, right = st.columns(2)
+    with left:
+        st.subheader("Paged block pool")
+        # outline what changed structurally (a plain write into a block with room is not outlined)
+        changed = sorted({b for e in paged.events if e.kind != "append" for b in e.blocks})
+        selected = st.selectbox("Highlight a request", ["none"] + order, key="selected")
+        slot_mode = st.toggle("Slot view (one cell per token slot)", value=False, disabled=snap.num_blocks > 128,
+                              key="slot_mode")
+        st.plotly_chart(block_pool_figure(snap, order, decode=decode, highlight=changed,
+                                          selected=None if selected == "none" else selected, slot_mode=slot_mode),
+                        width="stretch", key="pool")
+        if snap.num_swap_blocks:
+            st.caption(f"CPU swap pool: {snap.num_swap_blocks - snap.num_free_swap_blocks}/{snap.num_swap_blocks} "
+                       f"blocks used; swapped requests: {', '.join(snap.swapped) or 'none'}")
+    with right:
+        st.subheader("Same memory, slot by slot")
+        st.plotly_chart(paged_slots_figure(snap, order), width="stretch", key="paged_slots")
+        if contiguous is not None:
+            st.plotly_chart(contiguous_region_figure(contiguous.snapshot.contiguous, order),
+                            width="stretch", key="region")
+        else:
+            st.info(" ".join(lab.notes) or "The contiguous baseline is not available for these settings.")
+        st.caption("Colours: one per request; dark grey = shared block (its reference count is written on it); "
+                   "light grey = last-block slack / reserved but not used; orange = external fragmentation (a gap "
+                   "too small for a reservation); white = free. Outlined: blocks this step changed.")
+
+    # ------------------------------------------------------------------------------------ what happened
+    st.subheader("This step, in words")
+    lines = [e.message for e in paged.events if e.kind != "append"]
+    appends = [e for e in paged.events if e.kind == "append"]
+    if appends:
+        lines.append(f"{len(appends)} sequences wrote their new token into a block with room "
+                     f"({', '.join(f'{e.request_id}->{e.blocks[0]}' for e in appends[:12])}"
+                     f"{', ...' if len(appends) > 12 else ''})")
+    if contiguous is not None:
+        lines += [f"contiguous: {e.message}" for e in contiguous.events if e.kind in ("wait", "allocate", "free")]
+    st.markdown("\n".join(f"- {html.escape(x)}" for x in lines) or "nothing changed")
+
+    # ------------------------------------------------------------------------------------- block tables
+    st.subheader("Block tables")
+    rows = block_table_rows(snap, decode)
+    if rows:
+        st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
+        token_locator(snap, B)
+
+    st.subheader("Generated text (tokens tinted by logical block)")
+    for seq in snap.sequences:
+        color = request_color(request_id_of(seq.seq_id), order)
+        st.markdown(f"**{seq.seq_id}** ({seq.status}) " + tinted_text(seq, color), unsafe_allow_html=True)
+
+    st.subheader("Over time")
+    series = {"paged": [p for p, _ in lab.history[: index + 1]]}
+    if contiguous is not None:
+        series["contiguous"] = [c for _, c in lab.history[: index + 1] if c is not None]
+    st.plotly_chart(timeline_figure(series, current_step=paged.step), width="stretch", key="timeline")
+
+
+main()

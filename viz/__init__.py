@@ -1,0 +1,17 @@
+"""Plotly figure builders: pure functions of step records and snapshots (no Streamlit, no torch).
+
+- ``block_pool_figure``: the paged block pool, one heatmap cell per physical block.
+- ``contiguous_region_figure``: the contiguous baseline's region on the same scale.
+- ``timeline_figure``: KV utilisation and running requests over steps, paged vs contiguous.
+- ``block_table_rows``: each sequence's logical -> physical table as plain rows for a table widget.
+- ``colors``: the colour-blind-safe request palette shared by every view.
+"""
+
+from .colors import request_color, request_colors
+from .pool import block_pool_figure, block_table_rows, pool_cells
+from .region import contiguous_region_figure, paged_slot_cells, paged_slots_figure, region_cells
+from .timeline import timeline_figure
+
+__all__ = ["block_pool_figure", "block_table_rows", "contiguous_region_figure", "paged_slot_cells",
+           "paged_slots_figure", "pool_cells", "region_cells",
+           "request_color", "request_colors", "timeline_figure"]

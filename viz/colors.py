@@ -1,0 +1,35 @@
+"""One colour per request everywhere (pool, tables, text, charts).
+
+The palette is Okabe & Ito's (2008) colour-universal design set, readable by people with the common
+colour-vision deficiencies and distinct on a projector; it is extended with Paul Tol's muted set when more
+than eight requests are on screen. States that are not a request use greys.
+"""
+
+from __future__ import annotations
+
+OKABE_ITO = ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000"]
+TOL_MUTED = ["#332288", "#88CCEE", "#44AA99", "#117733", "#999933", "#DDCC77", "#CC6677", "#882255", "#AA4499"]
+PALETTE = OKABE_ITO + TOL_MUTED
+
+FREE = "#F2F2F2"         # a free block / slot
+CACHED_FREE = "#D9D9D9"  # free, but still holding a cached prefix (prefix caching)
+SHARED = "#7F7F7F"       # a block several sequences point at (the count is written on it)
+SLACK = "#BDBDBD"        # allocated but unused (last-block slack, reserved-not-yet-used)
+INTERNAL = "#E41A1C"     # internal fragmentation (never-used reservation)
+EXTERNAL = "#FDB863"     # external fragmentation (a gap too small for a reservation)
+
+
+def request_id_of(seq_id: str) -> str:
+    """Sequences "R3.1" (sample) and "R3.b2" (beam) belong to request "R3"."""
+    return seq_id.split(".", 1)[0]
+
+
+def request_color(request_id: str, order: list[str]) -> str:
+    """The colour of ``request_id``; ``order`` is the list of request ids in first-seen order."""
+    rid = request_id_of(request_id)
+    idx = order.index(rid) if rid in order else sum(map(ord, rid))  # stable across processes
+    return PALETTE[idx % len(PALETTE)]
+
+
+def request_colors(order: list[str]) -> dict[str, str]:
+    return {rid: PALETTE[i % len(PALETTE)] for i, rid in enumerate(order)}

@@ -1,0 +1,150 @@
+"""The paged block pool as one ``go.Heatmap`` (one cell per physical block, or per slot in slot mode).
+
+Cell colour: the owning request's colour; grey with the reference count written on it when several
+sequences share the block; light grey when free but still holding a cached prefix; near-white when free.
+Cell text (small pools): owner and fill "k/B". Hover: block id, owners, reference count, fill, prefix-cache
+hash, and the text of the tokens the block holds (``decode`` turns token ids into text).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import plotly.graph_objects as go
+
+from .colors import CACHED_FREE, FREE, SHARED, request_color, request_id_of
+
+TEXT_LIMIT = 512  # above this many cells the labels are left out (unreadable, and slow to draw)
+
+
+def _columns(n: int) -> int:
+    """A square-ish grid (cells big enough for a label in small pools), at most 64 columns."""
+    return max(1, min(64, n, math.ceil(math.sqrt(n))))
+
+
+def _discrete_scale(colors: list[str]) -> list[list]:
+    n = len(colors)
+    scale = []
+    for i, c in enumerate(colors):
+        scale += [[i / n, c], [(i + 1) / n, c]]
+    return scale
+
+
+def block_tokens(snapshot) -> dict[int, list[int]]:
+    """Physical block -> the token ids it holds, read from the sequences' tables and tokens."""
+    B = snapshot.block_size
+    held: dict[int, list[int]] = {}
+    for seq in snapshot.sequences:
+        if seq.status not in ("running",):
+            continue
+        for i, b in enumerate(seq.block_table):
+            if b not in held:
+                held[b] = seq.token_ids[i * B:(i + 1) * B][: snapshot.fills[b]]
+    return held
+
+
+def pool_cells(snapshot, request_order: list[str], decode: Callable[[list[int]], str] | None = None) -> list[dict]:
+    """One dict per physical block: id, color, label, hover fields. Pure data (tested directly)."""
+    B = snapshot.block_size
+    tokens = block_tokens(snapshot)
+    hashes = snapshot.block_hashes or [None] * snapshot.num_blocks
+    cells = []
+    for b in range(snapshot.num_blocks):
+        owners = snapshot.owners[b]
+        count = snapshot.ref_counts[b]
+        fill = snapshot.fills[b]
+        if count == 0:
+            color = CACHED_FREE if hashes[b] else FREE
+            label = "cached" if hashes[b] else ""
+        elif count > 1:
+            color, label = SHARED, f"x{count}<br>{fill}/{B}"
+        else:
+            color, label = request_color(owners[0], request_order), f"{owners[0]}<br>{fill}/{B}"
+        text = decode(tokens[b]) if decode and b in tokens else ""
+        cells.append({"block": b, "owners": owners, "ref_count": count, "fill": fill, "color": color,
+                      "label": label, "hash": hashes[b] or "", "text": text})
+    return cells
+
+
+def block_pool_figure(snapshot, request_order: list[str], decode: Callable[[list[int]], str] | None = None,
+                      highlight: list[int] | None = None, selected: str | None = None,
+                      slot_mode: bool = False, title: str | None = None) -> go.Figure:
+    """The pool after a step.
+
+    Args:
+        snapshot: an ``engine.records.Snapshot`` (paged).
+        request_order: request ids in first-seen order (fixes each request's colour).
+        decode: token ids -> text, for the hover (optional).
+        highlight: block ids to outline (what this step changed).
+        selected: a request id whose blocks are outlined too.
+        slot_mode: one row per block, one cell per token slot (small pools).
+    """
+    cells = pool_cells(snapshot, request_order, decode)
+    B = snapshot.block_size
+    colors = list(dict.fromkeys(c["color"] for c in cells)) or [FREE]
+    index = {c: i for i, c in enumerate(colors)}
+    if slot_mode:
+        ncols, nrows = B, snapshot.num_blocks
+        if FREE not in index:
+            colors.append(FREE)
+            index[FREE] = len(colors) - 1
+        # a slot is coloured when it holds a token, else it is free space (slack or free block)
+        z = [[index[cells[b]["color"]] if s < cells[b]["fill"] and cells[b]["ref_count"] else index[FREE]
+              for s in range(B)] for b in range(nrows)]
+        text = [["" for _ in range(B)] for _ in range(nrows)]
+        custom = [[[b, ", ".join(cells[b]["owners"]) or "free", cells[b]["ref_count"], f"{cells[b]['fill']}/{B}",
+                    cells[b]["hash"] or "-", cells[b]["text"], b * B + s] for s in range(B)] for b in range(nrows)]
+        pos = {b: (b, None) for b in range(nrows)}
+    else:
+        ncols = _columns(len(cells))
+        nrows = math.ceil(len(cells) / ncols)
+        z = [[None] * ncols for _ in range(nrows)]
+        text = [[""] * ncols for _ in range(nrows)]
+        custom = [[[None] * 7 for _ in range(ncols)] for _ in range(nrows)]
+        pos = {}
+        show_text = len(cells) <= TEXT_LIMIT
+        for c in cells:
+            r, col = divmod(c["block"], ncols)
+            z[r][col] = index[c["color"]]
+            text[r][col] = c["label"] if show_text else ""
+            custom[r][col] = [c["block"], ", ".join(c["owners"]) or "free", c["ref_count"], f"{c['fill']}/{B}",
+                              c["hash"] or "-", c["text"], c["block"] * B]
+            pos[c["block"]] = (r, col)
+    fig = go.Figure(go.Heatmap(
+        z=z, text=text, texttemplate="%{text}", customdata=custom, colorscale=_discrete_scale(colors),
+        zmin=-0.5, zmax=len(colors) - 0.5, showscale=False, xgap=2, ygap=2,
+        hovertemplate=("block %{customdata[0]}<br>owners: %{customdata[1]}<br>reference count: "
+                       "%{customdata[2]}<br>fill: %{customdata[3]}<br>prefix hash: %{customdata[4]}"
+                       "<br>tokens: %{customdata[5]}<extra></extra>"),
+        textfont={"size": 10},
+    ))
+    outline = set(highlight or [])
+    if selected:
+        outline |= {c["block"] for c in cells if any(request_id_of(o) == selected for o in c["owners"])}
+    if outline and not slot_mode:
+        pts = [pos[b] for b in sorted(outline) if b in pos]
+        fig.add_trace(go.Scatter(x=[p[1] for p in pts], y=[p[0] for p in pts], mode="markers", hoverinfo="skip",
+                                 marker={"symbol": "square-open", "size": 22, "line": {"width": 3},
+                                         "color": "#000000"}, showlegend=False))
+    fig.update_layout(
+        title=title or f"{snapshot.num_blocks - snapshot.num_free_blocks}/{snapshot.num_blocks} blocks in use",
+        margin={"l": 10, "r": 10, "t": 40, "b": 10}, height=max(220, min(640, 48 * nrows + 60)),
+        xaxis={"visible": False}, yaxis={"visible": False, "autorange": "reversed"},
+        plot_bgcolor="white",
+    )
+    return fig
+
+
+def block_table_rows(snapshot, decode: Callable[[list[int]], str] | None = None) -> list[dict]:
+    """One row per live sequence: its logical -> physical table, tokens held and status."""
+    rows = []
+    for seq in snapshot.sequences:
+        rows.append({
+            "sequence": seq.seq_id,
+            "status": seq.status,
+            "tokens": seq.num_tokens,
+            "block table (logical -> physical)": " ".join(f"{i}->{b}" for i, b in enumerate(seq.block_table)),
+            "text": decode(seq.token_ids[seq.prompt_len:]) if decode else "",
+        })
+    return rows

@@ -1,0 +1,91 @@
+"""Slot-level strips on one scale: the contiguous baseline's region and the paged pool's slots.
+
+Both memories hold the same number of token slots (the same bytes), so drawing both as strips of equally
+many cells, each cell standing for the same number of slots, compares them fairly. Categories:
+- contiguous: used by a request (its colour), reserved but not yet used (light grey), free slots in a gap too
+  small for one reservation (external fragmentation, orange), free (near-white);
+- paged: used (the owner's colour), last-block slack (light grey), free (near-white).
+"""
+
+from __future__ import annotations
+
+import math
+
+import plotly.graph_objects as go
+
+from .colors import EXTERNAL, FREE, SHARED, SLACK, request_color
+from .pool import _discrete_scale
+
+MAX_CELLS = 2048  # cells drawn per strip; above this each cell stands for several slots (majority wins)
+
+
+def region_cells(layout: dict, request_order: list[str]) -> list[str]:
+    """Colour of every slot of a contiguous region layout (``Snapshot.contiguous``)."""
+    cap = layout["capacity_slots"]
+    slots = [FREE] * cap
+    for g in layout["gaps"]:
+        if g["length"] < layout["reservation"]:
+            slots[g["start"]:g["start"] + g["length"]] = [EXTERNAL] * g["length"]
+    for r in layout["regions"]:
+        color = request_color(r["seq_id"], request_order)
+        slots[r["start"]:r["start"] + r["used"]] = [color] * r["used"]
+        slots[r["start"] + r["used"]:r["start"] + r["length"]] = [SLACK] * (r["length"] - r["used"])
+    return slots
+
+
+def paged_slot_cells(snapshot, request_order: list[str]) -> list[str]:
+    """Colour of every slot of a paged pool: used (owner or shared), last-block slack, free."""
+    B = snapshot.block_size
+    slots = []
+    for b in range(snapshot.num_blocks):
+        count, fill = snapshot.ref_counts[b], snapshot.fills[b]
+        if count == 0:
+            slots += [FREE] * B
+            continue
+        color = SHARED if count > 1 else request_color(snapshot.owners[b][0], request_order)
+        slots += [color] * fill + [SLACK] * (B - fill)
+    return slots
+
+
+def _strip(slots: list[str], title: str, hover_unit: str) -> go.Figure:
+    n = len(slots)
+    per_cell = max(1, math.ceil(n / MAX_CELLS))
+    cells = []
+    for i in range(0, n, per_cell):
+        chunk = slots[i:i + per_cell]
+        cells.append(max(set(chunk), key=chunk.count))
+    cols = min(64, len(cells))
+    rows = math.ceil(len(cells) / cols)
+    colors = list(dict.fromkeys(cells))
+    index = {c: k for k, c in enumerate(colors)}
+    z = [[None] * cols for _ in range(rows)]
+    custom = [[""] * cols for _ in range(rows)]
+    for k, c in enumerate(cells):
+        r, col = divmod(k, cols)
+        z[r][col] = index[c]
+        custom[r][col] = f"{hover_unit} {k * per_cell:,}..{min(n, (k + 1) * per_cell) - 1:,}"
+    fig = go.Figure(go.Heatmap(z=z, customdata=custom, colorscale=_discrete_scale(colors), zmin=-0.5,
+                               zmax=len(colors) - 0.5, showscale=False, xgap=1, ygap=1,
+                               hovertemplate="%{customdata}<extra></extra>"))
+    fig.update_layout(title={"text": title, "font": {"size": 14}}, margin={"l": 10, "r": 10, "t": 56, "b": 10},
+                      height=max(160, min(480, 14 * rows + 60)), xaxis={"visible": False},
+                      yaxis={"visible": False, "autorange": "reversed"}, plot_bgcolor="white")
+    return fig
+
+
+def contiguous_region_figure(layout: dict, request_order: list[str]) -> go.Figure:
+    used = layout["used_slots"]
+    reserved = used + layout["reserved_unused_slots"]
+    waste = 100 * (reserved - used) / reserved if reserved else 0.0
+    title = (f"contiguous: {used:,} used / {reserved:,} reserved ({waste:.0f}% unused)<br>"
+             f"external fragmentation {layout['external_frag_slots']:,}, internal so far "
+             f"{layout['internal_frag_slots']:,} slots")
+    return _strip(region_cells(layout, request_order), title, "slots")
+
+
+def paged_slots_figure(snapshot, request_order: list[str]) -> go.Figure:
+    used = snapshot.slots_used
+    allocated = snapshot.slots_allocated
+    waste = 100 * (allocated - used) / allocated if allocated else 0.0
+    title = f"paged: {used:,} used / {allocated:,} allocated<br>({waste:.0f}% last-block slack)"
+    return _strip(paged_slot_cells(snapshot, request_order), title, "slots")

@@ -1,0 +1,30 @@
+"""KV utilisation and running requests over steps, paged vs contiguous."""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+
+def utilization(snapshot) -> float:
+    """Slots holding real K/V over slots allocated (paged) or reserved (contiguous), in %."""
+    allocated = snapshot.slots_allocated
+    return 100 * snapshot.slots_used / allocated if allocated else 0.0
+
+
+def timeline_figure(series: dict[str, list], current_step: int | None = None) -> go.Figure:
+    """``series``: label ("paged", "contiguous") -> list of StepRecords. Two panels sharing the x axis."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("KV utilisation (%)", "running requests"))
+    palette = {"paged": "#0072B2", "contiguous": "#D55E00"}
+    for label, records in series.items():
+        steps = [r.step for r in records]
+        color = palette.get(label, "#555555")
+        fig.add_trace(go.Scatter(x=steps, y=[utilization(r.snapshot) for r in records], name=label,
+                                 line={"color": color}), row=1, col=1)
+        fig.add_trace(go.Scatter(x=steps, y=[len(r.snapshot.running) for r in records], name=label,
+                                 line={"color": color}, showlegend=False), row=1, col=2)
+    if current_step is not None:
+        for col in (1, 2):
+            fig.add_vline(x=current_step, line={"dash": "dot", "color": "#888888"}, row=1, col=col)
+    fig.update_layout(height=260, margin={"l": 10, "r": 10, "t": 40, "b": 10}, legend={"orientation": "h"})
+    return fig

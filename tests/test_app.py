@@ -107,3 +107,24 @@ def test_two_sessions_are_independent():
     assert a.session_state["lab"].paged is not b.session_state["lab"].paged
     # the weights are shared read-only
     assert a.session_state["lab"].paged.model is b.session_state["lab"].paged.model
+
+
+def test_unknown_model_offline_is_an_error_in_the_page():
+    at = new_app()
+    lab = at.session_state["lab"]
+    at.sidebar.text_input[0].set_value("HuggingFaceTB/SmolLM2-135M")
+    [b for b in at.button if b.label == "Apply and reset"][0].click().run()
+    assert not at.exception
+    assert any("HuggingFaceTB/SmolLM2-135M" in e.value and "embedded default" in e.value for e in at.error)
+    assert at.session_state["lab"] is lab
+
+
+def test_kv_budget_sizes_the_pool():
+    at = new_app()
+    at.sidebar.number_input[2].set_value(3.0)  # MiB
+    [b for b in at.button if b.label == "Apply and reset"][0].click().run()
+    assert not at.exception
+    lab = at.session_state["lab"]
+    per_block = lab.paged.geometry.bytes_per_block(lab.paged.block_size)
+    assert lab.paged.num_blocks == (3 * 2**20) // per_block != 64
+    assert lab.contiguous.kv_cache.nbytes == lab.paged.kv_cache.nbytes

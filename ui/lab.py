@@ -29,9 +29,12 @@ class LabSettings:
     preemption_mode: str = "recompute"
     swap_space_blocks: int | None = None
     seed: int = 0
+    kv_budget_mb: float = 0.0  # > 0: size the pool from this KV budget instead of num_blocks
 
     def config(self, allocator: str) -> EngineConfig:
-        return EngineConfig(model=self.model, device="auto", block_size=self.block_size, num_blocks=self.num_blocks,
+        budget = int(self.kv_budget_mb * 2**20) if self.kv_budget_mb > 0 else None
+        return EngineConfig(model=self.model, device="auto", block_size=self.block_size,
+                            num_blocks=None if budget else self.num_blocks, kv_budget_bytes=budget,
                             max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
                             preemption_mode=self.preemption_mode, swap_space_blocks=self.swap_space_blocks,
                             allocator=allocator, reservation_tokens=self.reservation)

@@ -30,6 +30,8 @@ def settings_form(current: LabSettings) -> None:
         c1, c2 = st.columns(2)
         block_size = c1.number_input("Block size", value=current.block_size, step=1)
         num_blocks = c2.number_input("Pool (blocks)", value=current.num_blocks, step=1)
+        budget = st.number_input("or KV budget (MiB, 0 = use blocks)", value=float(current.kv_budget_mb),
+                                 min_value=0.0, step=0.25, format="%.2f")
         c3, c4 = st.columns(2)
         max_len = c3.number_input("Max model length", value=current.max_model_len, step=1)
         reservation = c4.number_input("Contiguous reservation", value=current.reservation or current.max_model_len,
@@ -52,6 +54,7 @@ def settings_form(current: LabSettings) -> None:
                               reservation=d.get("reservation_tokens", d.get("max_model_len", 256)))
             build_lab(LabSettings(model=model.strip(), preset=preset, enable_prefix_caching=caching,
                                   preemption_mode=mode, swap_space_blocks=int(swap) or None, seed=int(seed),
+                                  kv_budget_mb=0.0 if use_preset and preset != "custom" else float(budget),
                                   **fields))
             st.rerun()
 

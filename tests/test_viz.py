@@ -72,3 +72,14 @@ def test_contiguous_strip_shows_the_external_fragmentation_gap():
 def test_viz_does_not_import_torch():
     code = "import sys, viz; assert 'torch' not in sys.modules, 'viz imported torch'"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_swap_strip_colours_the_swapped_request():
+    from viz import swap_pool_figure
+
+    seq = NS(seq_id="R2", status="swapped", block_table=[1, 2], token_ids=[1] * 5, prompt_len=5, num_tokens=5)
+    snap = NS(num_swap_blocks=4, num_free_swap_blocks=2, sequences=[seq])
+    fig = swap_pool_figure(snap, ["R1", "R2"])
+    z = fig.data[0].z[0]
+    assert z[1] == z[2] != z[0] == z[3]
+    assert "2/4 blocks in use" in fig.layout.title.text

@@ -13,7 +13,8 @@ from engine.config import PREEMPTION_MODES
 from engine.scenarios import SCENARIOS
 from ui.state import build_lab, default_settings, get_lab, shared_model
 from ui.lab import LabSettings
-from viz import block_pool_figure, block_table_rows, contiguous_region_figure, paged_slots_figure, timeline_figure
+from viz import (block_pool_figure, block_table_rows, contiguous_region_figure, paged_slots_figure,
+                 swap_pool_figure, timeline_figure)
 from viz.colors import request_color, request_id_of
 
 PRESET_DEFAULTS = {"block_size": 16, "num_blocks": 64, "max_model_len": 256}
@@ -207,8 +208,8 @@ def main() -> None:
                                           selected=None if selected == "none" else selected, slot_mode=slot_mode),
                         width="stretch", key="pool")
         if snap.num_swap_blocks:
-            st.caption(f"CPU swap pool: {snap.num_swap_blocks - snap.num_free_swap_blocks}/{snap.num_swap_blocks} "
-                       f"blocks used; swapped requests: {', '.join(snap.swapped) or 'none'}")
+            st.plotly_chart(swap_pool_figure(snap, order), width="stretch", key="swap")
+            st.caption(f"swapped out: {', '.join(snap.swapped) or 'none'}")
     with right:
         st.subheader("Same memory, slot by slot")
         st.plotly_chart(paged_slots_figure(snap, order), width="stretch", key="paged_slots")

@@ -8,10 +8,10 @@
 """
 
 from .colors import request_color, request_colors
-from .pool import block_pool_figure, block_table_rows, pool_cells
+from .pool import block_pool_figure, block_table_rows, pool_cells, swap_pool_figure
 from .region import contiguous_region_figure, paged_slot_cells, paged_slots_figure, region_cells
 from .timeline import timeline_figure
 
 __all__ = ["block_pool_figure", "block_table_rows", "contiguous_region_figure", "paged_slot_cells",
-           "paged_slots_figure", "pool_cells", "region_cells",
+           "paged_slots_figure", "pool_cells", "region_cells", "swap_pool_figure",
            "request_color", "request_colors", "timeline_figure"]

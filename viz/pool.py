@@ -148,3 +148,28 @@ def block_table_rows(snapshot, decode: Callable[[list[int]], str] | None = None)
             "text": decode(seq.token_ids[seq.prompt_len:]) if decode else "",
         })
     return rows
+
+
+def swap_pool_figure(snapshot, request_order: list[str]) -> go.Figure:
+    """The CPU swap pool as a strip: a cell per swap block, coloured by the swapped request that holds it."""
+    n = snapshot.num_swap_blocks
+    colors_of = [FREE] * n
+    for seq in snapshot.sequences:
+        if seq.status == "swapped":
+            for c in seq.block_table:  # while swapped, the table lists swap-pool blocks
+                colors_of[c] = request_color(seq.seq_id, request_order)
+    colors = list(dict.fromkeys(colors_of)) or [FREE]
+    index = {c: i for i, c in enumerate(colors)}
+    cols = max(1, min(64, n))
+    rows = max(1, math.ceil(n / cols))
+    z = [[None] * cols for _ in range(rows)]
+    for c, color in enumerate(colors_of):
+        z[c // cols][c % cols] = index[color]
+    fig = go.Figure(go.Heatmap(z=z, colorscale=_discrete_scale(colors), zmin=-0.5, zmax=len(colors) - 0.5,
+                               showscale=False, xgap=1, ygap=1, hoverinfo="skip"))
+    used = n - snapshot.num_free_swap_blocks
+    fig.update_layout(title={"text": f"CPU swap pool: {used}/{n} blocks in use", "font": {"size": 13}},
+                      height=60 + 14 * rows, margin={"l": 10, "r": 10, "t": 36, "b": 6},
+                      xaxis={"visible": False}, yaxis={"visible": False, "autorange": "reversed"},
+                      plot_bgcolor="white")
+    return fig

@@ -47,15 +47,16 @@ def settings_form(current: LabSettings) -> None:
                                  help="Take block size, pool and lengths from the preset instead.")
         if st.form_submit_button("Apply and reset", type="primary"):
             fields = dict(block_size=int(block_size), num_blocks=int(num_blocks), max_model_len=int(max_len),
-                          reservation=int(reservation))
+                          reservation=int(reservation), preemption_mode=mode, swap_space_blocks=int(swap) or None,
+                          kv_budget_mb=float(budget))
             if use_preset and preset != "custom":
                 d = SCENARIOS[preset].engine_defaults
                 fields = dict(block_size=d.get("block_size", 16), num_blocks=d.get("num_blocks", 64),
                               max_model_len=d.get("max_model_len", 256),
-                              reservation=d.get("reservation_tokens", d.get("max_model_len", 256)))
-            build_lab(LabSettings(model=model.strip(), preset=preset, enable_prefix_caching=caching,
-                                  preemption_mode=mode, swap_space_blocks=int(swap) or None, seed=int(seed),
-                                  kv_budget_mb=0.0 if use_preset and preset != "custom" else float(budget),
+                              reservation=d.get("reservation_tokens", d.get("max_model_len", 256)),
+                              preemption_mode=d.get("preemption_mode", mode),
+                              swap_space_blocks=d.get("swap_space_blocks"), kv_budget_mb=0.0)
+            build_lab(LabSettings(model=model.strip(), preset=preset, enable_prefix_caching=caching, seed=int(seed),
                                   **fields))
             st.rerun()
 

@@ -45,7 +45,7 @@ def test_step_changes_state_and_numbers():
         snap = lab.history[-1][0].snapshot
         shown = metrics(at)
         assert shown["paged: running"] == str(len(snap.running))
-        assert shown["paged: free blocks"] == f"{snap.num_free_blocks}/{snap.num_blocks}"
+        assert shown["paged: free"] == f"{snap.num_free_blocks}/{snap.num_blocks}"
         assert at.caption[0].value.startswith(f"step {step} of {step}")
     first, second = lab.history[0][0].snapshot, lab.history[1][0].snapshot
     assert [s.token_ids for s in first.sequences] != [s.token_ids for s in second.sequences]
@@ -68,7 +68,10 @@ def test_back_then_forward_shows_the_identical_snapshot():
 
 def test_a_preset_runs_to_completion_by_repeated_step():
     at = new_app()
+    at.sidebar.selectbox[0].set_value("parallel-sampling")
+    [b for b in at.button if b.label == "Apply and reset"][0].click().run()
     lab = at.session_state["lab"]
+    assert lab.settings.preset == "parallel-sampling" and lab.settings.num_blocks == 32
     for _ in range(200):
         if not lab.has_work():
             break
@@ -83,6 +86,7 @@ def test_bad_settings_show_an_error_and_keep_the_lab():
     at = new_app()
     lab = at.session_state["lab"]
     at.sidebar.number_input[0].set_value(0)  # block size 0
+    at.sidebar.checkbox[1].set_value(False)  # use the form's pool settings, not the preset's
     form_submit = [b for b in at.button if b.label == "Apply and reset"][0]
     form_submit.click().run()
     assert not at.exception
@@ -122,6 +126,7 @@ def test_unknown_model_offline_is_an_error_in_the_page():
 def test_kv_budget_sizes_the_pool():
     at = new_app()
     at.sidebar.number_input[2].set_value(3.0)  # MiB
+    at.sidebar.checkbox[1].set_value(False)
     [b for b in at.button if b.label == "Apply and reset"][0].click().run()
     assert not at.exception
     lab = at.session_state["lab"]

@@ -38,8 +38,9 @@ def test_pool_figure_is_one_heatmap_with_outlined_highlights():
     fig = block_pool_figure(snapshot(), ["A", "B"], highlight=[3], selected="A")
     kinds = [t.type for t in fig.data]
     assert kinds[0] == "heatmap" and kinds.count("heatmap") == 1
-    outlined = fig.data[1]
-    assert len(outlined.x) == 3  # block 3 (highlight) and A's blocks 0 and 7
+    selected, changed = fig.data[1], fig.data[2]
+    assert len(selected.x) == 2 and len(changed.x) == 1  # A's blocks 0 and 7; block 3 changed this step
+    assert selected.marker.color != changed.marker.color
 
 
 def test_slot_mode_has_one_cell_per_slot():

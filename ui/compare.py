@@ -17,7 +17,10 @@ from viz import contiguous_region_figure, paged_slots_figure, timeline_figure
 st.title("Compare: paged vs contiguous")
 st.write("The same requests, the same model and the same bytes of KV memory. The contiguous baseline "
          "reserves a fixed range per request at admission; the paged engine takes blocks as tokens arrive.")
-compare = [n for n, s in SCENARIOS.items() if s.compare] + [n for n, s in SCENARIOS.items() if not s.compare]
+# workloads both allocators can run (the contiguous baseline serves one sequence per request)
+single = {"parallel-sampling", "beam-search"}
+compare = [n for n, s in SCENARIOS.items() if s.compare] + [n for n, s in SCENARIOS.items()
+                                                            if not s.compare and n not in single]
 name = st.selectbox("Workload", compare, index=0)
 seed = st.number_input("Seed", value=0, min_value=0, step=1)
 if st.button("Run both", type="primary"):
@@ -26,7 +29,9 @@ if st.button("Run both", type="primary"):
     base = default_settings()
     settings = LabSettings(model=base.model, preset=name, block_size=d.get("block_size", 16),
                            num_blocks=d.get("num_blocks", 64), max_model_len=d.get("max_model_len", 256),
-                           reservation=d.get("reservation_tokens"), seed=int(seed))
+                           reservation=d.get("reservation_tokens"), seed=int(seed),
+                           preemption_mode=d.get("preemption_mode", "recompute"),
+                           swap_space_blocks=d.get("swap_space_blocks"))
     results = {}
     try:
         with st.spinner("Running the workload on both engines..."):
@@ -38,6 +43,7 @@ if st.button("Run both", type="primary"):
                 summary = (paged_summary if alloc == "paged" else contiguous_summary)(engine, records, outputs)
                 results[alloc] = (records, summary)
     except ValueError as exc:
+        st.session_state.pop("compare", None)
         st.error(f"This workload cannot run on both allocators: {exc}")
     else:
         st.session_state["compare"] = (name, results)
@@ -47,11 +53,12 @@ if "compare" in st.session_state:
     (p_rec, p), (c_rec, c) = results["paged"], results["contiguous"]
     st.subheader(f"{name}: accounting at each request's final length")
     table = pd.DataFrame({
-        "paged": [f"{p['slots_allocated']:,}", f"{p['slots_used']:,}", f"{p['waste_pct']:.1f}%", p["peak_concurrency"],
-                  f"{p['kv_utilization']:.1f}%", p["queued_at_door"], p["steps"], f"{p['tokens_per_s']:.0f}"],
+        "paged": [f"{p['slots_allocated']:,}", f"{p['slots_used']:,}", f"{p['waste_pct']:.1f}%",
+                  str(p["peak_concurrency"]), f"{p['kv_utilization']:.1f}%", str(p["queued_at_door"]),
+                  str(p["steps"]), f"{p['tokens_per_s']:.0f}"],
         "contiguous": [f"{c['reserved_slots']:,}", f"{c['used_slots']:,}", f"{c['waste_pct']:.1f}%",
-                       c["peak_concurrency"], f"{c['kv_utilization']:.1f}%", c["queued_at_door"], c["steps"],
-                       f"{c['tokens_per_s']:.0f}"],
+                       str(c["peak_concurrency"]), f"{c['kv_utilization']:.1f}%", str(c["queued_at_door"]),
+                       str(c["steps"]), f"{c['tokens_per_s']:.0f}"],
     }, index=["slots allocated / reserved", "slots used", "waste", "peak concurrency", "KV utilisation (mean)",
               "requests that waited at the door", "engine steps", "tokens/s"])
     st.table(table)

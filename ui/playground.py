@@ -27,6 +27,8 @@ def settings_form(current: LabSettings) -> None:
         presets = ["custom"] + list(SCENARIOS)
         preset = st.selectbox("Preset", presets, index=presets.index(current.preset),
                               help="A scenario's requests, or 'custom' to add your own.")
+        if current.preset != "custom":
+            st.caption(f"Current preset **{current.preset}**: {SCENARIOS[current.preset].description}")
         model = st.text_input("Model (embedded default, local path or hub id)", current.model)
         c1, c2 = st.columns(2)
         block_size = c1.number_input("Block size", value=current.block_size, step=1)
@@ -43,7 +45,7 @@ def settings_form(current: LabSettings) -> None:
         swap = st.number_input("Swap pool (blocks, 0 = as big as the pool)", value=current.swap_space_blocks or 0,
                                step=1)
         seed = st.number_input("Seed", value=current.seed, min_value=0, step=1)
-        use_preset = st.checkbox("Use the preset's pool settings", value=False,
+        use_preset = st.checkbox("Use the preset's pool settings", value=True,
                                  help="Take block size, pool and lengths from the preset instead.")
         if st.form_submit_button("Apply and reset", type="primary"):
             fields = dict(block_size=int(block_size), num_blocks=int(num_blocks), max_model_len=int(max_len),
@@ -147,20 +149,32 @@ def main() -> None:
     if c[2].button("Reset", width="stretch", help="Rebuild the engines with the same settings"):
         build_lab(lab.settings)
         st.rerun()
-    playing = c[3].toggle("Play", key="playing", help="Step automatically")
+    playing = st.session_state.get("playing", False)
+    c[3].button("Pause" if playing else "Play", on_click=_toggle_play, width="stretch", shortcut="P",
+                help="Step automatically at the chosen speed (P)")
     speed = c[4].select_slider("Speed (steps per second)", [0.5, 1, 2, 4, 8], value=2, key="speed")
+    # Play re-runs only the views below, on a timer (a fragment), one engine step per run.
+    st.fragment(run_every=1.0 / speed if playing else None)(views)(lab)
 
-    if playing:
-        @st.fragment(run_every=1.0 / speed)
-        def _play():
-            if lab.has_work():
-                lab.step()
-                st.session_state["cursor"] = -1
-                st.rerun(scope="app")
-            else:
-                st.session_state["playing"] = False
-        _play()
 
+def _toggle_play() -> None:
+    st.session_state["playing"] = not st.session_state.get("playing", False)
+
+
+def _scrubbed() -> None:
+    """The slider moved: show that recorded step (its last position means: follow the latest step)."""
+    value, total = st.session_state["scrub"], get_lab().step_count
+    st.session_state["cursor"] = -1 if value >= total else value - 1
+
+
+def views(lab) -> None:
+    if st.session_state.get("playing"):
+        if lab.has_work():
+            lab.step()
+            st.session_state["cursor"] = -1
+        else:
+            st.session_state["playing"] = False
+            st.rerun()  # the whole page, so the button says Play again
     total = lab.step_count
     if total == 0:
         st.info("Nothing has run yet. Press **Step** (or PageDown) to run the first engine step"
@@ -172,9 +186,9 @@ def main() -> None:
     cursor = st.session_state.get("cursor", -1)
     index = total - 1 if cursor < 0 else min(cursor, total - 1)
     if total > 1:
-        index = st.slider("Step", 1, total, index + 1, key=f"scrub_{total}_{index}") - 1
-        if index != total - 1:
-            st.session_state["cursor"] = index
+        st.session_state["scrub"] = index + 1  # set before the slider exists in this run
+        st.slider("Step", 1, total, key="scrub", on_change=_scrubbed,
+                  help="Time travel over the recorded steps; the right end follows the latest step.")
     paged, contiguous = lab.record(index)
     snap = paged.snapshot
     decode = shared_model(lab.settings.model)[1].decode
@@ -185,16 +199,19 @@ def main() -> None:
                f"{'replaying recorded steps' if index < total - 1 else 'latest'}"
                + ("" if lab.has_work() else "; all requests finished"))
     m = st.columns(6)
-    m[0].metric("paged: running", len(snap.running))
-    m[1].metric("paged: free blocks", f"{snap.num_free_blocks}/{snap.num_blocks}")
+    m[0].metric("paged: running", len(snap.running), help="running requests (a request may hold several "
+                                                           "samples or beams)")
+    m[1].metric("paged: free", f"{snap.num_free_blocks}/{snap.num_blocks}", help="free blocks / all blocks")
     used, alloc = snap.slots_used, snap.slots_allocated
-    m[2].metric("paged: slack", f"{100 * (alloc - used) / alloc:.1f}%" if alloc else "-")
+    m[2].metric("paged: slack", f"{100 * (alloc - used) / alloc:.1f}%" if alloc else "-",
+                help="unused slots in allocated blocks (last-block slack)")
     if contiguous is not None:
         cs = contiguous.snapshot
-        m[3].metric("contiguous: running", len(cs.running))
-        m[4].metric("contiguous: waiting", len(cs.waiting))
+        m[3].metric("contig.: running", len(cs.running), help="running requests on the contiguous baseline")
+        m[4].metric("contig.: waiting", len(cs.waiting), help="requests waiting at the door for a large enough gap")
         cu, ca = cs.slots_used, cs.slots_allocated
-        m[5].metric("contiguous: reserved unused", f"{100 * (ca - cu) / ca:.1f}%" if ca else "-")
+        m[5].metric("contig.: unused", f"{100 * (ca - cu) / ca:.1f}%" if ca else "-",
+                    help="reserved slots not (yet) holding a token")
 
     # ------------------------------------------------------------------------------------------ pools
     left, right = st.columns(2)
@@ -217,11 +234,14 @@ def main() -> None:
         if contiguous is not None:
             st.plotly_chart(contiguous_region_figure(contiguous.snapshot.contiguous, order),
                             width="stretch", key="region")
+            for note in lab.notes:
+                st.caption(note)
         else:
             st.info(" ".join(lab.notes) or "The contiguous baseline is not available for these settings.")
         st.caption("Colours: one per request; dark grey = shared block (its reference count is written on it); "
                    "light grey = last-block slack / reserved but not used; orange = external fragmentation (a gap "
-                   "too small for a reservation); white = free. Outlined: blocks this step changed.")
+                   "too small for a reservation); palest grey = free. Outlined black: blocks this step changed; "
+                   "pink: the highlighted request's blocks.")
 
     # ------------------------------------------------------------------------------------ what happened
     st.subheader("This step, in words")

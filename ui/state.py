@@ -35,4 +35,10 @@ def build_lab(settings: LabSettings) -> bool:
 
 
 def default_settings() -> LabSettings:
-    return LabSettings(model=EMBEDDED_MODEL)
+    """The "batch" preset with its own pool (12 blocks of 16): too small for all six requests, so the
+    first minutes in class already show preemption."""
+    from engine.scenarios import SCENARIOS
+
+    d = SCENARIOS["batch"].engine_defaults
+    return LabSettings(model=EMBEDDED_MODEL, preset="batch", block_size=d["block_size"], num_blocks=d["num_blocks"],
+                       max_model_len=d["max_model_len"], reservation=d["max_model_len"])

@@ -119,14 +119,17 @@ def block_pool_figure(snapshot, request_order: list[str], decode: Callable[[list
                        "<br>tokens: %{customdata[5]}<extra></extra>"),
         textfont={"size": 10},
     ))
-    outline = set(highlight or [])
+    size = 26 if ncols <= 12 else 14 if ncols <= 32 else 7
+    chosen = set()
     if selected:
-        outline |= {c["block"] for c in cells if any(request_id_of(o) == selected for o in c["owners"])}
-    if outline and not slot_mode:
-        pts = [pos[b] for b in sorted(outline) if b in pos]
-        fig.add_trace(go.Scatter(x=[p[1] for p in pts], y=[p[0] for p in pts], mode="markers", hoverinfo="skip",
-                                 marker={"symbol": "square-open", "size": 22, "line": {"width": 3},
-                                         "color": "#000000"}, showlegend=False))
+        chosen = {c["block"] for c in cells if any(request_id_of(o) == selected for o in c["owners"])}
+    for blocks, color in ((chosen, "#CC79A7"), (set(highlight or []), "#000000")):
+        pts = [pos[b] for b in sorted(blocks) if b in pos]
+        if pts and not slot_mode:  # open squares around the cells, so labels stay readable
+            fig.add_trace(go.Scatter(x=[p[1] for p in pts], y=[p[0] for p in pts], mode="markers",
+                                     hoverinfo="skip", showlegend=False,
+                                     marker={"symbol": "square-open", "size": size, "color": color,
+                                             "line": {"width": 2, "color": color}}))
     fig.update_layout(
         title=title or f"{snapshot.num_blocks - snapshot.num_free_blocks}/{snapshot.num_blocks} blocks in use",
         margin={"l": 10, "r": 10, "t": 40, "b": 10}, height=max(220, min(640, 48 * nrows + 60)),
@@ -143,7 +146,7 @@ def block_table_rows(snapshot, decode: Callable[[list[int]], str] | None = None)
         rows.append({
             "sequence": seq.seq_id,
             "status": seq.status,
-            "tokens": seq.num_tokens,
+            "tokens in pool": seq.num_tokens,
             "block table (logical -> physical)": " ".join(f"{i}->{b}" for i, b in enumerate(seq.block_table)),
             "text": decode(seq.token_ids[seq.prompt_len:]) if decode else "",
         })

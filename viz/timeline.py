@@ -26,5 +26,9 @@ def timeline_figure(series: dict[str, list], current_step: int | None = None) ->
     if current_step is not None:
         for col in (1, 2):
             fig.add_vline(x=current_step, line={"dash": "dot", "color": "#888888"}, row=1, col=col)
-    fig.update_layout(height=260, margin={"l": 10, "r": 10, "t": 40, "b": 10}, legend={"orientation": "h"})
+    fig.update_xaxes(title_text="step")
+    fig.update_yaxes(rangemode="tozero")
+    fig.update_yaxes(tickformat="d", row=1, col=2)
+    fig.update_layout(height=300, margin={"l": 10, "r": 10, "t": 60, "b": 10},
+                      legend={"orientation": "h", "yanchor": "bottom", "y": 1.12, "x": 0})
     return fig

@@ -60,7 +60,7 @@ def test_back_then_forward_shows_the_identical_snapshot():
     shown_before = metrics(at)
     button(at, "Back").click().run()
     assert at.session_state["cursor"] == 1 and lab.step_count == 3  # nothing re-ran
-    button(at, "Step").click().run()  # forward replays the recorded step
+    button(at, "Forward").click().run()  # replays the recorded step
     assert lab.step_count == 3
     assert metrics(at) == shown_before
     assert lab.history[-1][0].snapshot == latest

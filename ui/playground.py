@@ -138,8 +138,10 @@ def main() -> None:
                    help="Show the previous step (PageUp). Recorded, not re-run."):
         st.session_state["cursor"] = max(0, (cursor if cursor >= 0 else total - 1) - 1)
         st.rerun()
-    if c[1].button("Step", type="primary", shortcut="PageDown", width="stretch",
-                   help="Run one engine step (PageDown, or a presenter's clicker)."):
+    replaying = 0 <= cursor < total - 1
+    if c[1].button("Forward" if replaying else "Step", type="primary", shortcut="PageDown", width="stretch",
+                   help="Run one engine step, or while looking back, show the next recorded step "
+                        "(PageDown, or a presenter's clicker)."):
         if cursor >= 0 and cursor < total - 1:
             st.session_state["cursor"] = cursor + 1  # replay forward through what was recorded
         elif lab.has_work():

@@ -388,12 +388,9 @@ class BlockManager:
             for b in reversed(table):
                 self._release_block(b)
         pairs = list(mapping.items())
-        self.events.append(Event(
-            "swap_out", request_id or seq_ids[0], [g for g, _ in pairs],
-            f"{', '.join(seq_ids)}: {len(pairs)} blocks copied to the CPU swap pool "
-            f"({', '.join(f'{g}->cpu{c}' for g, c in pairs)}) and released on the GPU",
-            {"pairs": [list(p) for p in pairs], "seqs": list(seq_ids)},
-        ))
+        self._swap_event("swap_out", request_id or seq_ids[0], seq_ids, pairs, [g for g, _ in pairs],
+                         f"copied to the CPU swap pool ({', '.join(f'{g}->cpu{c}' for g, c in pairs)}) and "
+                         f"released on the GPU")
         return pairs
 
     def can_swap_in(self, seq_ids: list[str]) -> bool:
@@ -420,13 +417,14 @@ class BlockManager:
             self.num_tokens[s] = self.swap_num_tokens[s]
             self._release_swap(s, quiet=True)
         pairs = list(mapping.items())
-        self.events.append(Event(
-            "swap_in", request_id or seq_ids[0], [g for _, g in pairs],
-            f"{', '.join(seq_ids)}: {len(pairs)} blocks copied back from the CPU swap pool "
-            f"({', '.join(f'cpu{c}->{g}' for c, g in pairs)})",
-            {"pairs": [list(p) for p in pairs], "seqs": list(seq_ids)},
-        ))
+        self._swap_event("swap_in", request_id or seq_ids[0], seq_ids, pairs, [g for _, g in pairs],
+                         f"copied back from the CPU swap pool ({', '.join(f'cpu{c}->{g}' for c, g in pairs)})")
         return pairs
+
+    def _swap_event(self, kind: str, request_id: str, seq_ids: list[str], pairs, gpu_blocks: list[int],
+                    what: str) -> None:
+        self.events.append(Event(kind, request_id, gpu_blocks, f"{', '.join(seq_ids)}: {len(pairs)} blocks {what}",
+                                 {"pairs": [list(p) for p in pairs], "seqs": list(seq_ids)}))
 
     # ------------------------------------------------------------------------------------------- drains
     def drain_events(self) -> list[Event]:

@@ -266,13 +266,14 @@ def run(args) -> int:
         workloads[alloc] = scenario.make(args.seed, tokenize)
         for i, r in enumerate(workloads[alloc].requests):
             try:
-                engine._make_request(r.prompt, r.params, f"check{i}")
+                engine.check_request(r.prompt, r.params)
             except ValueError as exc:
                 raise ValueError(f"{alloc} allocator: request {i + 1} of {args.scenario!r}: {exc}") from None
         engines[alloc] = engine
     if "contiguous" in engines:
         cont = engines["contiguous"]
-        longest = max(len(cont._tokenize(r.prompt)[1]) + r.params.max_tokens for r in workloads["contiguous"].requests)
+        longest = max(len(cont.check_request(r.prompt, r.params)) + r.params.max_tokens
+                      for r in workloads["contiguous"].requests)
         if longest > cont.max_model_len:
             print(f"note: on the contiguous baseline requests stop at its {cont.max_model_len}-slot reservation; "
                   f"the longest request here needs {longest}, so its outputs are cut short", file=sys.stderr)

@@ -158,6 +158,14 @@ class LLMEngine:
         self._enqueue(request)
         return rid
 
+    def check_request(self, prompt, params: SamplingParams | None = None) -> list[int]:
+        """Validate a request without adding it; returns its prompt token ids.
+
+        Raises:
+            ValueError: whatever ``add_request`` would refuse, with the same message.
+        """
+        return self._make_request(prompt, params or SamplingParams(), "R-check").prompt_token_ids
+
     def _auto_ids(self, count: int) -> list[str]:
         """The next ``count`` free ids "R<k>", skipping ids a caller chose."""
         ids, k = [], self._next_id

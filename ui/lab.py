@@ -76,7 +76,7 @@ class Lab:
     # ------------------------------------------------------------------------------------------- requests
     def check(self, prompt, params: SamplingParams) -> None:
         """Raise ValueError if the paged engine would refuse this request (nothing is added)."""
-        self.paged._make_request(prompt, params, "R-check")
+        self.paged.check_request(prompt, params)
 
     def add_request(self, prompt, params: SamplingParams) -> str:
         """Add a request to both engines now (the contiguous one only if it serves it). Returns its id.

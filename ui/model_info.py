@@ -26,7 +26,7 @@ st.subheader("KV cache per token")
 st.latex(r"\text{bytes/token} = 2\,(K,V) \times \text{layers} \times \text{KV heads} \times \text{head\_dim}"
          r" \times \text{bytes per element}")
 st.latex(rf"= 2 \times {g.num_layers} \times {g.num_kv_heads} \times {g.head_dim} \times {g.dtype_bytes}"
-         rf" = {g.bytes_per_token:,}\ \text{{bytes}}")
+         rf" = {g.bytes_per_token:,}\ \text{{bytes}}".replace(",", "{,}"))
 st.write(f"A block of 16 tokens holds {g.bytes_per_block(16):,} bytes; 1,000 tokens take "
          f"{1000 * g.bytes_per_token / 2**20:.2f} MiB. Grouped-query attention stores {g.num_kv_heads} KV heads "
          f"for {g.num_heads} query heads: {g.num_heads // g.num_kv_heads}x less than one per query head. "

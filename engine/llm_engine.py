@@ -164,7 +164,8 @@ class LLMEngine:
         Raises:
             ValueError: whatever ``add_request`` would refuse, with the same message.
         """
-        return self._make_request(prompt, params or SamplingParams(), "R-check").prompt_token_ids
+        # an id that is free now, so a caller's own ids never make the check fail
+        return self._make_request(prompt, params or SamplingParams(), self._auto_ids(1)[0]).prompt_token_ids
 
     def _auto_ids(self, count: int) -> list[str]:
         """The next ``count`` free ids "R<k>", skipping ids a caller chose."""

@@ -153,3 +153,11 @@ def test_non_finite_or_out_of_range_params(kwargs, named):
 def test_block_larger_than_the_longest_sequence(make_engine):
     with pytest.raises(ValueError, match="block_size 4096 exceeds max_model_len"):
         make_engine(block_size=4096, num_blocks=1, max_model_len=2048)
+
+
+def test_check_request_ignores_ids_the_caller_chose(make_engine):
+    engine = make_engine(block_size=16, num_blocks=64)
+    engine.add_request([5] * 3, request_id="R-check")
+    engine.add_request([5] * 3, request_id="R1")
+    assert engine.check_request([6, 7], SamplingParams(max_tokens=2)) == [6, 7]
+    assert list(engine.requests) == ["R-check", "R1"]  # nothing added

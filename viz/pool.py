@@ -36,7 +36,7 @@ def block_tokens(snapshot) -> dict[int, list[int]]:
     B = snapshot.block_size
     held: dict[int, list[int]] = {}
     for seq in snapshot.sequences:
-        if seq.status not in ("running",):
+        if seq.status != "running":
             continue
         for i, b in enumerate(seq.block_table):
             if b not in held:

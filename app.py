@@ -1,16 +1,25 @@
 """Paged Attention Lab: the Streamlit app's entry point (page navigation only).
 
     streamlit run app.py      (or: bash scripts/run.sh)
+
+The lesson pages come from ``lessons.catalog()``: adding a lesson under ``lessons/`` adds its page here.
 """
 
 import streamlit as st
 
+from lessons import catalog
+
 st.set_page_config(page_title="Paged Attention Lab", page_icon=":material/grid_view:", layout="wide")
 
-pages = [
-    st.Page("ui/playground.py", title="Playground", icon=":material/play_circle:", default=True),
-    st.Page("ui/compare.py", title="Compare", icon=":material/compare_arrows:"),
-    st.Page("ui/lessons.py", title="Lessons", icon=":material/school:"),
-    st.Page("ui/model_info.py", title="Model", icon=":material/memory:"),
-]
+pages = {
+    "Explore": [
+        st.Page("ui/playground.py", title="Playground", icon=":material/play_circle:", default=True),
+        st.Page("ui/compare.py", title="Compare", icon=":material/compare_arrows:"),
+        st.Page("ui/model_info.py", title="Model", icon=":material/memory:"),
+    ],
+    "Lessons": [st.Page("ui/lessons.py", title="All lessons", icon=":material/school:")] + [
+        st.Page(lesson.page_path, title=f"{lesson.number}. {lesson.title}", url_path=lesson.url_path)
+        for lesson in catalog()
+    ],
+}
 st.navigation(pages).run()

@@ -181,6 +181,15 @@ class BlockManager:
             raise ValueError(f"slot_mapping range start {start} is after end {end}")
         return [self.slot(seq_id, p) for p in range(start, end)]
 
+    def pool_fields(self) -> dict:
+        """The pool's part of a ``records.Snapshot`` (per-block lists indexed by physical block id), so a
+        lesson driving a bare manager draws it with the same figures as the engine's snapshots."""
+        return dict(num_blocks=self.num_blocks, block_size=self.block_size, num_free_blocks=self.num_free_blocks,
+                    ref_counts=list(self.ref_counts), fills=list(self.fills), owners=self.owners(),
+                    block_hashes=list(self.block_hashes), num_swap_blocks=self.num_swap_blocks,
+                    num_free_swap_blocks=self.num_free_swap_blocks, swap_fills=list(self.swap_fills),
+                    prefix_cache=dict(self.stats))
+
     # ----------------------------------------------------------------------------------------- changes
     def allocate(self, seq_id: str, num_tokens: int, token_ids: list[int] | None = None) -> list[int]:
         """Give a new sequence the blocks for its first ``num_tokens`` tokens (prefill); see

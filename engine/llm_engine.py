@@ -448,13 +448,7 @@ class LLMEngine:
             return Snapshot(num_blocks=bm.capacity, block_size=1, num_free_blocks=bm.free_slots, ref_counts=[],
                             fills=[], owners=[], sequences=states, allocator="contiguous",
                             contiguous=bm.layout(), **queues)
-        return Snapshot(
-            num_blocks=bm.num_blocks, block_size=bm.block_size, num_free_blocks=bm.num_free_blocks,
-            ref_counts=list(bm.ref_counts), fills=list(bm.fills), owners=bm.owners(), sequences=states,
-            block_hashes=list(bm.block_hashes), num_swap_blocks=bm.num_swap_blocks,
-            num_free_swap_blocks=bm.num_free_swap_blocks, swap_fills=list(bm.swap_fills),
-            prefix_cache=dict(bm.stats), **queues,
-        )
+        return Snapshot(sequences=states, **bm.pool_fields(), **queues)
 
     def get_output(self, request_id: str) -> RequestOutput:
         """The request's output so far (``finish_reason`` None while it runs). Raises KeyError if unknown.

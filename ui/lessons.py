@@ -1,6 +1,33 @@
+"""The lessons' overview: every lesson in order with this session's progress and a link to it."""
+
+import importlib
+
 import streamlit as st
 
+from lessons import catalog
+from lessons.render import PROGRESS, context, lesson_progress
+
 st.title("Lessons")
-st.info("The self-paced lessons (the KV cache and its size, contiguous waste, blocks and block tables, "
-        "sharing and copy-on-write, running out of memory, when paging matters) are coming in a later "
-        "release. Meanwhile the Playground's presets step through each idea on the real model.")
+st.markdown(
+    "Six short lessons on how a language-model server keeps its KV cache in memory, taught on the same "
+    "engine the Playground runs. Each lesson asks you to **predict** what the engine will do before it "
+    "runs, then shows what it did. Go in order; each takes 5 to 15 minutes. Your answers are kept for "
+    "this browser session only."
+)
+ctx = context()
+lessons = catalog()
+total_answered = total = 0
+for lesson in lessons:
+    ids = importlib.import_module(lesson.module_name).exercises(ctx)
+    answered, right = lesson_progress(lesson, ids)
+    total_answered, total = total_answered + answered, total + len(ids)
+    with st.container(border=True):
+        c1, c2 = st.columns([3, 1], vertical_alignment="center")
+        c1.page_link(lesson.page_path, label=f"**{lesson.number}. {lesson.title}**", icon=":material/menu_book:")
+        c1.caption(f"about {lesson.minutes} minutes · {len(ids)} predictions")
+        status = "not started" if answered == 0 else "done" if answered == len(ids) else "in progress"
+        c2.progress(answered / len(ids) if ids else 0.0, text=f"{status}: {answered}/{len(ids)}, {right} right")
+st.progress(total_answered / total if total else 0.0, text=f"All lessons: {total_answered} of {total} predictions made")
+if st.button("Forget my answers", help="Clear every prediction made in this session"):
+    st.session_state[PROGRESS] = {}
+    st.rerun()

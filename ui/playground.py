@@ -11,7 +11,7 @@ import streamlit as st
 from engine import SamplingParams
 from engine.config import PREEMPTION_MODES
 from engine.scenarios import SCENARIOS
-from ui.state import build_lab, default_settings, get_lab, shared_model
+from ui.state import build_lab, default_settings, get_lab, preset_settings, shared_model
 from ui.lab import LabSettings
 from viz import (block_pool_figure, block_table_rows, contiguous_region_figure, paged_slots_figure,
                  swap_pool_figure, timeline_figure)
@@ -51,15 +51,13 @@ def settings_form(current: LabSettings) -> None:
             fields = dict(block_size=int(block_size), num_blocks=int(num_blocks), max_model_len=int(max_len),
                           reservation=int(reservation), preemption_mode=mode, swap_space_blocks=int(swap) or None,
                           kv_budget_mb=float(budget))
+            common = dict(enable_prefix_caching=caching, seed=int(seed))
             if use_preset and preset != "custom":
-                d = SCENARIOS[preset].engine_defaults
-                fields = dict(block_size=d.get("block_size", 16), num_blocks=d.get("num_blocks", 64),
-                              max_model_len=d.get("max_model_len", 256),
-                              reservation=d.get("reservation_tokens", d.get("max_model_len", 256)),
-                              preemption_mode=d.get("preemption_mode", mode),
-                              swap_space_blocks=d.get("swap_space_blocks"), kv_budget_mb=0.0)
-            build_lab(LabSettings(model=model.strip(), preset=preset, enable_prefix_caching=caching, seed=int(seed),
-                                  **fields))
+                if "preemption_mode" not in SCENARIOS[preset].engine_defaults:
+                    common["preemption_mode"] = mode
+                build_lab(preset_settings(preset, model.strip(), **common))
+            else:
+                build_lab(LabSettings(model=model.strip(), preset=preset, **common, **fields))
             st.rerun()
 
 

@@ -34,11 +34,24 @@ def build_lab(settings: LabSettings) -> bool:
     return True
 
 
+def preset_settings(preset: str, model: str = EMBEDDED_MODEL, **overrides) -> LabSettings:
+    """Settings for a preset with the pool settings it needs (block size, pool, lengths, preemption), then
+    ``overrides`` (``LabSettings`` fields). Raises ValueError for an unknown preset or field."""
+    from engine.scenarios import get_scenario
+
+    d = get_scenario(preset).engine_defaults
+    fields = dict(block_size=d.get("block_size", 16), num_blocks=d.get("num_blocks", 64),
+                  max_model_len=d.get("max_model_len", 256),
+                  reservation=d.get("reservation_tokens", d.get("max_model_len", 256)),
+                  preemption_mode=d.get("preemption_mode", "recompute"), swap_space_blocks=d.get("swap_space_blocks"))
+    unknown = set(overrides) - set(LabSettings.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"unknown Playground setting(s): {', '.join(sorted(unknown))}")
+    fields.update(overrides)
+    return LabSettings(model=model, preset=preset, **fields)
+
+
 def default_settings() -> LabSettings:
     """The "batch" preset with its own pool (12 blocks of 16): too small for all six requests, so the
     first minutes in class already show preemption."""
-    from engine.scenarios import SCENARIOS
-
-    d = SCENARIOS["batch"].engine_defaults
-    return LabSettings(model=EMBEDDED_MODEL, preset="batch", block_size=d["block_size"], num_blocks=d["num_blocks"],
-                       max_model_len=d["max_model_len"], reservation=d["max_model_len"])
+    return preset_settings("batch")

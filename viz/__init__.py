@@ -4,14 +4,16 @@
 - ``contiguous_region_figure``: the contiguous baseline's region on the same scale.
 - ``timeline_figure``: KV utilisation and running requests over steps, paged vs contiguous.
 - ``block_table_rows``: each sequence's logical -> physical table as plain rows for a table widget.
+- ``gpu_memory_figure``: how a GPU's memory divides into weights and KV cache (lesson 1).
 - ``colors``: the colour-blind-safe request palette shared by every view.
 """
 
 from .colors import request_color, request_colors
+from .memory import gpu_memory_figure
 from .pool import block_pool_figure, block_table_rows, pool_cells, swap_pool_figure
 from .region import contiguous_region_figure, paged_slot_cells, paged_slots_figure, region_cells
 from .timeline import timeline_figure
 
-__all__ = ["block_pool_figure", "block_table_rows", "contiguous_region_figure", "paged_slot_cells",
+__all__ = ["block_pool_figure", "gpu_memory_figure", "block_table_rows", "contiguous_region_figure", "paged_slot_cells",
            "paged_slots_figure", "pool_cells", "region_cells", "swap_pool_figure",
            "request_color", "request_colors", "timeline_figure"]

@@ -13,14 +13,19 @@ import math
 
 import plotly.graph_objects as go
 
-from .colors import EXTERNAL, FREE, SHARED, SLACK, request_color
+from .colors import EXTERNAL, FREE, INTERNAL, SHARED, SLACK, request_color
 from .pool import _discrete_scale
 
 MAX_CELLS = 2048  # cells drawn per strip; above this each cell stands for several slots (majority wins)
 
 
-def region_cells(layout: dict, request_order: list[str]) -> list[str]:
-    """Colour of every slot of a contiguous region layout (``Snapshot.contiguous``)."""
+def region_cells(layout: dict, request_order: list[str], final_lengths: dict[str, int] | None = None) -> list[str]:
+    """Colour of every slot of a contiguous region layout (``Snapshot.contiguous``).
+
+    ``final_lengths`` (sequence id -> tokens it will hold when it finishes), known only with hindsight,
+    splits a reservation's unused slots into "reserved, not yet used" (up to the final length, light grey)
+    and internal fragmentation (past it, never used; red). Without it all unused slots are light grey.
+    """
     cap = layout["capacity_slots"]
     slots = [FREE] * cap
     for g in layout["gaps"]:
@@ -28,8 +33,11 @@ def region_cells(layout: dict, request_order: list[str]) -> list[str]:
             slots[g["start"]:g["start"] + g["length"]] = [EXTERNAL] * g["length"]
     for r in layout["regions"]:
         color = request_color(r["seq_id"], request_order)
-        slots[r["start"]:r["start"] + r["used"]] = [color] * r["used"]
-        slots[r["start"] + r["used"]:r["start"] + r["length"]] = [SLACK] * (r["length"] - r["used"])
+        start, used, length = r["start"], r["used"], r["length"]
+        final = min(length, max(used, (final_lengths or {}).get(r["seq_id"], length)))
+        slots[start:start + used] = [color] * used
+        slots[start + used:start + final] = [SLACK] * (final - used)
+        slots[start + final:start + length] = [INTERNAL] * (length - final)
     return slots
 
 
@@ -73,19 +81,26 @@ def _strip(slots: list[str], title: str, hover_unit: str) -> go.Figure:
     return fig
 
 
-def contiguous_region_figure(layout: dict, request_order: list[str]) -> go.Figure:
+def contiguous_region_figure(layout: dict, request_order: list[str],
+                             final_lengths: dict[str, int] | None = None) -> go.Figure:
+    """The contiguous region as a strip of slots; see ``region_cells`` for ``final_lengths``."""
     used = layout["used_slots"]
     reserved = used + layout["reserved_unused_slots"]
     waste = 100 * (reserved - used) / reserved if reserved else 0.0
-    title = (f"contiguous: {used:,} used / {reserved:,} reserved ({waste:.0f}% unused)<br>"
-             f"external fragmentation {layout['external_frag_slots']:,}, internal so far "
-             f"{layout['internal_frag_slots']:,} slots")
-    return _strip(region_cells(layout, request_order), title, "slots")
+    if final_lengths is None:
+        detail = (f"external fragmentation {layout['external_frag_slots']:,}, internal so far "
+                  f"{layout['internal_frag_slots']:,} slots")
+    else:
+        cells = region_cells(layout, request_order, final_lengths)
+        detail = (f"not yet used {cells.count(SLACK):,}, internal {cells.count(INTERNAL):,}, "
+                  f"external {cells.count(EXTERNAL):,} slots")
+    title = f"contiguous: {used:,} used / {reserved:,} reserved ({waste:.1f}% unused)<br>{detail}"
+    return _strip(region_cells(layout, request_order, final_lengths), title, "slots")
 
 
 def paged_slots_figure(snapshot, request_order: list[str]) -> go.Figure:
     used = snapshot.slots_used
     allocated = snapshot.slots_allocated
     waste = 100 * (allocated - used) / allocated if allocated else 0.0
-    title = f"paged: {used:,} used / {allocated:,} allocated<br>({waste:.0f}% last-block slack)"
+    title = f"paged: {used:,} used / {allocated:,} allocated<br>({waste:.1f}% last-block slack)"
     return _strip(paged_slot_cells(snapshot, request_order), title, "slots")

@@ -1,0 +1,90 @@
+"""Self-paced lessons: each lesson is a Markdown file plus a small module of the same name.
+
+    lessons/l3_block_tables.md   the text, with a front-matter header (title, minutes, playground preset)
+                                  and markers where interactive parts go: ``<!-- exercise: id -->`` and
+                                  ``<!-- widget: name -->``; ``{{ name }}`` is replaced by a figure the
+                                  module computed with the engine at run time
+    lessons/l3_block_tables.py   ``facts(ctx)``, ``exercises(ctx)`` (pure, tested without Streamlit) and
+                                  ``widget_<name>(ctx)`` functions; run as a Streamlit page it renders itself
+
+Adding a lesson means adding such a pair here; the app builds its pages from ``catalog()``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LESSONS_DIR = Path(__file__).resolve().parent
+_NAME = re.compile(r"^l(\d+)_([a-z0-9_]+)\.md$")
+
+
+@dataclass(frozen=True)
+class Lesson:
+    """One lesson: its number (order), slug (module and URL name), title, reading time (minutes), the
+    Playground settings its "open in the Playground" button loads, and its Markdown body."""
+
+    number: int
+    slug: str
+    title: str
+    minutes: str
+    playground: dict = field(default_factory=dict)
+    body: str = ""
+
+    @property
+    def module_name(self) -> str:
+        return f"lessons.{self.slug}"
+
+    @property
+    def page_path(self) -> str:
+        """The page script, relative to the repository root (where app.py is)."""
+        return f"lessons/{self.slug}.py"
+
+    @property
+    def url_path(self) -> str:
+        return f"lesson-{self.number}"
+
+
+def parse_front_matter(text: str, source: str) -> tuple[dict, str]:
+    """Split ``---``-delimited ``key: value`` lines from the body. Raises ValueError naming the file."""
+    if not text.startswith("---\n"):
+        raise ValueError(f"{source}: a lesson starts with a '---' front-matter block")
+    head, sep, body = text[4:].partition("\n---\n")
+    if not sep:
+        raise ValueError(f"{source}: the front-matter block is not closed with '---'")
+    meta = {}
+    for line in head.splitlines():
+        if line.strip():
+            key, colon, value = line.partition(":")
+            if not colon:
+                raise ValueError(f"{source}: front-matter line {line!r} is not 'key: value'")
+            meta[key.strip()] = value.strip()
+    return meta, body
+
+
+def _playground(value: str) -> dict:
+    """``preset [key=value ...]``, e.g. ``single block_size=16 num_blocks=32``."""
+    preset, *pairs = value.split()
+    out: dict = {"preset": preset}
+    for pair in pairs:
+        key, _, v = pair.partition("=")
+        out[key] = int(v) if v.lstrip("-").isdigit() else v
+    return out
+
+
+def load_lesson(path: Path) -> Lesson:
+    match = _NAME.match(path.name)
+    if not match:
+        raise ValueError(f"{path.name}: lesson files are named l<number>_<name>.md")
+    meta, body = parse_front_matter(path.read_text(encoding="utf-8"), path.name)
+    for key in ("title", "minutes", "playground"):
+        if key not in meta:
+            raise ValueError(f"{path.name}: front matter lacks {key!r}")
+    return Lesson(int(match.group(1)), path.stem, meta["title"], meta["minutes"], _playground(meta["playground"]),
+                  body)
+
+
+def catalog() -> list[Lesson]:
+    """Every lesson under ``lessons/``, in order of its number."""
+    return sorted((load_lesson(p) for p in LESSONS_DIR.glob("l*_*.md")), key=lambda l: l.number)

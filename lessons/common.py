@@ -1,0 +1,109 @@
+"""Helpers the lesson modules share: drive the engine or a bare block manager and keep what it did as
+plain data (snapshots, step records). No Streamlit here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.block_manager import BlockManager
+from engine.records import Snapshot, SequenceState, StepRecord
+
+
+@dataclass
+class LessonContext:
+    """What a lesson module gets.
+
+    ``loaded``: (model, tokenizer) of the embedded model, shared read-only; ``memo(fn, *args)`` returns
+    ``fn(*args)``, cached by the app across sessions (the tests pass a plain call); ``state``: this
+    session's widget values (``st.session_state`` in the app, a dict in tests).
+    """
+
+    loaded: Any = None
+    memo: Callable = lambda fn, *args: fn(*args)  # noqa: E731
+    state: dict = field(default_factory=dict)
+
+    def run(self, fn: Callable, *args):
+        """``fn(loaded, *args)`` through the memo (``loaded`` itself is not part of the cache key)."""
+        return self.memo(_Bound(fn, self.loaded), *args)
+
+
+class _Bound:
+    """``fn`` with the model bound, hashable by ``fn`` alone (the model is the same for every call)."""
+
+    def __init__(self, fn: Callable, loaded) -> None:
+        self.fn, self.loaded = fn, loaded
+
+    def __call__(self, *args):
+        return self.fn(self.loaded, *args)
+
+    @property
+    def key(self) -> str:
+        return f"{self.fn.__module__}.{self.fn.__qualname__}"
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Bound) and self.key == other.key
+
+
+def manager_snapshot(bm: BlockManager, tokens: dict[str, list[int]] | None = None) -> Snapshot:
+    """A ``records.Snapshot`` of a bare block manager: every sequence it holds is shown as running
+    (``tokens``: optional token ids per sequence, for the figures' hover text)."""
+    tokens = tokens or {}
+    seqs = [SequenceState(seq_id=s, request_id=s.split(".")[0], status="running", prompt_len=n,
+                          num_generated=0, num_tokens=n, block_table=list(bm.block_tables[s]),
+                          token_ids=list(tokens.get(s, [0] * n)))
+            for s, n in bm.num_tokens.items()]
+    return Snapshot(sequences=seqs, waiting=[], running=sorted({s.request_id for s in seqs}), **bm.pool_fields())
+
+
+@dataclass
+class EngineRun:
+    """What an engine run left: every StepRecord, the request ids in order, and each request's output."""
+
+    records: list[StepRecord]
+    request_ids: list[str]
+    outputs: dict
+    block_size: int
+    num_blocks: int
+
+    def first(self, kind: str, request_id: str | None = None):
+        """(record index, event) of the first event of ``kind`` (optionally of one request), or (None, None)."""
+        for i, rec in enumerate(self.records):
+            for e in rec.events:
+                if e.kind == kind and (request_id is None or e.request_id == request_id
+                                       or (e.request_id or "").split(".")[0] == request_id):
+                    return i, e
+        return None, None
+
+    def events(self, kind: str) -> list:
+        return [e for rec in self.records for e in rec.events if e.kind == kind]
+
+
+def run_engine(loaded, requests: list[tuple[Any, SamplingParams]], max_steps: int = 2000, **config) -> EngineRun:
+    """Run ``requests`` (prompt text or token ids, params) to completion on a fresh engine built from
+    ``config`` (``EngineConfig`` fields) and the shared ``loaded`` model; every request is added before the
+    first step. Raises ValueError for bad settings or requests, RuntimeError if it does not finish."""
+    engine = LLMEngine(EngineConfig(device="auto", **config), loaded)
+    ids = [engine.add_request(p, sp) for p, sp in requests]
+    records = []
+    while engine.has_unfinished():
+        if len(records) >= max_steps:
+            raise RuntimeError(f"the run did not finish in {max_steps} steps")
+        records.append(engine.step())
+    return EngineRun(records, ids, {r: engine.get_output(r) for r in ids}, engine.block_size,
+                     records[-1].snapshot.num_blocks if records else 0)
+
+
+def prompt_of_length(tokenizer, n: int, text: str) -> list[int]:
+    """The first ``n`` token ids of ``text`` repeated as needed (a prompt of exactly ``n`` tokens)."""
+    ids: list[int] = []
+    piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not piece:
+        raise ValueError("the text has no tokens")
+    while len(ids) < n:
+        ids += piece
+    return ids[:n]

@@ -1,0 +1,116 @@
+"""Predict-then-reveal exercises: pure data and checkers (no Streamlit).
+
+A lesson module builds each ``Exercise`` with ``expected`` taken from an engine or block-manager run made
+at run time; nothing here knows the answers. The page asks the question, takes the learner's committed
+answer, and only then shows the engine's answer and the explanation.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+KINDS = ("number", "choice", "list", "set")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    correct: bool
+    message: str
+
+
+@dataclass
+class Exercise:
+    """One question.
+
+    Attributes:
+        id: unique within its lesson (progress is kept per id).
+        question: Markdown.
+        kind: "number" (a value, within ``tolerance`` absolute or ``rel_tolerance`` relative), "choice"
+            (one of ``options``), "list" (integers in order, e.g. a block table) or "set" (integers, any
+            order, e.g. the blocks that become free).
+        expected: the engine's answer (a number, an option, or a list of integers).
+        explanation: Markdown shown after the reveal, written with the engine's numbers.
+        unit: shown next to a number input (e.g. "KiB").
+    """
+
+    id: str
+    question: str
+    kind: str
+    expected: Any
+    explanation: str = ""
+    options: list[str] = field(default_factory=list)
+    tolerance: float = 0.0
+    rel_tolerance: float = 0.0
+    unit: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"exercise {self.id!r}: kind {self.kind!r} is not one of {', '.join(KINDS)}")
+        if self.kind == "choice" and self.expected not in self.options:
+            raise ValueError(f"exercise {self.id!r}: the engine's answer {self.expected!r} is not among the options")
+
+    # ------------------------------------------------------------------------------------------ checking
+    def parse(self, answer: Any) -> Any:
+        """The learner's answer as a value of this exercise's kind. Raises ValueError naming the bad input."""
+        if self.kind == "number":
+            if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+                return answer
+            text = str(answer).strip().replace(",", "").replace("_", "")
+            try:
+                return float(text)
+            except ValueError:
+                raise ValueError(f"{answer!r} is not a number") from None
+        if self.kind == "choice":
+            if answer not in self.options:
+                raise ValueError(f"{answer!r} is not one of the options")
+            return answer
+        return parse_int_list(answer)
+
+    def check(self, answer: Any) -> Verdict:
+        """Compare a committed answer with the engine's. Raises ValueError if the answer cannot be read."""
+        value = self.parse(answer)
+        if self.kind == "number":
+            slack = max(self.tolerance, self.rel_tolerance * abs(self.expected))
+            ok = abs(value - self.expected) <= slack + 1e-9
+        elif self.kind == "set":
+            ok = sorted(set(value)) == sorted(set(self.expected)) and len(value) == len(set(value))
+        else:
+            ok = value == self.expected
+        shown = format_value(self.expected, self.unit)
+        if ok:
+            return Verdict(True, f"Correct: the engine agrees, {shown}.")
+        return Verdict(False, f"Not quite: you said {format_value(value, self.unit)}; the engine says {shown}.")
+
+
+def parse_int_list(answer: Any) -> list[int]:
+    """``"0, 2"``, ``"[0 2]"``, ``[0, 2]`` -> ``[0, 2]``; ``""`` or ``"none"`` -> ``[]``.
+    Raises ValueError naming the first piece that is not a whole number."""
+    if isinstance(answer, (list, tuple)):
+        pieces = [str(x) for x in answer]
+    else:
+        text = str(answer).strip().strip("[](){}")
+        if text.lower() in ("", "none", "-"):
+            return []
+        pieces = [p for p in re.split(r"[\s,;]+", text) if p]
+    out = []
+    for p in pieces:
+        if not re.fullmatch(r"-?\d+", p.strip()):
+            raise ValueError(f"{p!r} is not a whole number; write numbers separated by commas, e.g. 0, 2")
+        out.append(int(p))
+    return out
+
+
+def format_value(value: Any, unit: str = "") -> str:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int):
+        text = f"{value:,}"
+    elif isinstance(value, float):
+        text = f"{value:,.4g}" if abs(value) < 1000 else f"{value:,.0f}"
+    elif isinstance(value, (list, tuple)):
+        text = "[" + ", ".join(map(str, value)) + "]"
+    else:
+        text = str(value)
+    return f"{text} {unit}".strip()

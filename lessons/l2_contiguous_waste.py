@@ -1,0 +1,242 @@
+"""Lesson 2: contiguous allocation and its three kinds of waste, counted by the engine's
+``ContiguousAllocator`` and ``BlockManager`` holding the requests' tokens (no model needed)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.block_manager import BlockManager
+from engine.contiguous import ContiguousAllocator
+from engine.records import Snapshot
+from lessons.common import manager_snapshot
+from lessons.exercise import Exercise, parse_int_list
+
+REFERENCE = {"seed": 7, "n": 8, "max_len": 2048, "block_size": 16}
+LENGTH_RANGE = (50, 900)  # numpy integers(low, high): 50..899 tokens
+FRAG_SIZES = [2048, 1024, 2048, 1024, 2048]  # reservations (slots); the two of 1,024 finish
+PAGED_BANDS = [(0, 2, "under 2%"), (2, 20, "between 2% and 20%"), (20, 50, "between 20% and 50%"),
+               (50, 100, "over 50%")]
+
+
+def draw_lengths(seed: int, n: int) -> list[int]:
+    """``n`` final lengths drawn uniformly from 50..899 with numpy's default generator (seed 7, n 8: the
+    lesson's reference run). Raises ValueError for a negative seed or n < 1."""
+    if n < 1 or seed < 0:
+        raise ValueError(f"need n >= 1 and seed >= 0, got n={n}, seed={seed}")
+    return np.random.default_rng(seed).integers(*LENGTH_RANGE, n).tolist()
+
+
+@dataclass
+class WasteRun:
+    """Both allocators holding each request's tokens at one moment. Slot counts are tokens."""
+
+    layout: dict            # ContiguousAllocator.layout()
+    snapshot: Snapshot      # the paged pool
+    final_lengths: dict     # request id -> final length
+    used: int
+    reserved: int
+    not_yet_used: int       # reserved slots a running request will still fill
+    internal: int           # reserved slots past the reply's end (never used)
+    paged_slots: int
+
+    @property
+    def contig_pct(self) -> float:
+        return 100 * (self.reserved - self.used) / self.reserved
+
+    @property
+    def paged_blocks(self) -> int:
+        return self.snapshot.num_used_blocks
+
+    @property
+    def paged_pct(self) -> float:
+        return 100 * (self.paged_slots - self.used) / self.paged_slots
+
+
+def waste_run(lengths: list[int], max_len: int, block_size: int, progress: int | None = None) -> WasteRun:
+    """Give each request a ``max_len`` reservation in a region of ``len(lengths) * max_len`` slots and, in
+    a paged pool, the blocks its tokens fill; each holds ``min(length, progress)`` tokens (default: its
+    final length). Raises ValueError naming a bad length or size."""
+    lengths = list(lengths)
+    if not lengths:
+        raise ValueError("give at least one request length")
+    for L in lengths:
+        if not 1 <= L <= max_len:
+            raise ValueError(f"length {L} is outside 1..{max_len} (the maximum length)")
+    contiguous = ContiguousAllocator(len(lengths) * max_len, max_len)
+    paged = BlockManager(sum(-(-L // block_size) for L in lengths), block_size)
+    final = {}
+    for i, L in enumerate(lengths):
+        rid, held = f"R{i + 1}", max(1, min(L, progress or L))
+        final[rid] = L
+        contiguous.allocate(rid, held)
+        paged.allocate(rid, held)
+    layout = contiguous.layout()
+    used = layout["used_slots"]
+    reserved = used + layout["reserved_unused_slots"]
+    not_yet = sum(final[r["seq_id"]] - r["used"] for r in layout["regions"])
+    snap = manager_snapshot(paged)
+    return WasteRun(layout, snap, final, used, reserved, not_yet, reserved - used - not_yet, snap.slots_allocated)
+
+
+def reference_run() -> WasteRun:
+    r = REFERENCE
+    return waste_run(draw_lengths(r["seed"], r["n"]), r["max_len"], r["block_size"])
+
+
+def fragmentation() -> tuple[ContiguousAllocator, BlockManager]:
+    """Five reservations fill the region; the two small ones finish. Returns the region and a paged pool of
+    the same slots holding the same three requests (as full as their reservations, the worst case)."""
+    region = ContiguousAllocator(sum(FRAG_SIZES), max(FRAG_SIZES))
+    for i, size in enumerate(FRAG_SIZES):
+        region.allocate(f"R{i + 1}", size, reservation=size)
+    small = [f"R{i + 1}" for i, s in enumerate(FRAG_SIZES) if s < max(FRAG_SIZES)]
+    for rid in small:
+        region.free(rid)
+    B = REFERENCE["block_size"]
+    pool = BlockManager(sum(FRAG_SIZES) // B, B)
+    for i, size in enumerate(FRAG_SIZES):
+        if f"R{i + 1}" not in small:
+            pool.allocate(f"R{i + 1}", size)
+    return region, pool
+
+
+def _pct(x: float) -> str:
+    return f"{x:.1f}%"
+
+
+def facts(ctx) -> dict:
+    run = ctx.memo(reference_run)
+    region, _ = fragmentation()
+    small = min(FRAG_SIZES)
+    return {"n_requests": len(run.final_lengths), "lengths": ", ".join(f"{L:,}" for L in run.final_lengths.values()),
+            "max_len": REFERENCE["max_len"], "block_size": REFERENCE["block_size"], "reserved": run.reserved,
+            "used": run.used, "contig_pct": _pct(run.contig_pct), "paged_blocks": run.paged_blocks,
+            "paged_slots": run.paged_slots, "paged_pct": _pct(run.paged_pct), "frag_capacity": region.capacity,
+            "frag_sizes": " / ".join(f"{s:,}" for s in FRAG_SIZES), "frag_small": f"{small:,}"}
+
+
+def exercises(ctx) -> dict[str, Exercise]:
+    run = ctx.memo(reference_run)
+    band = next(label for lo, hi, label in PAGED_BANDS if lo <= run.paged_pct < hi)
+    region, pool = fragmentation()
+    need = max(FRAG_SIZES)
+    refusal = region.admission_refusal([[0]], need)
+    return {
+        "contig_waste": Exercise(
+            "contig_waste",
+            "Every reply has ended, and each request still holds its reservation. What **percentage of the "
+            "reserved slots** never held a token? (Within 5 points counts.)", "number", round(run.contig_pct, 1),
+            tolerance=5.0, unit="%",
+            explanation=(f"{run.reserved:,} slots reserved ({len(run.final_lengths)} × {REFERENCE['max_len']:,}), "
+                         f"{run.used:,} used: ({run.reserved:,} − {run.used:,}) / {run.reserved:,} = "
+                         f"{run.contig_pct:.1f}%. At this moment it is all internal fragmentation: the replies "
+                         "are over, so none of it will ever be used."),
+        ),
+        "paged_waste": Exercise(
+            "paged_waste",
+            f"Now the same requests in blocks of {REFERENCE['block_size']} tokens, each taking only the blocks its "
+            "tokens fill. What share of the allocated slots is empty?", "choice", band,
+            options=[label for *_, label in PAGED_BANDS],
+            explanation=(f"{run.paged_blocks} blocks = {run.paged_slots:,} slots for {run.used:,} tokens: "
+                         f"{run.paged_pct:.1f}% empty. Only the last block of each request can have empty "
+                         f"slots, at most {REFERENCE['block_size'] - 1} per request."),
+        ),
+        "frag_free": Exercise(
+            "frag_free", "How many slots of the region are free now, in total?", "number", region.free_slots,
+            unit="slots",
+            explanation=(f"The two finished requests gave back {region.free_slots:,} slots, in gaps of "
+                         f"{', '.join(str(g[1]) for g in region.gaps())} slots."),
+        ),
+        "frag_admit": Exercise(
+            "frag_admit", f"A new request arrives and needs a reservation of {need:,} slots. Can it start now?",
+            "choice", "no" if refusal else "yes", options=["yes", "no"],
+            explanation=(f"The engine's contiguous allocator answers: *{refusal or 'admitted'}*. That is "
+                         f"external fragmentation. A paged pool of the same {pool.num_blocks} blocks of "
+                         f"{pool.block_size} has {pool.num_free_blocks} free blocks "
+                         f"({pool.num_free_blocks * pool.block_size:,} slots), and any of them will do: "
+                         f"can it take {need:,} tokens? {'yes' if pool.can_allocate(need) else 'no'}."),
+        ),
+    }
+
+
+def reveal_frag_admit(ctx) -> None:
+    import streamlit as st
+
+    from viz import contiguous_region_figure
+
+    region, _ = fragmentation()
+    st.plotly_chart(contiguous_region_figure(region.layout(), [f"R{i + 1}" for i in range(len(FRAG_SIZES))]),
+                    width="stretch", key="l2_frag_fig")
+    st.caption("Orange: free gaps too small for a whole reservation (external fragmentation).")
+
+
+# ----------------------------------------------------------------------------------------------- widget
+def _redraw() -> None:
+    import streamlit as st
+
+    st.session_state["l2_lengths"] = ", ".join(map(str, draw_lengths(int(st.session_state["l2_seed"]),
+                                                                     int(st.session_state["l2_n"]))))
+
+
+def _reference() -> None:
+    import streamlit as st
+
+    r = REFERENCE
+    st.session_state.update(l2_seed=r["seed"], l2_n=r["n"], l2_max=r["max_len"], l2_block=r["block_size"])
+    _redraw()
+    st.session_state.pop("l2_progress", None)
+
+
+def widget_waste(ctx) -> None:
+    import streamlit as st
+
+    from viz import contiguous_region_figure, paged_slots_figure
+    from viz.colors import EXTERNAL, INTERNAL, SLACK
+
+    if "l2_lengths" not in st.session_state:
+        _reference()
+    with st.container(border=True):
+        c = st.columns([1, 1, 1, 1, 1.2], vertical_alignment="bottom")
+        c[0].number_input("Seed", 0, 2**31 - 1, step=1, key="l2_seed", on_change=_redraw)
+        c[1].number_input("Requests", 1, 64, step=1, key="l2_n", on_change=_redraw)
+        c[2].number_input("Max length", 1, 32768, step=128, key="l2_max")
+        c[3].number_input("Block size", 1, 1024, step=1, key="l2_block")
+        c[4].button("Reference run", on_click=_reference, width="stretch")
+        st.text_input("Final lengths (tokens, comma-separated; drawn from the seed, or type your own)",
+                      key="l2_lengths")
+        try:
+            lengths = parse_int_list(st.session_state["l2_lengths"])
+            final = waste_run(lengths, int(st.session_state["l2_max"]), int(st.session_state["l2_block"]))
+        except ValueError as exc:
+            st.error(f"Cannot run these settings: {exc}")
+            return
+        longest = max(lengths)
+        if st.session_state.get("l2_progress", longest) > longest:
+            st.session_state["l2_progress"] = longest
+        progress = st.slider("Decode progress: tokens each request holds (up to its final length)", 1, max(2, longest),
+                             value=longest, key="l2_progress")
+        run = waste_run(lengths, int(st.session_state["l2_max"]), int(st.session_state["l2_block"]), progress)
+        order = list(run.final_lengths)
+        m = st.columns(4)
+        m[0].metric("contiguous: empty", f"{run.contig_pct:.1f}%", help="reserved slots without a token")
+        m[1].metric("of which not yet used", f"{run.not_yet_used:,}")
+        m[2].metric("of which internal", f"{run.internal:,}")
+        m[3].metric("paged: empty", f"{run.paged_pct:.1f}%", help="slots of allocated blocks without a token")
+        left, right = st.columns(2)
+        left.plotly_chart(contiguous_region_figure(run.layout, order, run.final_lengths), width="stretch",
+                          key="l2_region")
+        right.plotly_chart(paged_slots_figure(run.snapshot, order), width="stretch", key="l2_paged")
+        st.markdown(
+            f'<span style="color:{SLACK}">■</span> reserved, not yet used · '
+            f'<span style="color:{INTERNAL}">■</span> internal fragmentation (past the reply\'s end) · '
+            f'<span style="color:{EXTERNAL}">■</span> external fragmentation · coloured: tokens, one colour per '
+            f"request · paged: light grey is the unfilled end of a last block. Final state: contiguous "
+            f"{final.contig_pct:.1f}% vs paged {final.paged_pct:.1f}% empty.", unsafe_allow_html=True)
+
+
+if __name__ == "__main__":
+    from lessons.render import render_lesson
+
+    render_lesson(__file__)

@@ -1,0 +1,254 @@
+"""Lessons: structure, checkers, the figures the lessons state (LESSON_BRIEF), and the pages in AppTest."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+from streamlit.testing.v1 import AppTest
+
+from engine import EMBEDDED_MODEL
+from engine.model_loader import load_model
+from engine.scenarios import LESSON_LENGTHS
+from lessons import catalog, kv_math, parse_front_matter
+from lessons.common import LessonContext
+from lessons.exercise import Exercise, parse_int_list
+from lessons.text import MARKER, fields, fill, split_body
+
+APP = str(Path(__file__).resolve().parent.parent / "app.py")
+LESSONS = catalog()
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    return LessonContext(loaded=load_model(EMBEDDED_MODEL, torch.device("cpu"), "float32"))
+
+
+def module(slug):
+    return importlib.import_module(f"lessons.{slug}")
+
+
+def exercises(ctx, slug) -> dict[str, Exercise]:
+    return module(slug).exercises(ctx)
+
+
+# ------------------------------------------------------------------------------------------ structure
+def test_catalog_has_the_six_lessons_in_order():
+    assert [l.number for l in LESSONS] == [1, 2, 3, 4, 5, 6]
+    assert len({l.url_path for l in LESSONS}) == 6
+    for lesson in LESSONS:
+        assert Path(APP).parent.joinpath(lesson.page_path).is_file()
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda l: l.slug)
+def test_every_marker_and_field_resolves(ctx, lesson):
+    mod = module(lesson.slug)
+    exs = mod.exercises(ctx)
+    parts = split_body(lesson.body)
+    used = [v for k, v in parts if k == "exercise"]
+    assert sorted(used) == sorted(exs), "each exercise appears in the text exactly once"
+    for kind, value in parts:
+        if kind == "widget":
+            assert callable(getattr(mod, f"widget_{value}"))
+    facts = mod.facts(ctx)
+    assert fields(lesson.body) <= set(facts)
+    assert "{{" not in fill(lesson.body, facts)
+    for name in dir(mod):
+        if name.startswith("reveal_"):
+            assert name[len("reveal_"):] in exs, f"{name} reveals no exercise"
+
+
+def _wrong(ex: Exercise):
+    if ex.kind == "number":
+        return ex.expected + max(10, 2 * ex.tolerance, abs(ex.expected) * (ex.rel_tolerance * 2 + 0.5))
+    if ex.kind == "choice":
+        return next(o for o in ex.options if o != ex.expected)
+    return list(ex.expected) + [99]
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda l: l.slug)
+def test_each_checker_accepts_the_engine_answer_and_rejects_a_wrong_one(ctx, lesson):
+    for ex in exercises(ctx, lesson.slug).values():
+        assert ex.check(ex.expected).correct, ex.id
+        text = ", ".join(map(str, ex.expected)) if isinstance(ex.expected, list) else str(ex.expected)
+        assert ex.check(text).correct, f"{ex.id}: the answer typed as text"
+        verdict = ex.check(_wrong(ex))
+        assert not verdict.correct and "the engine says" in verdict.message, ex.id
+
+
+def test_answer_parsing_and_errors():
+    assert parse_int_list("[0, 2]") == [0, 2] == parse_int_list("0 2") == parse_int_list((0, 2))
+    assert parse_int_list("none") == []
+    with pytest.raises(ValueError, match="'x'"):
+        parse_int_list("1, x")
+    number = Exercise("n", "q", "number", 512.0, unit="KiB")
+    assert number.check("512").correct and number.check("5,12").correct  # thousands separators allowed
+    with pytest.raises(ValueError, match="'lots'"):
+        number.check("lots")
+    with pytest.raises(ValueError, match="kind"):
+        Exercise("k", "q", "essay", 1)
+    with pytest.raises(ValueError, match="not among the options"):
+        Exercise("c", "q", "choice", "maybe", options=["yes", "no"])
+    s = Exercise("s", "q", "set", [2, 5])
+    assert s.check("5, 2").correct and not s.check("2, 5, 5").correct and not s.check("2").correct
+    tol = Exercise("t", "q", "number", 27, rel_tolerance=0.1)
+    assert tol.check(29).correct and not tol.check(31).correct
+
+
+def test_front_matter_errors_name_the_file():
+    with pytest.raises(ValueError, match="x.md"):
+        parse_front_matter("no header", "x.md")
+    with pytest.raises(ValueError, match="not closed"):
+        parse_front_matter("---\ntitle: a\n", "y.md")
+    assert MARKER.search("<!-- exercise: a_b -->")
+
+
+# ---------------------------------------------------------------------------- the figures the lessons state
+def test_lesson1_bytes_per_token_from_the_configs(ctx):
+    presets = kv_math.model_presets()
+    kib = {k: kv_math.bytes_per_token(p.config, p.dtype) / 1024 for k, p in presets.items()}
+    assert kib["llama-2-7b"] == 512 and kib["llama-3-8b"] == 128
+    assert kib["qwen2.5-7b"] == 56 and kib["smollm2-135m"] == 22.5
+    assert kv_math.parameter_count(presets["llama-2-7b"]) == 6_738_415_616  # the published 6.74B
+    assert all(p.source.startswith("https://huggingface.co/") for p in presets.values())
+    ex = exercises(ctx, "l1_kv_cache")
+    assert ex["llama2_kib"].expected == 512 and ex["llama3_kib"].expected == 128
+    assert ex["rounding"].expected == "about twice the exact value"
+    fit = kv_math.gpu_fit(80 * 10**9, 6_738_415_616 * 2, 524_288, 4096)
+    assert ex["h100_fit"].expected == fit.requests == (72 * 10**9 - 13_476_831_232) // 524_288 // 4096
+    assert {g.memory_gb for g in kv_math.gpus()} == {80, 141, 40, 24}
+    with pytest.raises(ValueError, match="utilization"):
+        kv_math.gpu_fit(10, 1, 1, 1, utilization=1.5)
+
+
+def test_lesson2_reproduces_the_reference_run(ctx):
+    l2 = module("l2_contiguous_waste")
+    assert l2.draw_lengths(7, 8) == LESSON_LENGTHS
+    run = l2.reference_run()
+    assert (run.reserved, run.used, round(run.contig_pct, 1)) == (16_384, 5_126, 68.7)
+    assert (run.paged_blocks, run.paged_slots, round(run.paged_pct, 1)) == (325, 5_200, 1.4)
+    facts = l2.facts(ctx)
+    assert facts["contig_pct"] == "68.7%" and facts["paged_pct"] == "1.4%"
+    # the three kinds of waste are told apart while requests still run
+    mid = l2.waste_run(LESSON_LENGTHS, 2048, 16, progress=300)
+    assert mid.not_yet_used == sum(min(L, 2048) - min(L, 300) for L in LESSON_LENGTHS)
+    assert mid.internal == 8 * 2048 - sum(LESSON_LENGTHS)
+    assert mid.used + mid.not_yet_used + mid.internal == mid.reserved
+    ex = exercises(ctx, "l2_contiguous_waste")
+    assert ex["frag_admit"].expected == "no" and ex["frag_free"].expected == 2048
+    with pytest.raises(ValueError, match="3000"):
+        l2.waste_run([3000], 2048, 16)
+
+
+def test_lesson3_block_figures(ctx):
+    ex = exercises(ctx, "l3_block_tables")
+    assert ex["prefill_blocks"].expected == 3 and ex["last_fill"].expected == 8
+    assert ex["fourth_block"].expected == 48
+    assert ex["trade_blocks"].expected == 38 and ex["trade_empty"].expected == 8
+    rows = {r["block size"]: r for r in module("l3_block_tables").tradeoff(600, 512 * 1024)}
+    assert [(rows[b]["blocks"], rows[b]["empty slots"]) for b in (1, 16, 64, 256)] == [(600, 0), (38, 8), (10, 40),
+                                                                                      (3, 168)]
+    assert rows[16]["empty bytes"] == "4 MiB" and rows[256]["empty bytes"] == "84 MiB"
+    assert round(rows[256]["empty %"]) == 22
+    l3 = module("l3_block_tables")
+    bm, new = l3.busy_pool()
+    table = bm.block_tables[new]
+    assert ex["where_block"].expected == table[l3.WHERE_T // 16]
+    assert ex["where_slot"].expected == table[l3.WHERE_T // 16] * 16 + l3.WHERE_T % 16
+
+
+def test_lesson4_practice_tables_and_counts(ctx):
+    l4 = module("l4_sharing")
+    main = l4.practice(*l4.MAIN)
+    assert main[1].tables == {"A": [0, 1], "B": [0, 1]} and main[1].counts[:2] == [2, 2]
+    assert main[2].tables == {"A": [0, 2], "B": [0, 1]} and main[2].counts[:3] == [2, 1, 1]
+    assert main[3].tables == main[2].tables and main[3].counts == main[2].counts  # B wrote in place
+    assert main[3].bm.num_used_blocks == 3
+    ex = exercises(ctx, "l4_sharing")
+    assert ex["p_a_table"].expected == [0, 2] and ex["p_a_counts"].expected == [2, 1, 1]
+    assert ex["p_b_copy"].expected.startswith("no")
+    assert ex["v1_block"].expected == 2 and not any(e.kind == "cow" for s in l4.practice(*l4.V1) for e in s.events)
+    assert ex["v2_counts"].expected == [3, 1] and ex["v2_copies"].expected == 2
+    assert ex["v3_free"].expected == [2]
+    chat = l4.chat_example()
+    assert len(chat["shared"]) == 100 and chat["freed_shared"] == [] and (chat["count_before"],
+                                                                          chat["count_after"]) == (50, 49)
+    assert l4.serving_example() == {"shared": 31, "partial": 32}
+    assert ex["ps_copies"].expected == ex["ps_blocks"].expected - 2 == 3  # 2 prompt blocks + 3 copies
+
+
+def test_lesson5_and_6_answers_come_from_runs(ctx):
+    ex = exercises(ctx, "l5_out_of_memory")
+    assert ex["m_admit"].expected == 4 and ex["m_victim"].expected == "R4"
+    assert ex["m_same"].expected == "yes, token for token"
+    q = exercises(ctx, "l6_when_paging_matters")
+    assert [q[k].expected for k in ("q_compress", "q_outputs", "q_cpu", "q_no_queue", "q_chunked", "q_short")] == [
+        "false"] * 6
+    assert q["q_batch1"].expected == "true"
+
+
+# ----------------------------------------------------------------------------------------------- pages
+def new_app() -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=180)
+    at.run()
+    assert not at.exception
+    return at
+
+
+@pytest.mark.parametrize("page", ["ui/lessons.py"] + [l.page_path for l in LESSONS])
+def test_every_lesson_page_runs(page):
+    at = new_app()
+    at.switch_page(page).run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.title
+    assert not at.error
+
+
+def _commit(at, key, answer):
+    at.text_input(key=f"in-{key}").input(answer)
+    next(b for b in at.button if b.label.startswith("Commit my answer") and key in b.form_id).click().run()
+    assert not at.exception
+
+
+def test_predict_then_reveal_and_progress():
+    at = new_app()
+    at.switch_page("lessons/l3_block_tables.py").run()
+    assert "0 of 8 predictions made" in at.caption[0].value
+    _commit(at, "l3_block_tables:prefill_blocks", "3")
+    assert any("You said **3 blocks**" in s.value and "engine agrees" in s.value for s in at.success)
+    assert "1 of 8 predictions made, 1 right" in at.caption[0].value
+    _commit(at, "l3_block_tables:last_fill", "12")
+    assert any("Not quite" in e.value and "engine says 8 tokens" in e.value for e in at.error)
+    assert "2 of 8 predictions made, 1 right" in at.caption[0].value
+    _commit(at, "l3_block_tables:fourth_block", "forty")
+    assert any("'forty'" in e.value for e in at.error)
+    assert "2 of 8 predictions made" in at.caption[0].value  # an unreadable answer is not counted
+    next(b for b in at.button if b.label == "Try again" and b.key == "again-l3_block_tables:last_fill").click().run()
+    assert "1 of 8 predictions made" in at.caption[0].value
+    at.switch_page("ui/lessons.py").run()
+    assert any("1/8" in p.proto.text for p in at.get("progress"))
+
+
+def test_lesson2_widget_reports_bad_lengths_and_keeps_running():
+    at = new_app()
+    at.switch_page("lessons/l2_contiguous_waste.py").run()
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["contiguous: empty"] == "68.7%" and metrics["paged: empty"] == "1.4%"
+    at.text_input(key="l2_lengths").input("100, x").run()
+    assert not at.exception and any("'x'" in e.value for e in at.error)
+    at.text_input(key="l2_lengths").input("100, 5000").run()
+    assert any("5000" in e.value for e in at.error)
+    at.number_input(key="l2_seed").set_value(8).run()  # a new seed draws new lengths
+    assert at.text_input(key="l2_lengths").value != ", ".join(map(str, LESSON_LENGTHS))
+    assert not at.exception
+
+
+def test_open_in_playground_loads_the_lesson_preset():
+    at = new_app()
+    at.switch_page("lessons/l5_out_of_memory.py").run()
+    next(b for b in at.button if b.label == "Open this in the Playground").click().run()
+    assert not at.exception
+    assert at.session_state["lab"].settings.preset == "batch"
+    assert at.title[0].value == "Playground"

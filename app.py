@@ -18,7 +18,7 @@ pages = {
         st.Page("ui/model_info.py", title="Model", icon=":material/memory:"),
     ],
     "Lessons": [st.Page("ui/lessons.py", title="All lessons", icon=":material/school:")] + [
-        st.Page(lesson.page_path, title=f"{lesson.number}. {lesson.title}", url_path=lesson.url_path)
+        st.Page(lesson.page_path, title=f"{lesson.number}. {lesson.nav_title}", url_path=lesson.url_path)
         for lesson in catalog()
     ],
 }

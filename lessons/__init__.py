@@ -1,6 +1,7 @@
 """Self-paced lessons: each lesson is a Markdown file plus a small module of the same name.
 
-    lessons/l3_block_tables.md   the text, with a front-matter header (title, minutes, playground preset)
+    lessons/l3_block_tables.md   the text, with a front-matter header (title, minutes, playground preset
+                                  with optional settings, and optionally a short navigation label)
                                   and markers where interactive parts go: ``<!-- exercise: id -->`` and
                                   ``<!-- widget: name -->``; ``{{ name }}`` is replaced by a figure the
                                   module computed with the engine at run time
@@ -31,6 +32,11 @@ class Lesson:
     minutes: str
     playground: dict = field(default_factory=dict)
     body: str = ""
+    short: str = ""  # the navigation label (default: the title)
+
+    @property
+    def nav_title(self) -> str:
+        return self.short or self.title
 
     @property
     def module_name(self) -> str:
@@ -82,7 +88,7 @@ def load_lesson(path: Path) -> Lesson:
         if key not in meta:
             raise ValueError(f"{path.name}: front matter lacks {key!r}")
     return Lesson(int(match.group(1)), path.stem, meta["title"], meta["minutes"], _playground(meta["playground"]),
-                  body)
+                  body, meta.get("short", ""))
 
 
 def catalog() -> list[Lesson]:

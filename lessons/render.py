@@ -88,6 +88,23 @@ def predict(slug: str, ex: Exercise, reveal=None, ctx: LessonContext | None = No
                 st.rerun()
 
 
+def gate_open(slug: str, ids: list[str]) -> bool:
+    """True once the exercises ``ids`` are answered (or the reader chose to skip); else say what to do."""
+    shown = st.session_state.setdefault("lesson_shown", set())
+    missing = [i for i in ids if f"{slug}:{i}" not in progress()]
+    gate = f"{slug}:{' '.join(ids)}"
+    if not missing or gate in shown:
+        return True
+    with st.container(border=True):
+        st.info(f"Commit your {'answer' if len(missing) == 1 else f'{len(missing)} answers'} above to go on: the "
+                "rest of the lesson shows what the engine did.", icon=":material/lock:")
+        if st.button("Show the rest without predicting", key=f"skip-{gate}", type="tertiary",
+                     help="For teachers presenting the lesson, or a second reading"):
+            shown.add(gate)
+            st.rerun()
+    return False
+
+
 # ------------------------------------------------------------------------------------------------ page
 def open_in_playground(lesson: Lesson) -> None:
     from ui.state import build_lab, preset_settings
@@ -115,8 +132,10 @@ def render_lesson(page_file: str) -> None:
             st.markdown(fill(value, facts))
         elif kind == "exercise":
             predict(slug, exercises[value], getattr(module, f"reveal_{value}", None), ctx)
-        else:
+        elif kind == "widget":
             getattr(module, f"widget_{value}")(ctx)
+        elif not gate_open(slug, value.split()):
+            break
 
     answered, right = lesson_progress(lesson, exercises)
     with header:
@@ -130,10 +149,10 @@ def render_lesson(page_file: str) -> None:
                    help=f"Loads the '{lesson.playground['preset']}' preset there, to step it freely"):
         open_in_playground(lesson)
     if index > 0:
-        c[1].page_link(lessons[index - 1].page_path, label=f"Previous: {lessons[index - 1].title}",
+        c[1].page_link(lessons[index - 1].page_path, label=f"Previous: {lessons[index - 1].nav_title}",
                        icon=":material/arrow_back:")
     if index + 1 < len(lessons):
-        c[2].page_link(lessons[index + 1].page_path, label=f"Next: {lessons[index + 1].title}",
+        c[2].page_link(lessons[index + 1].page_path, label=f"Next: {lessons[index + 1].nav_title}",
                        icon=":material/arrow_forward:")
     else:
         c[2].page_link("ui/lessons.py", label="All lessons", icon=":material/school:")

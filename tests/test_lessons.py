@@ -52,6 +52,9 @@ def test_every_marker_and_field_resolves(ctx, lesson):
     for kind, value in parts:
         if kind == "widget":
             assert callable(getattr(mod, f"widget_{value}"))
+        if kind == "after":
+            assert set(value.split()) <= set(exs), f"a gate waits for unknown exercises: {value}"
+            assert set(value.split()) <= set(used[:used.index(value.split()[-1]) + 1]), "a gate follows its exercises"
     facts = mod.facts(ctx)
     assert fields(lesson.body) <= set(facts)
     assert "{{" not in fill(lesson.body, facts)
@@ -206,6 +209,34 @@ def test_every_lesson_page_runs(page):
     assert not at.error
 
 
+def answered_app(slug: str, ctx) -> AppTest:
+    """The app with every exercise of lesson ``slug`` already answered right (all gates open)."""
+    at = new_app()
+    at.session_state["lesson_progress"] = {f"{slug}:{i}": {"raw": ex.expected, "correct": True}
+                                           for i, ex in exercises(ctx, slug).items()}
+    return at
+
+
+@pytest.mark.parametrize("lesson", LESSONS, ids=lambda l: l.slug)
+def test_every_lesson_page_runs_to_the_end_once_answered(ctx, lesson):
+    at = answered_app(lesson.slug, ctx)
+    at.switch_page(lesson.page_path).run()
+    assert not at.exception, [e.value for e in at.exception]
+    n = len(exercises(ctx, lesson.slug))
+    assert f"{n} of {n} predictions made, {n} right" in at.caption[0].value
+    assert len(at.success) == n and not at.error  # every reveal is shown
+    assert not any("to go on" in i.value for i in at.info)  # no gate left closed
+    assert any(b.label == "Open this in the Playground" for b in at.button)
+
+
+def test_a_gate_hides_what_would_give_the_answer_away(ctx):
+    at = new_app()
+    at.switch_page("lessons/l2_contiguous_waste.py").run()
+    assert not at.metric and any("to go on" in i.value for i in at.info)
+    next(b for b in at.button if b.label == "Show the rest without predicting").click().run()
+    assert {m.label for m in at.metric} >= {"contiguous: empty", "paged: empty"}
+
+
 def _commit(at, key, answer):
     at.text_input(key=f"in-{key}").input(answer)
     next(b for b in at.button if b.label.startswith("Commit my answer") and key in b.form_id).click().run()
@@ -231,8 +262,8 @@ def test_predict_then_reveal_and_progress():
     assert any("1/8" in p.proto.text for p in at.get("progress"))
 
 
-def test_lesson2_widget_reports_bad_lengths_and_keeps_running():
-    at = new_app()
+def test_lesson2_widget_reports_bad_lengths_and_keeps_running(ctx):
+    at = answered_app("l2_contiguous_waste", ctx)
     at.switch_page("lessons/l2_contiguous_waste.py").run()
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["contiguous: empty"] == "68.7%" and metrics["paged: empty"] == "1.4%"

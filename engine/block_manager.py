@@ -150,7 +150,7 @@ class BlockManager:
         need = sum(self.free_blocks_needed(len(ids), ids) for ids in token_lists)
         if need <= self.num_free_blocks:
             return None
-        return f"needs {need} free blocks, {self.num_free_blocks} free"
+        return f"needs {need} free block{'s' * (need != 1)}, {self.num_free_blocks} free"
 
     def needs_new_block(self, seq_id: str) -> bool:
         """True if appending one token to ``seq_id`` needs a fresh block (last block full, or shared: CoW)."""
@@ -244,13 +244,15 @@ class BlockManager:
         msg = f"{seq_id}: {num_tokens} tokens take {need_new} new block{'s' * (need_new != 1)} {table[len(hits):]}"
         if hits:
             msg = (f"{seq_id}: prefix cache hit, {len(hits) * self.block_size} tokens in blocks {hits} reused; "
-                   f"{num_tokens - len(hits) * self.block_size} more tokens take {need_new} new blocks {table[len(hits):]}")
+                   f"{num_tokens - len(hits) * self.block_size} more tokens take {need_new} new "
+                   f"block{'s' * (need_new != 1)} {table[len(hits):]}")
         msg += f" (last block holds {self.fills[table[-1]]}/{self.block_size})"
         self.events.append(Event("allocate", seq_id, list(table), msg,
                                  {"num_tokens": num_tokens, "cached_tokens": len(hits) * self.block_size}))
         if hits:
             self.events.append(Event("prefix_hit", seq_id, list(hits),
-                                     f"{seq_id}: reused {len(hits)} cached blocks ({len(hits) * self.block_size} tokens)",
+                                     f"{seq_id}: reused {len(hits)} cached block{'s' * (len(hits) != 1)} "
+                                     f"({len(hits) * self.block_size} tokens)",
                                      {"num_tokens": len(hits) * self.block_size}))
         return list(table), len(hits) * self.block_size
 

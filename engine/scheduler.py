@@ -130,8 +130,9 @@ class Scheduler:
             # every sequence may need a block (a new one, or a copy of a shared last block)
             need = sum(bm.needs_new_block(s.seq_id) for s in seqs)  # always 0 for contiguous reservations
             while need and bm.num_free_blocks < need and req.status == RUNNING:
-                self.preempt(self.running[-1], reason=f"{req.request_id} needs {need} free blocks, "
-                                                      f"{bm.num_free_blocks} are free")
+                self.preempt(self.running[-1], reason=f"{req.request_id} needs {need} free "
+                                                      f"block{'s' * (need != 1)}, {bm.num_free_blocks} "
+                                                      f"{'is' if bm.num_free_blocks == 1 else 'are'} free")
             if req.status != RUNNING:
                 continue
             for s in seqs:

@@ -107,24 +107,21 @@ def _table_text(stage: Stage) -> str:
 
 # -------------------------------------------------------------------------------------------- lesson
 def facts(ctx) -> dict:
+    from engine.scenarios import SYSTEM_PROMPT
+
     main = practice(*MAIN)
     chat = chat_example()
     serve = serving_example()
     par = ctx.run(parallel_run)
-    pre = ctx.run(prefix_run, True)
-    tok = ctx.loaded[1]
-    sc = get_scenario("shared-prefix")
-    w = sc.make(0, lambda t: tok(t, add_special_tokens=False)["input_ids"])
-    from engine.scenarios import SYSTEM_PROMPT
-
-    n = par.records[0].snapshot
+    tokenizer = ctx.loaded[1]
+    requests = get_scenario("shared-prefix").make(0, lambda t: tokenizer(t, add_special_tokens=False)["input_ids"])
     return {"num_blocks": NUM_BLOCKS, "block_size": BLOCK_SIZE, "last_block": NUM_BLOCKS - 1, "prompt": MAIN[0],
             "practice_blocks": main[-1].bm.num_used_blocks, "copies_blocks": 2 * len(main[0].tables["A"]),
             "chat_blocks": len(chat["shared"]), "chats": CHAT["chats"], "serve_prompt": SERVE["system"],
             "serve_shared": serve["shared"], "serve_partial": serve["partial"],
-            "ps_prompt": par.records[0].scheduled[0].num_tokens, "ps_n": len(n.sequences),
-            "ps_block_size": par.block_size, "sp_requests": len(w.requests),
-            "sp_prompt": len(tok(SYSTEM_PROMPT, add_special_tokens=False)["input_ids"])}
+            "ps_prompt": par.records[0].scheduled[0].num_tokens, "ps_n": len(par.records[0].snapshot.sequences),
+            "ps_block_size": par.block_size, "sp_requests": len(requests.requests),
+            "sp_prompt": len(tokenizer(SYSTEM_PROMPT, add_special_tokens=False)["input_ids"])}
 
 
 def exercises(ctx) -> dict[str, Exercise]:
@@ -224,9 +221,12 @@ def _show(stages_of, index: int):
         stages = practice(*stages_of)
         stage = stages[index]
         changed = sorted({b for e in stage.events for b in e.blocks})
-        st.plotly_chart(block_pool_figure(manager_snapshot(stage.bm), ["A", "B", "C"], highlight=changed,
-                                          slot_mode=True, title=f"after: {stage.label}"),
-                        width="stretch", key=f"l4_stage_{id(stages_of)}_{index}")
+        left, _ = st.columns([3, 2])  # 8 blocks of 4 slots: a narrow figure keeps the cells readable
+        left.plotly_chart(block_pool_figure(manager_snapshot(stage.bm), ["A", "B", "C"], highlight=changed,
+                                            slot_mode=True, title=f"after: {stage.label}"),
+                          width="stretch", key=f"l4_stage_{id(stages_of)}_{index}")
+        left.caption("One row per block, one cell per slot. Blue/orange/green: a block owned by A/B/C alone; "
+                     "grey: shared (its owners and count on the left); pale: free. Framed: what this step changed.")
     return reveal
 
 

@@ -62,7 +62,8 @@ def predict(slug: str, ex: Exercise, reveal=None, ctx: LessonContext | None = No
         st.markdown(f":material/psychology_alt: **Predict.** {ex.question}")
         entry = progress().get(key)
         if entry is None:
-            with st.form(f"predict-{key}", border=False):
+            slot = st.empty()  # the form lives here, so it can vanish in the run that commits the answer
+            with slot.form(f"predict-{key}", border=False):
                 answer = _answer_input(ex, key)
                 committed = st.form_submit_button("Commit my answer and run the engine", type="primary")
             if committed:
@@ -75,6 +76,7 @@ def predict(slug: str, ex: Exercise, reveal=None, ctx: LessonContext | None = No
                         st.error(f"Could not read your answer: {exc}")
                     else:
                         progress()[key] = entry = {"raw": answer, "correct": verdict.correct}
+                        slot.empty()
         if entry is not None:
             verdict = ex.check(entry["raw"])
             shown = format_value(ex.parse(entry["raw"]), ex.unit)

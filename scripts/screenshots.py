@@ -25,4 +25,18 @@ with sync_playwright() as pw:
     page.mouse.wheel(0, 700)
     page.wait_for_timeout(800)
     page.screenshot(path="docs/screenshot_playground_tables.png")
+
+    # a lesson: the tiny-block practice after two committed predictions
+    page.goto(f"{URL}/lesson-4", wait_until="networkidle")
+    for answer in ("0, 1", "2, 2"):
+        box = page.get_by_placeholder("numbers in order, e.g. 0, 2").first
+        box.wait_for(timeout=90_000)
+        page.wait_for_timeout(1500)  # let the previous rerun settle, so the box is the live one
+        box.fill(answer)
+        box.press("Enter")  # submits the form
+        page.wait_for_selector(f"text=You said [{answer}]", timeout=60_000)
+    page.get_by_text("What are the reference counts of A's blocks").first.scroll_into_view_if_needed()
+    page.mouse.wheel(0, 260)
+    page.wait_for_timeout(1500)
+    page.screenshot(path="docs/screenshot_lesson.png")
     browser.close()

@@ -125,18 +125,33 @@ def block_pool_figure(snapshot, request_order: list[str], decode: Callable[[list
         chosen = {c["block"] for c in cells if any(request_id_of(o) == selected for o in c["owners"])}
     for blocks, color in ((chosen, "#CC79A7"), (set(highlight or []), "#000000")):
         pts = [pos[b] for b in sorted(blocks) if b in pos]
-        if pts and not slot_mode:  # open squares around the cells, so labels stay readable
+        if slot_mode:  # a frame around each changed block's row of slots
+            for row, _ in pts:
+                fig.add_shape(type="rect", x0=-0.5, x1=B - 0.5, y0=row - 0.5, y1=row + 0.5,
+                              line={"color": color, "width": 3})
+        elif pts:  # open squares around the cells, so labels stay readable
             fig.add_trace(go.Scatter(x=[p[1] for p in pts], y=[p[0] for p in pts], mode="markers",
                                      hoverinfo="skip", showlegend=False,
                                      marker={"symbol": "square-open", "size": size, "color": color,
                                              "line": {"width": 2, "color": color}}))
+    yaxis = {"visible": False, "autorange": "reversed"}
+    if slot_mode:  # one row per block: name each row after its block, owners and reference count
+        yaxis = {"autorange": "reversed", "tickmode": "array", "tickvals": list(range(nrows)), "showgrid": False,
+                 "zeroline": False, "ticktext": [_row_label(c) for c in cells], "tickfont": {"size": 11}}
     fig.update_layout(
         title=title or f"{snapshot.num_blocks - snapshot.num_free_blocks}/{snapshot.num_blocks} blocks in use",
-        margin={"l": 10, "r": 10, "t": 40, "b": 10}, height=max(220, min(640, 48 * nrows + 60)),
-        xaxis={"visible": False}, yaxis={"visible": False, "autorange": "reversed"},
-        plot_bgcolor="white",
+        margin={"l": 10, "r": 10, "t": 40, "b": 10},
+        height=max(220, min(640, (34 if slot_mode else 48) * nrows + 60)), xaxis={"visible": False}, yaxis=yaxis, plot_bgcolor="white",
     )
     return fig
+
+
+def _row_label(cell: dict) -> str:
+    """``block 2: A`` / ``block 0: A,B x2`` / ``block 5: free``."""
+    if cell["ref_count"] == 0:
+        return f"block {cell['block']}: {'cached' if cell['hash'] else 'free'}"
+    count = f" x{cell['ref_count']}" if cell["ref_count"] > 1 else ""
+    return f"block {cell['block']}: {','.join(cell['owners'])}{count}"
 
 
 def block_table_rows(snapshot, decode: Callable[[list[int]], str] | None = None) -> list[dict]:

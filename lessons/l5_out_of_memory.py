@@ -75,15 +75,16 @@ def exercises(ctx) -> dict[str, Exercise]:
         "m_victim": Exercise("m_victim", "Which request is preempted?", "choice", victim, options=list(ids[:-1]),
                              explanation=(f"{victim}: of the running requests it was admitted last, so the others, "
                                           "which have waited longer, keep going (first come, first served).")),
-        "m_recompute": Exercise("m_recompute", f"With **recompute**, how many tokens does the engine compute again "
-                                f"when {victim} is readmitted?", "number", readmit.data["num_tokens"], unit="tokens",
-                                explanation=(f"Its prompt and every token it had generated: the engine said "
+        "m_recompute": Exercise("m_recompute", "With **recompute**, how many tokens does the engine compute again when "
+                                "the preempted request is admitted again?", "number", readmit.data["num_tokens"], unit="tokens",
+                                explanation=(f"{victim}'s prompt and every token it had generated: the engine said "
                                              f"*{readmit.message}*.")),
-        "m_swap": Exercise("m_swap", f"With **swap** instead, how many blocks does {victim} copy to the CPU?",
+        "m_swap": Exercise("m_swap", "With **swap** instead, how many blocks does the preempted request copy to "
+                           "the CPU?",
                            "number", len(swap_out.blocks), unit="blocks",
                            explanation=f"The engine said: *{swap_out.message}*"),
-        "m_same": Exercise("m_same", f"Is {victim}'s reply (greedy decoding) the same as in a run with a roomy pool "
-                           "where nobody is preempted?", "choice", same_options[0] if same else same_options[1],
+        "m_same": Exercise("m_same", "Is the preempted request's reply (greedy decoding) the same as in a run with a "
+                           "roomy pool where nobody is preempted?", "choice", same_options[0] if same else same_options[1],
                            options=same_options,
                            explanation=("The engine compared all three runs: " + ("every request's tokens are "
                                         "identical" if same else "they differ") + ". Preemption changes when a "

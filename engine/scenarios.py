@@ -168,3 +168,47 @@ register(Scenario(
     _chat_workload, {"block_size": 16, "num_blocks": 128, "max_model_len": 512, "reservation_tokens": 512},
     compare=True,
 ))
+
+
+# ------------------------------------------------------------------------------------ lesson scenarios
+def exact_prompt(tokenize: Callable[[str], list[int]], text: str, n: int) -> list[int]:
+    """A prompt of exactly ``n`` token ids: ``text``'s tokens, repeated as needed, cut at ``n``."""
+    piece = tokenize(text)
+    if not piece or n < 1:
+        raise ValueError(f"cannot make a {n}-token prompt from {text!r}")
+    return (piece * (n // len(piece) + 1))[:n]
+
+
+LIFE_TEXT = "ROMEO. But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. "
+PRESSURE_TEXTS = ["ROMEO. But soft, what light through yonder window breaks? ",
+                  "HAMLET. To be, or not to be, that is the question: ",
+                  "KING LEAR. Where is my fool? Ho, I think the world's asleep. ",
+                  "MACBETH. Is this a dagger which I see before me? "]
+PRESSURE_LONG_TEXT = "JULIET. O Romeo, Romeo, wherefore art thou Romeo? Deny thy father and refuse thy name. "
+
+
+def _life_of_a_request(seed: int, tokenize) -> list[tuple[list[int], SamplingParams]]:
+    return [(exact_prompt(tokenize, LIFE_TEXT, 40), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))]
+
+
+def _memory_pressure(seed: int, tokenize) -> list[tuple[list[int], SamplingParams]]:
+    short = [(exact_prompt(tokenize, t, 20), SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+             for t in PRESSURE_TEXTS]
+    return short + [(exact_prompt(tokenize, PRESSURE_LONG_TEXT, 100),
+                     SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))]
+
+
+register(Scenario(
+    "life-of-a-request",
+    "one prompt of exactly 40 tokens writes 12 more, greedy, in a pool of 8 blocks of 16: watch prefill fill "
+    "whole blocks and decode take a new block only when the last one is full (lesson 3)",
+    _life_of_a_request, {"block_size": 16, "num_blocks": 8, "max_model_len": 52, "enable_prefix_caching": False},
+))
+register(Scenario(
+    "memory-pressure",
+    "four 20-token prompts writing 30 tokens each and one 100-token prompt, greedy, in 10 blocks of 16: the long "
+    "prompt waits at the door, and mid-generation the pool runs out and the newest request is preempted "
+    "(lesson 5)",
+    _memory_pressure, {"block_size": 16, "num_blocks": 10, "max_model_len": 128, "enable_prefix_caching": False,
+                       "swap_space_blocks": 16},
+))

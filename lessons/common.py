@@ -98,12 +98,20 @@ def run_engine(loaded, requests: list[tuple[Any, SamplingParams]], max_steps: in
                      records[-1].snapshot.num_blocks if records else 0)
 
 
-def prompt_of_length(tokenizer, n: int, text: str) -> list[int]:
-    """The first ``n`` token ids of ``text`` repeated as needed (a prompt of exactly ``n`` tokens)."""
-    ids: list[int] = []
-    piece = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if not piece:
-        raise ValueError("the text has no tokens")
-    while len(ids) < n:
-        ids += piece
-    return ids[:n]
+def scenario_requests(loaded, name: str) -> list[tuple[Any, SamplingParams]]:
+    """The (prompt, params) pairs of scenario ``name`` (seed 0) for the shared model's tokenizer."""
+    from engine.scenarios import get_scenario
+
+    tokenizer = loaded[1]
+    workload = get_scenario(name).make(0, lambda t: tokenizer(t, add_special_tokens=False)["input_ids"])
+    return [(r.prompt, r.params) for r in workload.requests]
+
+
+def scenario_run(loaded, name: str, **overrides) -> EngineRun:
+    """Run scenario ``name`` (seed 0, every request at once) with its engine settings, then ``overrides``:
+    the same requests and pool the Playground loads for that preset."""
+    from engine.scenarios import get_scenario
+
+    config = {k: v for k, v in get_scenario(name).engine_defaults.items() if k != "reservation_tokens"}
+    config.update(overrides)
+    return run_engine(loaded, scenario_requests(loaded, name), **config)

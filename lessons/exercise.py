@@ -7,6 +7,7 @@ answer, and only then shows the engine's answer and the explanation.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,12 +57,12 @@ class Exercise:
         """The learner's answer as a value of this exercise's kind. Raises ValueError naming the bad input."""
         if self.kind == "number":
             if isinstance(answer, (int, float)) and not isinstance(answer, bool):
-                return answer
-            text = str(answer).strip().replace(",", "").replace("_", "")
-            try:
-                return float(text)
-            except ValueError:
-                raise ValueError(f"{answer!r} is not a number") from None
+                value = float(answer)
+            else:
+                value = parse_number(str(answer), self.unit)
+            if not math.isfinite(value):
+                raise ValueError(f"{answer!r} is not a finite number")
+            return value
         if self.kind == "choice":
             if answer not in self.options:
                 raise ValueError(f"{answer!r} is not one of the options")
@@ -81,7 +82,23 @@ class Exercise:
         shown = format_value(self.expected, self.unit)
         if ok:
             return Verdict(True, f"Correct: the engine agrees, {shown}.")
-        return Verdict(False, f"Not quite: you said {format_value(value, self.unit)}; the engine says {shown}.")
+        return Verdict(False, f"Not quite: the engine says {shown}.")
+
+
+_NUMBER = re.compile(r"[+-]?(\d{1,3}(,\d{3})+|\d+)(\.\d+)?|[+-]?\.\d+")
+
+
+def parse_number(text: str, unit: str = "") -> float:
+    """``"512"``, ``"5,126"``, ``"68.7%"``, ``"3 blocks"`` (this exercise's unit) -> a float.
+    Raises ValueError naming the text when it is not one plain number (``"1,2,,3"``, ``"nan"``, ``"2x"``)."""
+    t = text.strip()
+    for suffix in sorted({unit, unit.rstrip("s"), "%"} - {""}, key=len, reverse=True):
+        if t.lower().endswith(suffix.lower()):
+            t = t[: -len(suffix)].strip()
+            break
+    if not _NUMBER.fullmatch(t):
+        raise ValueError(f"{text!r} is not a number; write digits, e.g. 512 or 68.7")
+    return float(t.replace(",", ""))
 
 
 def parse_int_list(answer: Any) -> list[int]:

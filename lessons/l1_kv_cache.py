@@ -107,15 +107,19 @@ def widget_calculator(ctx) -> None:
         if choice == LOADED:
             model = ctx.loaded[0]
             config, default_dtype = model.config, str(next(model.parameters()).dtype).replace("torch.", "")
-            params, source, note = sum(p.numel() for p in model.parameters()), "assets/tiny_model/config.json", ""
+            params, source, note = sum(p.numel() for p in model.parameters()), "`assets/tiny_model/config.json`", ""
         else:
             preset = next(p for p in presets.values() if p.name == choice)
             config, default_dtype = preset.config, preset.dtype
-            params, source, note = kv_math.parameter_count(preset), preset.source, preset.note
+            params = kv_math.parameter_count(preset)
+            source, note = f"[{preset.source}]({preset.source})", preset.note
         dtypes = list(kv_math.KV_DTYPES)
-        dtype = c2.selectbox("KV cache stored as", dtypes, index=dtypes.index(default_dtype), key=f"l1_dtype_{choice}")
+        dtype = c2.selectbox("KV cache stored as", dtypes, index=dtypes.index(default_dtype), key=f"l1_dtype_{choice}",
+                             help="The weights stay in the model's own type; only the cache changes")
         g = kv_math.geometry(config, dtype)
-        st.caption(f"Config: [{source}]({source}) · {params:,} parameters (counted from the config) · {note}")
+        weight_bytes = params * kv_math.geometry(config, default_dtype).dtype_bytes
+        st.caption(f"Config: {source} · {params:,} parameters (counted from the config), weights in {default_dtype} "
+                   f"· {note}")
         st.latex(rf"2 \times {g.num_layers} \times {g.num_kv_heads} \times {g.head_dim} \times {g.dtype_bytes}"
                  rf" = {g.bytes_per_token:,}\ \text{{bytes per token}} = \text{{{kv_math.human_bytes(g.bytes_per_token)}}}"
                  .replace(",", "{,}"))
@@ -130,18 +134,18 @@ def widget_calculator(ctx) -> None:
         gpu = kv_math.gpus()[gpu_names.index(c5.selectbox("GPU", gpu_names, key="l1_gpu"))]
         util = c6.slider("Share of GPU memory the server may use", 0.5, 1.0, kv_math.VLLM_GPU_MEMORY_UTILIZATION,
                          0.05, key="l1_util", help="vLLM's gpu_memory_utilization; its default is 0.9")
-        fit = kv_math.gpu_fit(gpu.memory_bytes, params * g.dtype_bytes, g.bytes_per_token, int(context), util)
+        fit = kv_math.gpu_fit(gpu.memory_bytes, weight_bytes, g.bytes_per_token, int(context), util)
         if not fit.weights_fit:
             st.error(f"The weights alone ({fit.weight_bytes / 1e9:,.1f} GB) do not fit in "
                      f"{fit.usable_bytes / 1e9:,.1f} GB: this model needs a bigger GPU, several GPUs, or smaller "
                      "numbers (quantisation).")
-        parts = {"weights": min(fit.weight_bytes, fit.usable_bytes), "KV cache": fit.kv_bytes,
+        parts = {"weights": fit.weight_bytes, "KV cache": fit.kv_bytes,
                  "not used by the server": gpu.memory_bytes - fit.usable_bytes}
         st.plotly_chart(gpu_memory_figure(parts, f"{gpu.name} at {util:.0%}"), width="stretch", key="l1_gpu_fig")
         m = st.columns(3)
         m[0].metric("KV cache room", f"{fit.kv_bytes / 1e9:,.1f} GB")
         m[1].metric("tokens that fit", f"{fit.tokens:,}")
-        m[2].metric(f"requests of {int(context):,} tokens", f"{fit.requests:,}")
+        m[2].metric(f"requests of {int(context):,} token{'s' * (int(context) != 1)}", f"{fit.requests:,}")
         st.caption(f"GPU memory: the vendor's figure ([source]({gpu.source})), 1 GB = 10^9 bytes. "
                    "Activations and the CUDA context are ignored here, so a real server fits a little fewer.")
 

@@ -147,7 +147,7 @@ def exercises(ctx) -> dict[str, Exercise]:
             "frag_free", "How many slots of the region are free now, in total?", "number", region.free_slots,
             unit="slots",
             explanation=(f"The two finished requests gave back {region.free_slots:,} slots, in gaps of "
-                         f"{', '.join(str(g[1]) for g in region.gaps())} slots."),
+                         f"{' and '.join(f'{g[1]:,}' for g in region.gaps())} slots."),
         ),
         "frag_admit": Exercise(
             "frag_admit", f"A new request arrives and needs a reservation of {need:,} slots. Can it start now?",
@@ -213,10 +213,11 @@ def widget_waste(ctx) -> None:
             st.error(f"Cannot run these settings: {exc}")
             return
         longest = max(lengths)
-        if st.session_state.get("l2_progress", longest) > longest:
+        # the slider's value lives in session state only (no default as well), clamped to the new lengths
+        if st.session_state.get("l2_progress", longest) > longest or "l2_progress" not in st.session_state:
             st.session_state["l2_progress"] = longest
         progress = st.slider("Decode progress: tokens each request holds (up to its final length)", 1, max(2, longest),
-                             value=longest, key="l2_progress")
+                             key="l2_progress")
         run = waste_run(lengths, int(st.session_state["l2_max"]), int(st.session_state["l2_block"]), progress)
         order = list(run.final_lengths)
         m = st.columns(4)

@@ -7,11 +7,10 @@ from __future__ import annotations
 from engine import SamplingParams
 from engine.block_manager import BlockManager
 from lessons import kv_math
-from lessons.common import manager_snapshot, prompt_of_length, run_engine
+from lessons.common import manager_snapshot, scenario_run
 from lessons.exercise import Exercise
 
-LIFE = {"prompt_len": 40, "block_size": 16, "num_blocks": 8, "max_tokens": 12}
-PROMPT_TEXT = "ROMEO. But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. "
+LIFE = "life-of-a-request"  # the scenario (engine/scenarios.py) the Playground button loads too
 BUSY = {"num_blocks": 12, "block_size": 16, "tokens": [48, 48, 48, 48], "freed": ["R2", "R4"], "new": 70}
 WHERE_T = 37  # the token the exercise asks about (a question, not an answer)
 TRADE_TOKENS = 600
@@ -20,11 +19,8 @@ TRADE_MODEL = "llama-2-7b"
 
 
 # --------------------------------------------------------------------------------------------- runs
-def life_run(loaded, prompt_len: int, block_size: int, num_blocks: int, max_tokens: int):
-    ids = prompt_of_length(loaded[1], prompt_len, PROMPT_TEXT)
-    return run_engine(loaded, [(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))],
-                      block_size=block_size, num_blocks=num_blocks, max_model_len=prompt_len + max_tokens,
-                      enable_prefix_caching=False)
+def life_run(loaded):
+    return scenario_run(loaded, LIFE)
 
 
 def busy_pool() -> tuple[BlockManager, str]:
@@ -61,18 +57,26 @@ def _llama_bpt() -> int:
 
 # -------------------------------------------------------------------------------------------- lesson
 def _life(ctx):
-    return ctx.run(life_run, *LIFE.values())
+    return ctx.run(life_run)
+
+
+def _life_facts(ctx) -> dict:
+    run = _life(ctx)
+    first = run.records[0]
+    return {"prompt_len": first.scheduled[0].num_tokens, "block_size": run.block_size, "num_blocks": run.num_blocks,
+            "max_tokens": len(run.outputs[run.request_ids[0]].output_token_ids)}
 
 
 def facts(ctx) -> dict:
     bm, new = busy_pool()
-    return {**LIFE, "busy_blocks": BUSY["num_blocks"], "busy_block_size": BUSY["block_size"],
+    return {**_life_facts(ctx), "busy_blocks": BUSY["num_blocks"], "busy_block_size": BUSY["block_size"],
             "busy_freed": " and ".join(BUSY["freed"]), "busy_request": new, "busy_tokens": BUSY["new"],
             "busy_table": str(bm.block_tables[new]), "trade_tokens": TRADE_TOKENS}
 
 
 def exercises(ctx) -> dict[str, Exercise]:
     run = _life(ctx)
+    life = _life_facts(ctx)
     B = run.block_size
     _, alloc = run.first("allocate")
     prefill = run.records[0].snapshot
@@ -85,9 +89,9 @@ def exercises(ctx) -> dict[str, Exercise]:
     r16, r256 = rows[16], rows[256]
     return {
         "prefill_blocks": Exercise(
-            "prefill_blocks", f"Prefill writes the keys and values of all {LIFE['prompt_len']} prompt tokens. How "
+            "prefill_blocks", f"Prefill writes the keys and values of all {life['prompt_len']} prompt tokens. How "
             f"many blocks of {B} does it take?", "number", len(alloc.blocks), unit="blocks",
-            explanation=f"ceil({LIFE['prompt_len']} / {B}) = {len(alloc.blocks)}. The engine said: *{alloc.message}*"),
+            explanation=f"ceil({life['prompt_len']} / {B}) = {len(alloc.blocks)}. The engine said: *{alloc.message}*"),
         "last_fill": Exercise(
             "last_fill", "How many tokens does the **last** of those blocks hold after prefill?", "number",
             prefill.fills[last], unit="tokens",
@@ -146,7 +150,7 @@ def reveal_where_slot(ctx) -> None:
     bm, new = busy_pool()
     snap = manager_snapshot(bm)
     st.plotly_chart(block_pool_figure(snap, sorted(bm.block_tables), highlight=[bm.slot(new, WHERE_T) // bm.block_size],
-                                      selected=new, slot_mode=True, title=f"{new}'s blocks outlined in pink"),
+                                      selected=new, slot_mode=True, title=f"{new}'s blocks framed in magenta"),
                     width="stretch", key="l3_reveal_where")
 
 

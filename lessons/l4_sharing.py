@@ -99,6 +99,12 @@ def prefix_run(loaded, caching: bool):
                       **sc.engine_defaults)
 
 
+def ordinal(n: int) -> str:
+    """1 -> "1st", 2 -> "2nd", 12 -> "12th", 32 -> "32nd"."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 def _table_text(stage: Stage) -> str:
     tables = " · ".join(f"{s} → {t}" for s, t in stage.tables.items())
     counts = ", ".join(f"{b}: {c}" for b, c in enumerate(stage.counts) if c)
@@ -116,9 +122,10 @@ def facts(ctx) -> dict:
     tokenizer = ctx.loaded[1]
     requests = get_scenario("shared-prefix").make(0, lambda t: tokenizer(t, add_special_tokens=False)["input_ids"])
     return {"num_blocks": NUM_BLOCKS, "block_size": BLOCK_SIZE, "last_block": NUM_BLOCKS - 1, "prompt": MAIN[0],
+            "a_table": str(main[0].tables["A"]),
             "practice_blocks": main[-1].bm.num_used_blocks, "copies_blocks": 2 * len(main[0].tables["A"]),
             "chat_blocks": len(chat["shared"]), "chats": CHAT["chats"], "serve_prompt": SERVE["system"],
-            "serve_shared": serve["shared"], "serve_partial": serve["partial"],
+            "serve_shared": serve["shared"], "serve_partial": ordinal(serve["partial"]),
             "ps_prompt": par.records[0].scheduled[0].num_tokens, "ps_n": len(par.records[0].snapshot.sequences),
             "ps_block_size": par.block_size, "sp_requests": len(requests.requests),
             "sp_prompt": len(tokenizer(SYSTEM_PROMPT, add_special_tokens=False)["input_ids"])}
@@ -144,17 +151,15 @@ def exercises(ctx) -> dict[str, Exercise]:
     _, hit = pre.first("prefix_hit")
     par_after = par.records[1].snapshot
     cows = par.events("cow")
+    in_step = sum(e.kind == "cow" for e in par.records[1].events)
     used_on, used_off = pre.records[0].snapshot.num_used_blocks, pre_off.records[0].snapshot.num_used_blocks
     return {
-        "p_start": Exercise("p_start", f"What is A's block table after its {MAIN[0]}-token prompt?", "list",
-                            main[0].tables["A"],
-                            explanation=f"ceil({MAIN[0]} / {BLOCK_SIZE}) = {len(main[0].tables['A'])} blocks, the "
-                                        f"lowest free ids. {_table_text(main[0])}"),
         "p_fork": Exercise("p_fork", "What are the reference counts of A's blocks, in table order?", "list",
                            [main[1].counts[b] for b in main[1].tables["A"]],
                            explanation=f"Forking copies the table, not the blocks: {_table_text(main[1])}"),
         "p_a_table": Exercise("p_a_table", "What is A's block table after its write?", "list", main[2].tables["A"],
-                              explanation=f"The engine said: *{a_write.message}*. {_table_text(main[2])}"),
+                              explanation=(f"The engine said: *{a_write.message}*. Tables now: "
+                                           + " · ".join(f"{q} → {t}" for q, t in main[2].tables.items()))),
         "p_a_counts": Exercise("p_a_counts", "And the reference counts of blocks 0, 1 and 2?", "list",
                                main[2].counts[:3], explanation=_table_text(main[2])),
         "p_b_copy": Exercise("p_b_copy", "Does B copy a block before it writes?", "choice", b_answer,
@@ -174,9 +179,10 @@ def exercises(ctx) -> dict[str, Exercise]:
         "v2_counts": Exercise("v2_counts", f"**Variation 2.** A has {V2[0]} tokens; B and then C are forked from A; "
                               f"then A, B and C each write one token, in that order. What are the counts of blocks "
                               f"{first_two[0]} and {first_two[1]} afterwards?", "list",
-                              [v2[-1].counts[b] for b in first_two], explanation=_table_text(v2[-1])),
-        "v2_copies": Exercise("v2_copies", "How many copies happened in those three writes?", "number", v2_copies,
-                              explanation=" ".join(f"*{e.message}*." for s in v2[-3:] for e in s.events)),
+                              [v2[-1].counts[b] for b in first_two],
+                              explanation=(" ".join(f"*{e.message}*." for st_ in v2[-3:] for e in st_.events)
+                                           + f" {v2_copies} copies in three writes: the last writer owns the "
+                                           f"original alone by then. {_table_text(v2[-1])}")),
         "v3_free": Exercise("v3_free", "**Variation 3.** Back to the end of the practice (A and B have written). "
                             "Now A finishes: release(A) lowers the count of each block in A's table and frees "
                             "those that reach zero. Which blocks become free? (Write *none* if none.)", "set",
@@ -194,13 +200,11 @@ def exercises(ctx) -> dict[str, Exercise]:
                               par_after.num_used_blocks, unit="blocks",
                               explanation=" ".join(f"*{e.message}*." for e in par.records[1].events
                                                    if e.kind != "append")
-                              + f" The last sample is the block's only owner by then and writes in place."),
-        "ps_copies": Exercise("ps_copies", "How many copy-on-write copies happen in the whole run?", "number",
-                              len(cows),
-                              explanation=(f"All {len(cows)} happen in the first decode step, on the partly "
-                                           "filled last prompt block; every later block is private from the start.")),
-        "sp_hit": Exercise("sp_hit", "The second request's prompt is the system prompt plus its own question. "
-                           "How many of its prompt tokens does prefix caching find already in the cache?", "number",
+                              + f" {len(cows)} copies in the whole run, {in_step} of them in this step: the last "
+                              "sample is the block's only owner by then and writes in place, and the blocks taken "
+                              "later are private from the start."),
+        "sp_hit": Exercise("sp_hit", f"Blocks hold {pre.block_size} tokens. The second request's prompt is the "
+                           "system prompt plus its own question. How many of its prompt tokens does prefix caching find already in the cache?", "number",
                            hit.data["num_tokens"], unit="tokens",
                            explanation=(f"The engine said: *{hit.message}*: only full blocks are cached, and the "
                                         "block where the system prompt ends also holds the question, so it differs.")),
@@ -230,13 +234,16 @@ def _show(stages_of, index: int):
     return reveal
 
 
-reveal_p_start = _show(MAIN, 0)
 reveal_p_fork = _show(MAIN, 1)
 reveal_p_a_counts = _show(MAIN, 2)
 reveal_p_b_copy = _show(MAIN, 3)
 reveal_v1_block = _show(V1, len(V1[1]))
-reveal_v2_copies = _show(V2, len(V2[1]))
+reveal_v2_counts = _show(V2, len(V2[1]))
 reveal_v3_free = _show(V3, len(V3[1]))
+
+
+def widget_practice_start(ctx) -> None:
+    _show(MAIN, 0)(ctx)
 
 
 def widget_runs(ctx) -> None:

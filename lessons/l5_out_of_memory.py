@@ -3,44 +3,59 @@ pool with preemption by recompute, the same with swap, and a roomy pool as the r
 
 from __future__ import annotations
 
-from engine import SamplingParams
-from lessons.common import prompt_of_length, run_engine
+from lessons.common import scenario_requests, scenario_run
 from lessons.exercise import Exercise
 
-TEXTS = ["ROMEO. But soft, what light through yonder window breaks? ",
-         "HAMLET. To be, or not to be, that is the question: ",
-         "KING LEAR. Where is my fool? Ho, I think the world's asleep. ",
-         "MACBETH. Is this a dagger which I see before me? "]
-BIG_TEXT = "JULIET. O Romeo, Romeo, wherefore art thou Romeo? Deny thy father and refuse thy name. "
-SETUP = {"small_prompt": 20, "small_tokens": 30, "big_prompt": 100, "big_tokens": 10, "block_size": 16,
-         "num_blocks": 10, "roomy_blocks": 64, "swap_blocks": 16, "max_model_len": 128}
+SCENARIO = "memory-pressure"  # engine/scenarios.py; the Playground button loads the same preset
+ROOMY_BLOCKS = 64  # a pool big enough that nobody is preempted: the reference for the outputs
 POLICIES = {"recompute (tight pool)": "recompute", "swap (tight pool)": "swap", "roomy pool (no pressure)": "roomy"}
 
 
 def requests(tokenizer) -> list:
-    s = SETUP
-    out = [(prompt_of_length(tokenizer, s["small_prompt"], t),
-            SamplingParams(max_tokens=s["small_tokens"], temperature=0.0, ignore_eos=True)) for t in TEXTS]
-    out.append((prompt_of_length(tokenizer, s["big_prompt"], BIG_TEXT),
-                SamplingParams(max_tokens=s["big_tokens"], temperature=0.0, ignore_eos=True)))
-    return out
+    """The scenario's (prompt token ids, params) pairs."""
+    return scenario_requests((None, tokenizer), SCENARIO)
 
 
 def pressure_run(loaded, policy: str):
-    """policy: "recompute", "swap" (tight pool) or "roomy" (a pool big enough for everything)."""
-    s = SETUP
-    return run_engine(loaded, requests(loaded[1]), block_size=s["block_size"], max_model_len=s["max_model_len"],
-                      num_blocks=s["roomy_blocks"] if policy == "roomy" else s["num_blocks"],
-                      preemption_mode="swap" if policy == "swap" else "recompute",
-                      swap_space_blocks=s["swap_blocks"], enable_prefix_caching=False)
+    """policy: "recompute", "swap" (the scenario's tight pool) or "roomy" (a pool big enough for everything)."""
+    if policy == "roomy":
+        return scenario_run(loaded, SCENARIO, num_blocks=ROOMY_BLOCKS)
+    return scenario_run(loaded, SCENARIO, preemption_mode=policy)
+
+
+def late_preemption(run) -> dict | None:
+    """The last preemption of a run whose step also frees finished requests' blocks (too late for the
+    victim), with the step where the victim is prefilled again. None if there is none."""
+    for i in range(len(run.records) - 1, -1, -1):
+        events = run.records[i].events
+        preempts = [e for e in events if e.kind == "preempt"]
+        finished = [e.request_id for e in events if e.kind == "finish"]
+        if preempts and finished:
+            victim = preempts[-1].request_id
+            back = next((rec.step for rec in run.records[i + 1:] for e in rec.events
+                         if e.kind == "allocate" and e.request_id == victim), None)
+            freed = sum(len(e.blocks) for e in events if e.kind == "free" and e.request_id in finished)
+            return {"step": run.records[i].step, "victim": victim, "needy": preempts[-1].data["reason"].split()[0],
+                    "finished": " and ".join(finished), "freed": freed, "back": back}
+    return None
 
 
 def facts(ctx) -> dict:
     run = ctx.run(pressure_run, "recompute")
     ids = run.request_ids
-    return {"num_blocks": SETUP["num_blocks"], "block_size": SETUP["block_size"],
-            "small_ids": ", ".join(ids[:-1]), "small_prompt": SETUP["small_prompt"],
-            "small_tokens": SETUP["small_tokens"], "big_id": ids[-1], "big_prompt": SETUP["big_prompt"]}
+    late = late_preemption(run)
+    note = ""
+    if late:
+        note = (f"Look at step {late['step']} of the recompute run: {late['victim']} is preempted so that "
+                f"{late['needy']} gets a block, and in the same step {late['finished']} finish and free "
+                f"{late['freed']} blocks, too late for {late['victim']}, whose tokens are computed again at step "
+                f"{late['back']}. The scheduler decides one step at a time; it does not know which requests are "
+                "about to finish.")
+    prompts = [len(p) for p, _ in requests(ctx.loaded[1])]
+    params = [sp for _, sp in requests(ctx.loaded[1])]
+    return {"late_note": note, "num_blocks": run.num_blocks, "block_size": run.block_size,
+            "small_ids": ", ".join(ids[:-1]), "small_prompt": prompts[0], "small_tokens": params[0].max_tokens,
+            "big_id": ids[-1], "big_prompt": prompts[-1]}
 
 
 def exercises(ctx) -> dict[str, Exercise]:
@@ -58,27 +73,31 @@ def exercises(ctx) -> dict[str, Exercise]:
                swap_run.outputs[r].output_token_ids for r in ids)
     same_options = ["yes, token for token", "no: recomputing gives slightly different numbers",
                     "only with swap; recompute changes it"]
-    B = SETUP["block_size"]
+    B = rec_run.block_size
+    small_prompt = len(requests(ctx.loaded[1])[0][0])
     return {
         "m_admit": Exercise("m_admit", f"How many of the {len(ids)} requests does the first step admit?", "number",
                             len(admitted), unit="requests",
                             explanation=(f"{', '.join(admitted)} take {first.snapshot.num_used_blocks} blocks; "
                                          + (f"the engine said: *{waits[0].message}*." if waits else ""))),
-        "m_step": Exercise("m_step", f"The running requests each hold {SETUP['small_prompt']} prompt tokens "
+        "m_step": Exercise("m_step", f"The running requests each hold {small_prompt} prompt tokens "
                            f"and write one token per step from step 2 on (step 1 is the prefill, which also "
                            f"produces the first new token). At which **step** does the pool run out, so that "
                            f"someone is preempted?", "number", rec_run.records[i].step,
                            explanation=(f"Step {rec_run.records[i].step} writes token "
                                         f"{rec_run.first('new_block')[1].data['position']}, the first of a new block "
-                                        f"of {B}, for every running request at once. The engine said: "
-                                        f"*{preempt.message}*")),
+                                        f"of {B}, for every running request at once: "
+                                        f"{len(rec_run.records[i - 1].snapshot.running)} requests need a block each and {rec_run.records[i - 1].snapshot.num_free_blocks} are "
+                                        "free. Somebody has to give up theirs.")),
         "m_victim": Exercise("m_victim", "Which request is preempted?", "choice", victim, options=list(ids[:-1]),
                              explanation=(f"{victim}: of the running requests it was admitted last, so the others, "
-                                          "which have waited longer, keep going (first come, first served).")),
+                                          "which have waited longer, keep going (first come, first served). Its "
+                                          "blocks are freed and handed to the requests that needed one.")),
         "m_recompute": Exercise("m_recompute", "With **recompute**, how many tokens does the engine compute again when "
                                 "the preempted request is admitted again?", "number", readmit.data["num_tokens"], unit="tokens",
-                                explanation=(f"{victim}'s prompt and every token it had generated: the engine said "
-                                             f"*{readmit.message}*.")),
+                                explanation=(f"{victim}'s prompt and every token it had generated. The engine said, "
+                                             f"when it preempted {victim}: *{preempt.message}*; and when it came "
+                                             f"back: *{readmit.message}*.")),
         "m_swap": Exercise("m_swap", "With **swap** instead, how many blocks does the preempted request copy to "
                            "the CPU?",
                            "number", len(swap_out.blocks), unit="blocks",

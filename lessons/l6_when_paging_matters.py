@@ -7,7 +7,7 @@ import math
 
 from engine import EngineConfig, LLMEngine
 from lessons import kv_math
-from lessons.common import run_engine
+from lessons.common import scenario_run
 from lessons.exercise import Exercise
 
 TF = ["true", "false"]
@@ -32,12 +32,10 @@ def slots_per_byte(loaded) -> dict:
 
 def outputs_match(loaded) -> tuple[bool, int]:
     """Greedy outputs of lesson 5's requests, paged vs contiguous: (identical?, tokens compared)."""
-    from lessons.l5_out_of_memory import SETUP, requests
+    from lessons.l5_out_of_memory import ROOMY_BLOCKS, SCENARIO
 
-    reqs = requests(loaded[1])
-    paged = run_engine(loaded, reqs, block_size=16, num_blocks=SETUP["roomy_blocks"], max_model_len=128)
-    contiguous = run_engine(loaded, reqs, block_size=16, num_blocks=SETUP["roomy_blocks"], max_model_len=128,
-                            allocator="contiguous", reservation_tokens=128)
+    paged = scenario_run(loaded, SCENARIO, num_blocks=ROOMY_BLOCKS)
+    contiguous = scenario_run(loaded, SCENARIO, num_blocks=ROOMY_BLOCKS, allocator="contiguous")
     same = all(paged.outputs[r].output_token_ids == contiguous.outputs[r].output_token_ids for r in paged.request_ids)
     return same, sum(len(o.output_token_ids) for o in paged.outputs.values())
 
@@ -78,6 +76,7 @@ def exercises(ctx) -> dict[str, Exercise]:
     same, compared = ctx.run(outputs_match)
     tight = ctx.run(pressure_run, "recompute")
     swaps = len(tight.events("swap_out"))
+    swapped_blocks = sum(len(e.blocks) for e in ctx.run(pressure_run, "swap").events("swap_out"))
     preempts = tight.events("preempt")
     bm, new = busy_pool()
     table = bm.block_tables[new]
@@ -101,13 +100,14 @@ def exercises(ctx) -> dict[str, Exercise]:
         "q_cpu": Exercise(
             "q_cpu", "*Paging moves the KV cache to CPU memory.*", "choice", _tf(swaps > 0), options=TF,
             explanation=(f"In lesson 5's tight run with recompute, the engine made {swaps} swaps to the CPU: every "
-                         "block stayed in the GPU pool. Moving blocks to the CPU is *swapping*, a separate policy "
-                         "that paging makes easy (lesson 5), not paging itself.")),
+                         "block stayed in the GPU pool, also under pressure. Only the run with the *swap* policy "
+                         f"copied blocks to the CPU ({swapped_blocks} blocks, only while a request was preempted). "
+                         "Swapping is a separate policy that paging makes easy, not paging itself.")),
         "q_no_queue": Exercise(
             "q_no_queue", "*With paging, a server never has to queue or preempt requests.*", "choice",
             _tf(not preempts), options=TF,
-            explanation=(f"Lesson 5's tight pool: {len(preempts)} preemption(s) and requests waiting at the door "
-                         "in the engine's own run. Paging uses memory better; it does not make memory endless.")),
+            explanation=(f"Lesson 5's tight pool: {len(preempts)} preemption{'s' * (len(preempts) != 1)} and "
+                         f"{len(tight.events('wait'))} times a request waited at the door, in the engine's own run. Paging uses memory better; it does not make memory endless.")),
         "q_chunked": Exercise(
             "q_chunked", "*Paging is contiguous allocation in smaller chunks: a request's blocks sit next to "
             "each other.*", "choice", _tf(consecutive), options=TF,

@@ -95,7 +95,9 @@ def gate_open(slug: str, ids: list[str]) -> bool:
     shown = st.session_state.setdefault("lesson_shown", set())
     missing = [i for i in ids if f"{slug}:{i}" not in progress()]
     gate = f"{slug}:{' '.join(ids)}"
-    if not missing or gate in shown:
+    if not missing:
+        shown.add(gate)  # once opened, a gate stays open (also after "Try again")
+    if gate in shown:
         return True
     with st.container(border=True):
         st.info(f"Commit your {'answer' if len(missing) == 1 else f'{len(missing)} answers'} above to go on: the "

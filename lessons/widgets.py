@@ -10,30 +10,41 @@ from viz import block_pool_figure, block_table_rows, swap_pool_figure
 from .common import EngineRun
 
 
-def _jump(key: str, steps: list[int], forward: bool) -> None:
-    now = st.session_state.get(key, 1)
-    later = [s for s in steps if (s > now if forward else s < now)]
-    if later:
-        st.session_state[key] = later[0] if forward else later[-1]
+KIND_WORDS = {"allocate": "allocations", "new_block": "new blocks", "free": "frees", "fork": "forks",
+              "cow": "copy-on-write copies", "prefix_hit": "prefix-cache hits", "admit": "admissions",
+              "preempt": "preemptions", "swap_out": "swaps out", "swap_in": "swaps in", "wait": "waits"}
+LEGEND = ("One colour per request; grey: a shared block (the count is written on it); pale: free. Framed in black: "
+          "blocks this step changed.")
+
+
+def _set(key: str, value: int) -> None:
+    st.session_state[key] = st.session_state[f"{key}:kept"] = value
+
+
+def _kept(key: str) -> None:
+    st.session_state[f"{key}:kept"] = st.session_state[key]
 
 
 def step_through(run: EngineRun, key: str, decode=None, slot_mode: bool = False,
                  jump_kinds: tuple[str, ...] = ()) -> None:
     """A step slider over ``run``'s records with the pool, the swap pool, this step's events in words and
-    the block tables. ``jump_kinds``: event kinds the "previous/next" buttons jump between."""
+    the block tables. ``jump_kinds``: event kinds the "previous/next" buttons jump between. The chosen step
+    is kept while the widget is off screen (e.g. while another run is selected)."""
     n = len(run.records)
-    if st.session_state.get(key, 1) > n:
-        st.session_state[key] = n
+    now = min(max(1, st.session_state.get(f"{key}:kept", 1)), n)
+    st.session_state[key] = now  # set before the slider exists in this run (Streamlit drops unseen widgets' state)
     if jump_kinds:
         steps = [i + 1 for i, rec in enumerate(run.records) if any(e.kind in jump_kinds for e in rec.events)]
+        earlier, later = [x for x in steps if x < now], [x for x in steps if x > now]
+        words = ", ".join(KIND_WORDS.get(k, k) for k in jump_kinds)
         c1, c2, c3 = st.columns([1, 1, 3])
-        c1.button("◀ previous", key=f"{key}-prev", on_click=_jump, args=(key, steps, False), width="stretch",
-                  help=f"The previous step with: {', '.join(jump_kinds)}")
-        c2.button("next ▶", key=f"{key}-next", on_click=_jump, args=(key, steps, True), width="stretch",
-                  help=f"The next step with: {', '.join(jump_kinds)}")
+        c1.button("◀ previous", key=f"{key}-prev", on_click=_set, args=(key, earlier[-1] if earlier else now),
+                  width="stretch", disabled=not earlier, help=f"The previous step with {words}")
+        c2.button("next ▶", key=f"{key}-next", on_click=_set, args=(key, later[0] if later else now),
+                  width="stretch", disabled=not later, help=f"The next step with {words}")
         shown = ", ".join(map(str, steps[:16])) + (", ..." if len(steps) > 16 else "")
-        c3.caption(f"jumps between steps with {' / '.join(jump_kinds)}: {shown or 'none'}")
-    i = st.slider("Step", 1, max(n, 2), key=key, disabled=n < 2) - 1
+        c3.caption(f"steps with {words}: {shown or 'none'}")
+    i = st.slider("Step", 1, max(n, 2), key=key, disabled=n < 2, on_change=_kept, args=(key,)) - 1
     rec = run.records[min(i, n - 1)]
     snap = rec.snapshot
     changed = sorted({b for e in rec.events if e.kind in ("allocate", "new_block", "cow", "fork", "free", "swap_in")
@@ -43,12 +54,14 @@ def step_through(run: EngineRun, key: str, decode=None, slot_mode: bool = False,
                + f" · free blocks {snap.num_free_blocks}/{snap.num_blocks}")
     st.plotly_chart(block_pool_figure(snap, run.request_ids, decode=decode, highlight=changed, slot_mode=slot_mode),
                     width="stretch", key=f"{key}-pool")
+    st.caption(LEGEND)
     if snap.num_swap_blocks:
         st.plotly_chart(swap_pool_figure(snap, run.request_ids), width="stretch", key=f"{key}-swap")
     lines = [e.message for e in rec.events if e.kind != "append"]
     appends = sum(e.kind == "append" for e in rec.events)
     if appends:
-        lines.append(f"{appends} sequence(s) wrote their new token into a block with room")
+        lines.append(f"{appends} sequence{'s' * (appends != 1)} wrote {'their' if appends != 1 else 'its'} new "
+                     "token into a block with room")
     st.markdown("\n".join(f"- {x}" for x in lines) or "- nothing changed in the pool")
     rows = block_table_rows(snap, decode)
     if rows:

@@ -6,8 +6,9 @@ import subprocess
 import sys
 from types import SimpleNamespace as NS
 
-from viz import block_pool_figure, contiguous_region_figure, paged_slot_cells, pool_cells, region_cells
-from viz.colors import CACHED_FREE, EXTERNAL, FREE, SHARED, SLACK, request_color
+from viz import (block_pool_figure, block_table_rows, contiguous_region_figure, paged_slot_cells, pool_cells,
+                 region_cells)
+from viz.colors import CACHED_FREE, EXTERNAL, FREE, INTERNAL, SHARED, SLACK, request_color
 
 
 def snapshot():
@@ -44,10 +45,23 @@ def test_pool_figure_is_one_heatmap_with_outlined_highlights():
 
 
 def test_slot_mode_has_one_cell_per_slot():
-    fig = block_pool_figure(snapshot(), ["A", "B"], slot_mode=True)
+    fig = block_pool_figure(snapshot(), ["A", "B"], slot_mode=True, highlight=[3])
     z = fig.data[0].z
     assert len(z) == 8 and all(len(row) == 4 for row in z)
     assert z[3][0] != z[3][1]  # block 3 holds one token: its first slot is coloured, the rest are free
+    labels = list(fig.layout.yaxis.ticktext)
+    assert labels[7] == "block 7: A,B x2" and labels[3] == "block 3: B" and labels[5] == "block 5: cached"
+    frames = [sh for sh in fig.layout.shapes if sh.type == "rect"]
+    assert len(frames) == 1 and frames[0].y0 == 2.5  # the changed block's row is framed
+
+
+def test_a_swapped_sequence_row_names_cpu_blocks():
+    snap = snapshot()
+    snap.sequences.append(NS(seq_id="C", status="swapped", block_table=[0, 1], token_ids=[1] * 7, prompt_len=5,
+                             num_tokens=7))
+    row = block_table_rows(snap)[-1]
+    assert row["block table (logical -> physical)"] == "0->cpu0 1->cpu1"
+    assert row["tokens in pool"] == 0 and "CPU swap pool" in row["status"]
 
 
 def test_paged_slots_show_last_block_slack():
@@ -68,6 +82,10 @@ def test_contiguous_strip_shows_the_external_fragmentation_gap():
     assert slots[10:16] == [EXTERNAL] * 6 and slots[26:30] == [EXTERNAL] * 4
     fig = contiguous_region_figure(layout, ["R1", "R2"])
     assert "external fragmentation 10" in fig.layout.title.text
+    # with the final lengths known, R1's unused slots split into not-yet-used (up to 7) and internal
+    split = region_cells(layout, ["R1", "R2"], final_lengths={"R1": 7})
+    assert split[4:7] == [SLACK] * 3 and split[7:10] == [INTERNAL] * 3
+    assert "internal 3" in contiguous_region_figure(layout, ["R1", "R2"], {"R1": 7}).layout.title.text
 
 
 def test_viz_does_not_import_torch():

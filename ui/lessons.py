@@ -12,7 +12,7 @@ st.markdown(
     "Six short lessons on how a language-model server keeps its KV cache in memory, taught on the same "
     "engine the Playground runs. Each lesson asks you to **predict** what the engine will do before it "
     "runs, then shows what it did. Go in order; each takes 5 to 15 minutes. Your answers are kept for "
-    "this browser session only."
+    "this browser tab's session only: a reload starts afresh."
 )
 ctx = context()
 lessons = catalog()
@@ -30,4 +30,5 @@ for lesson in lessons:
 st.progress(total_answered / total if total else 0.0, text=f"All lessons: {total_answered} of {total} predictions made")
 if st.button("Forget my answers", help="Clear every prediction made in this session"):
     st.session_state[PROGRESS] = {}
+    st.session_state["lesson_shown"] = set()  # lock the hidden parts again, for the next learner
     st.rerun()

@@ -178,7 +178,8 @@ def views(lab) -> None:
     total = lab.step_count
     if total == 0:
         st.info("Nothing has run yet. Press **Step** (or PageDown) to run the first engine step"
-                + (f"; {len(lab.pending)} requests are queued by the preset." if lab.pending else
+                + (f"; {len(lab.pending)} request{' is' if len(lab.pending) == 1 else 's are'} queued by the preset."
+                   if lab.pending else
                    "; add a request in the sidebar first."))
         for note in lab.notes:
             st.caption(note)
@@ -241,7 +242,7 @@ def views(lab) -> None:
         st.caption("Colours: one per request; dark grey = shared block (its reference count is written on it); "
                    "light grey = last-block slack / reserved but not used; orange = external fragmentation (a gap "
                    "too small for a reservation); palest grey = free. Outlined black: blocks this step changed; "
-                   "pink: the highlighted request's blocks.")
+                   "magenta: the highlighted request's blocks.")
 
     # ------------------------------------------------------------------------------------ what happened
     st.subheader("This step, in words")

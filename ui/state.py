@@ -43,7 +43,8 @@ def preset_settings(preset: str, model: str = EMBEDDED_MODEL, **overrides) -> La
     fields = dict(block_size=d.get("block_size", 16), num_blocks=d.get("num_blocks", 64),
                   max_model_len=d.get("max_model_len", 256),
                   reservation=d.get("reservation_tokens", d.get("max_model_len", 256)),
-                  preemption_mode=d.get("preemption_mode", "recompute"), swap_space_blocks=d.get("swap_space_blocks"))
+                  preemption_mode=d.get("preemption_mode", "recompute"), swap_space_blocks=d.get("swap_space_blocks"),
+                  enable_prefix_caching=d.get("enable_prefix_caching", True))
     unknown = set(overrides) - set(LabSettings.__dataclass_fields__)
     if unknown:
         raise ValueError(f"unknown Playground setting(s): {', '.join(sorted(unknown))}")

@@ -17,6 +17,7 @@ SHARED = "#7F7F7F"       # a block several sequences point at (the count is writ
 SLACK = "#BDBDBD"        # allocated but unused (last-block slack, reserved-not-yet-used)
 INTERNAL = "#E41A1C"     # internal fragmentation (never-used reservation)
 EXTERNAL = "#FDB863"     # external fragmentation (a gap too small for a reservation)
+SELECTED = "#FF00FF"     # outline of the highlighted request's blocks (magenta: no request has it)
 
 
 def request_id_of(seq_id: str) -> str:

@@ -13,7 +13,7 @@ from typing import Callable
 
 import plotly.graph_objects as go
 
-from .colors import CACHED_FREE, FREE, SHARED, request_color, request_id_of
+from .colors import CACHED_FREE, FREE, SELECTED, SHARED, request_color, request_id_of
 
 TEXT_LIMIT = 512  # above this many cells the labels are left out (unreadable, and slow to draw)
 
@@ -123,7 +123,7 @@ def block_pool_figure(snapshot, request_order: list[str], decode: Callable[[list
     chosen = set()
     if selected:
         chosen = {c["block"] for c in cells if any(request_id_of(o) == selected for o in c["owners"])}
-    for blocks, color in ((chosen, "#CC79A7"), (set(highlight or []), "#000000")):
+    for blocks, color in ((chosen, SELECTED), (set(highlight or []), "#000000")):
         pts = [pos[b] for b in sorted(blocks) if b in pos]
         if slot_mode:  # a frame around each changed block's row of slots
             for row, _ in pts:
@@ -141,7 +141,8 @@ def block_pool_figure(snapshot, request_order: list[str], decode: Callable[[list
     fig.update_layout(
         title=title or f"{snapshot.num_blocks - snapshot.num_free_blocks}/{snapshot.num_blocks} blocks in use",
         margin={"l": 10, "r": 10, "t": 40, "b": 10},
-        height=max(220, min(640, (34 if slot_mode else 48) * nrows + 60)), xaxis={"visible": False}, yaxis=yaxis, plot_bgcolor="white",
+        height=max(220, min(640, (34 if slot_mode else 48) * nrows + 60)), xaxis={"visible": False}, yaxis=yaxis,
+        plot_bgcolor="white",
     )
     return fig
 
@@ -158,11 +159,13 @@ def block_table_rows(snapshot, decode: Callable[[list[int]], str] | None = None)
     """One row per live sequence: its logical -> physical table, tokens held and status."""
     rows = []
     for seq in snapshot.sequences:
+        swapped = seq.status == "swapped"  # its table lists CPU swap-pool blocks, not GPU blocks
         rows.append({
             "sequence": seq.seq_id,
-            "status": seq.status,
-            "tokens in pool": seq.num_tokens,
-            "block table (logical -> physical)": " ".join(f"{i}->{b}" for i, b in enumerate(seq.block_table)),
+            "status": f"swapped ({seq.num_tokens} tokens' K/V in the CPU swap pool)" if swapped else seq.status,
+            "tokens in pool": 0 if swapped else seq.num_tokens,
+            "block table (logical -> physical)": " ".join(f"{i}->{'cpu' if swapped else ''}{b}"
+                                                          for i, b in enumerate(seq.block_table)),
             "text": decode(seq.token_ids[seq.prompt_len:]) if decode else "",
         })
     return rows

@@ -14,7 +14,7 @@ def utilization(snapshot) -> float:
 
 def timeline_figure(series: dict[str, list], current_step: int | None = None) -> go.Figure:
     """``series``: label ("paged", "contiguous") -> list of StepRecords. Two panels sharing the x axis."""
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("KV utilisation (%)", "running requests"))
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("KV utilisation: tokens / allocated slots (%)", "running requests"))
     palette = {"paged": "#0072B2", "contiguous": "#D55E00"}
     for label, records in series.items():
         steps = [r.step for r in records]

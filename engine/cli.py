@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     pool.add_argument("--num-blocks", type=int, help="physical blocks in the pool")
     pool.add_argument("--kv-budget-mb", type=float, help="KV cache budget in MiB (instead of --num-blocks)")
     run.add_argument("--max-model-len", type=int, help="longest sequence, tokens")
+    run.add_argument("--preemption-mode", choices=("recompute", "swap"),
+                     help="what happens to a preempted request (default: the scenario's, or recompute)")
     run.add_argument("--device", default="auto", help="auto | cpu | cuda")
     run.add_argument("--seed", type=int, default=0, help="seed of the scenario's sampling streams")
     run.add_argument("--allocator", choices=("paged", "contiguous", "both"),
@@ -68,6 +70,8 @@ def engine_config(args, scenario, allocator: str = "paged") -> EngineConfig:
         fields.pop("num_blocks", None)
     if args.max_model_len is not None:
         fields["max_model_len"] = args.max_model_len
+    if getattr(args, "preemption_mode", None) is not None:
+        fields["preemption_mode"] = args.preemption_mode
     return EngineConfig(model=args.model, device=args.device, **fields)
 
 
@@ -170,6 +174,7 @@ def summarize(runs: dict) -> dict:
                 "id": o.request_id,
                 "prompt": o.prompt,
                 "prompt_token_ids": o.prompt_token_ids,
+                "prompt_text": o.prompt if o.prompt is not None else engine.tokenizer.decode(o.prompt_token_ids),
                 "output_text": o.output_text,
                 "output_token_ids": o.output_token_ids,
                 "finish_reason": o.finish_reason,
@@ -210,8 +215,8 @@ def print_text(summary: dict, records: list[StepRecord], out) -> None:
       f"{summary['num_blocks'] * summary['block_size']:,} token slots, "
       f"{summary['kv_bytes_per_token']:,} bytes of KV per token, {summary['kv_cache_bytes'] / MIB:.2f} MiB\n\n")
     for r in summary["requests"]:
-        prompt = r["prompt"] if r["prompt"] is not None else r["prompt_token_ids"]
-        w(f"[{r['id']}] {prompt!r}\n   -> {r['output_text']!r}\n")
+        given = "" if r["prompt"] is not None else f" ({len(r['prompt_token_ids'])} token ids)"
+        w(f"[{r['id']}]{given} {r['prompt_text']!r}\n   -> {r['output_text']!r}\n")
         for c in r["outputs"][1:]:
             w(f"   -> [{c['index']}] {c['text']!r}\n")
         w(f"   {len(r['output_token_ids'])} tokens, finish: {r['finish_reason']}, "

@@ -142,3 +142,14 @@ def test_beam_finish_sentence_matches_the_best_beam(capsys, tmp_path):
     out = run_json(capsys, "--scenario", "beam-search", "--trace", str(trace))
     [finish] = [e for r in read_trace(trace) for e in r.events if e.kind == "finish"]
     assert finish.message.endswith(f"after {len(out['requests'][0]['output_token_ids'])} tokens")
+
+
+def test_memory_pressure_with_either_preemption_mode_gives_the_same_text(capsys):
+    recompute = run_json(capsys, "--scenario", "memory-pressure")
+    swap = run_json(capsys, "--scenario", "memory-pressure", "--preemption-mode", "swap")
+    assert recompute["events"]["preemptions"] > 0 and recompute["events"]["swaps_out"] == 0
+    assert swap["events"]["swaps_out"] == swap["events"]["preemptions"] > 0
+    assert [r["output_token_ids"] for r in recompute["requests"]] == [r["output_token_ids"] for r in swap["requests"]]
+    # prompts given as token ids are shown as text too
+    assert [len(r["prompt_token_ids"]) for r in swap["requests"]] == [20, 20, 20, 20, 100]
+    assert swap["requests"][0]["prompt"] is None and swap["requests"][0]["prompt_text"].startswith("ROMEO.")

@@ -73,3 +73,24 @@ def test_stepping_in_a_real_browser(app_url, tmp_path):
         assert page.locator("[data-testid='stException']").count() == 0
         page.screenshot(path=str(tmp_path / "playground.png"), full_page=False)
         browser.close()
+
+
+def test_a_lesson_prediction_in_a_real_browser(app_url):
+    """Commit an answer in lesson 4: the form vanishes, the engine's answer and the practice figure appear,
+    the progress line counts it, and the next question's gate is still closed."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page(viewport={"width": 1280, "height": 720})
+        page.goto(app_url + "/lesson-4", wait_until="networkidle")
+        page.wait_for_selector("text=0 of 12 predictions made", timeout=90_000)
+        box = page.get_by_placeholder("numbers in order, e.g. 0, 2").first
+        box.fill("[2 2]")
+        box.press("Enter")  # submits the form
+        page.wait_for_selector("text=the engine agrees", timeout=60_000)
+        page.wait_for_selector("text=1 of 12 predictions made, 1 right", timeout=30_000)
+        assert page.get_by_placeholder("numbers in order, e.g. 0, 2").first.input_value() == ""  # the next question
+        assert page.get_by_text("Commit your answer above to go on").count() == 1
+        assert page.locator("[data-testid='stException']").count() == 0
+        browser.close()

@@ -41,6 +41,10 @@ class Batch:
     num_new_tokens: list[int] = field(default_factory=list)
 
 
+FINISH_WORDS = {"stop": "it produced the end-of-sequence token",
+                "length": "it reached its max_tokens (or the maximum model length)"}
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  preemption_mode: str = "recompute") -> None:
@@ -195,4 +199,5 @@ class Scheduler:
         req.finish_reason = reason
         self.block_manager.events.append(Event(
             "finish", req.request_id, [],
-            f"{req.request_id} finished ({reason}) after {num_tokens} tokens"))
+            f"{req.request_id} finished after {num_tokens} token{'s' * (num_tokens != 1)}: "
+            f"{FINISH_WORDS.get(reason, reason)}", {"reason": reason}))

@@ -4,7 +4,8 @@
                                   with optional settings, and optionally a short navigation label)
                                   and markers where interactive parts go: ``<!-- exercise: id -->`` and
                                   ``<!-- widget: name -->``; ``{{ name }}`` is replaced by a figure the
-                                  module computed with the engine at run time
+                                  module computed with the engine at run time. The page shows the text up
+                                  to the first question not yet answered, one question at a time
     lessons/l3_block_tables.py   ``facts(ctx)``, ``exercises(ctx)`` (pure, tested without Streamlit) and
                                   ``widget_<name>(ctx)`` functions; run as a Streamlit page it renders itself
 

@@ -62,6 +62,11 @@ class Exercise:
                 value = parse_number(str(answer), self.unit)
             if not math.isfinite(value):
                 raise ValueError(f"{answer!r} is not a finite number")
+            if value < 0:
+                raise ValueError(f"{answer!r} is negative; every answer here is 0 or more")
+            if isinstance(self.expected, int) and not value.is_integer():
+                raise ValueError(f"{answer!r} is not a whole number; this answer counts whole "
+                                 f"{self.unit or 'units'}")
             return value
         if self.kind == "choice":
             if answer not in self.options:
@@ -85,19 +90,19 @@ class Exercise:
         return Verdict(False, f"Not quite: the engine says {shown}.")
 
 
-_NUMBER = re.compile(r"[+-]?(\d{1,3}(,\d{3})+|\d+)(\.\d+)?|[+-]?\.\d+")
+_NUMBER = re.compile(r"[+-]?(\d{1,3}(,\d{3})+|\d+)(\.\d+)?|[+-]?\.\d+")  # 512, 5,126, 68.7, .5
 
 
 def parse_number(text: str, unit: str = "") -> float:
     """``"512"``, ``"5,126"``, ``"68.7%"``, ``"3 blocks"`` (this exercise's unit) -> a float.
     Raises ValueError naming the text when it is not one plain number (``"1,2,,3"``, ``"nan"``, ``"2x"``)."""
     t = text.strip()
-    for suffix in sorted({unit, unit.rstrip("s"), "%"} - {""}, key=len, reverse=True):
+    for suffix in sorted({unit, unit.rstrip("s")} - {""}, key=len, reverse=True):
         if t.lower().endswith(suffix.lower()):
             t = t[: -len(suffix)].strip()
             break
     if not _NUMBER.fullmatch(t):
-        raise ValueError(f"{text!r} is not a number; write digits, e.g. 512 or 68.7")
+        raise ValueError(f"{text!r} is not a number{f' of {unit}' if unit else ''}; write digits, e.g. 512 or 68.7")
     return float(t.replace(",", ""))
 
 
@@ -107,9 +112,11 @@ def parse_int_list(answer: Any) -> list[int]:
     if isinstance(answer, (list, tuple)):
         pieces = [str(x) for x in answer]
     else:
-        text = str(answer).strip().strip("[](){}")
+        text = str(answer).strip().strip("[](){}").strip()
         if text.lower() in ("", "none", "-"):
             return []
+        if re.search(r"[,;]\s*[,;]|^[,;]|[,;]$", text):
+            raise ValueError(f"{answer!r} has an empty item; write numbers separated by commas, e.g. 0, 2")
         pieces = [p for p in re.split(r"[\s,;]+", text) if p]
     out = []
     for p in pieces:
@@ -130,4 +137,4 @@ def format_value(value: Any, unit: str = "") -> str:
         text = "[" + ", ".join(map(str, value)) + "]"
     else:
         text = str(value)
-    return f"{text} {unit}".strip()
+    return f"{text}{unit}" if unit == "%" else f"{text} {unit}".strip()

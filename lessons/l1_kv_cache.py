@@ -70,8 +70,9 @@ def exercises(ctx) -> dict[str, Exercise]:
         "rounding": Exercise(
             "rounding",
             "Some popular write-ups say a 7B model like Llama-2-7B needs \"about 1 MB of KV cache per token\". "
-            "Compared with the exact figure, 1 MB is...", "choice", closest, options=list(options),
-            explanation=(f"1 MiB is {ratio:g} times the exact {g2.bytes_per_token:,} bytes. Rounding up like this "
+            "Reading 1 MB as 1 MiB (1,048,576 bytes), compared with the exact figure it is...", "choice", closest,
+            options=list(options),
+            explanation=(f"1 MiB = 1,048,576 bytes is {ratio:g} times the exact {g2.bytes_per_token:,} bytes. Rounding up like this "
                          "halves the number of requests you would think fit; always compute from the config."),
         ),
         "h100_fit": Exercise(

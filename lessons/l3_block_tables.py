@@ -91,12 +91,14 @@ def exercises(ctx) -> dict[str, Exercise]:
         "prefill_blocks": Exercise(
             "prefill_blocks", f"Prefill writes the keys and values of all {life['prompt_len']} prompt tokens. How "
             f"many blocks of {B} does it take?", "number", len(alloc.blocks), unit="blocks",
-            explanation=f"ceil({life['prompt_len']} / {B}) = {len(alloc.blocks)}. The engine said: *{alloc.message}*"),
+            explanation=(f"ceil({life['prompt_len']} / {B}) = {len(alloc.blocks)}: the engine took blocks "
+                         f"{alloc.blocks} from the free list.")),
         "last_fill": Exercise(
             "last_fill", "How many tokens does the **last** of those blocks hold after prefill?", "number",
             prefill.fills[last], unit="tokens",
             explanation=(f"Block {last} holds {prefill.fills[last]} of {B} slots; the other "
-                         f"{B - prefill.fills[last]} wait for the reply's first tokens.")),
+                         f"{B - prefill.fills[last]} wait for the reply's first tokens. The engine said: "
+                         f"*{alloc.message}*")),
         "fourth_block": Exercise(
             "fourth_block", "Decode writes one token per step into the last block. At which **token position** "
             "(counting the prompt from 0) does the request take a fourth block?", "number",
@@ -117,10 +119,11 @@ def exercises(ctx) -> dict[str, Exercise]:
         "trade_blocks": Exercise(
             "trade_blocks", f"At B = 16, how many blocks does a {TRADE_TOKENS}-token request take?", "number",
             r16["blocks"], unit="blocks",
-            explanation=f"ceil({TRADE_TOKENS} / 16) = {r16['blocks']} blocks = {r16['slots']} slots."),
+            explanation=f"ceil({TRADE_TOKENS} / 16) = {r16['blocks']} blocks."),
         "trade_empty": Exercise(
             "trade_empty", "How many of those slots stay empty?", "number", r16["empty slots"], unit="slots",
-            explanation=(f"{r16['slots']} − {TRADE_TOKENS} = {r16['empty slots']}; at Llama-2-7B's "
+            explanation=(f"{r16['blocks']} blocks × 16 = {r16['slots']} slots; {r16['slots']} − {TRADE_TOKENS} = "
+                         f"{r16['empty slots']}; at Llama-2-7B's "
                          f"{kv_math.human_bytes(_llama_bpt())} per token that is {r16['empty bytes']}.")),
         "trade_256": Exercise(
             "trade_256", f"At B = 256, what percentage of the request's allocation is empty? (Within 3 points.)",

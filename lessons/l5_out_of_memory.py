@@ -69,6 +69,7 @@ def exercises(ctx) -> dict[str, Exercise]:
     readmit = next(e for rec in rec_run.records[i + 1:] for e in rec.events
                    if e.kind == "allocate" and e.request_id == victim)
     _, swap_out = swap_run.first("swap_out")
+    held = next(seq.num_tokens for seq in rec_run.records[i - 1].snapshot.sequences if seq.seq_id == victim)
     same = all(rec_run.outputs[r].output_token_ids == roomy.outputs[r].output_token_ids ==
                swap_run.outputs[r].output_token_ids for r in ids)
     same_options = ["yes, token for token", "no: recomputing gives slightly different numbers",
@@ -93,9 +94,12 @@ def exercises(ctx) -> dict[str, Exercise]:
                              explanation=(f"{victim}: of the running requests it was admitted last, so the others, "
                                           "which have waited longer, keep going (first come, first served). Its "
                                           "blocks are freed and handed to the requests that needed one.")),
-        "m_recompute": Exercise("m_recompute", "With **recompute**, how many tokens does the engine compute again when "
-                                "the preempted request is admitted again?", "number", readmit.data["num_tokens"], unit="tokens",
-                                explanation=(f"{victim}'s prompt and every token it had generated. The engine said, "
+        "m_recompute": Exercise("m_recompute", "With **recompute**, the preempted request is prefilled again when "
+                                "it is admitted again. How many tokens does that prefill compute? (Count every "
+                                "token it has: its prompt, and every token it has generated so far.)", "number", readmit.data["num_tokens"], unit="tokens",
+                                explanation=(f"{held} tokens had their keys and values in its blocks, plus the last "
+                                             "token it sampled, which had not been written yet (the next decode step "
+                                             f"would have done that): {readmit.data['num_tokens']}. The engine said, "
                                              f"when it preempted {victim}: *{preempt.message}*; and when it came "
                                              f"back: *{readmit.message}*.")),
         "m_swap": Exercise("m_swap", "With **swap** instead, how many blocks does the preempted request copy to "
@@ -124,7 +128,9 @@ def widget_runs(ctx) -> None:
         run = ctx.run(pressure_run, POLICIES[label])
         step_through(run, f"l5_step_{POLICIES[label]}", lambda ids: tokenizer.decode(ids),
                      jump_kinds=("admit", "preempt", "swap_out", "swap_in", "free"))
-        st.plotly_chart(timeline_figure({label: run.records}), width="stretch", key=f"l5_tl_{POLICIES[label]}")
+        current = st.session_state.get(f"l5_step_{POLICIES[label]}:kept", 1)
+        st.plotly_chart(timeline_figure({label: run.records}, current_step=current), width="stretch",
+                        key=f"l5_tl_{POLICIES[label]}", config={"displayModeBar": False})
 
 
 if __name__ == "__main__":

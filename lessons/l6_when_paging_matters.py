@@ -107,7 +107,8 @@ def exercises(ctx) -> dict[str, Exercise]:
             "q_no_queue", "*With paging, a server never has to queue or preempt requests.*", "choice",
             _tf(not preempts), options=TF,
             explanation=(f"Lesson 5's tight pool: {len(preempts)} preemption{'s' * (len(preempts) != 1)} and "
-                         f"{len(tight.events('wait'))} times a request waited at the door, in the engine's own run. Paging uses memory better; it does not make memory endless.")),
+                         f"{', '.join(sorted({e.request_id for e in tight.events('wait')}))} waiting at the door at times, in the "
+                         "engine's own run. Paging uses memory better; it does not make memory endless.")),
         "q_chunked": Exercise(
             "q_chunked", "*Paging is contiguous allocation in smaller chunks: a request's blocks sit next to "
             "each other.*", "choice", _tf(consecutive), options=TF,

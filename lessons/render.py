@@ -90,21 +90,25 @@ def predict(slug: str, ex: Exercise, reveal=None, ctx: LessonContext | None = No
                 st.rerun()
 
 
-def gate_open(slug: str, ids: list[str]) -> bool:
-    """True once the exercises ``ids`` are answered (or the reader chose to skip); else say what to do."""
-    shown = st.session_state.setdefault("lesson_shown", set())
-    missing = [i for i in ids if f"{slug}:{i}" not in progress()]
-    gate = f"{slug}:{' '.join(ids)}"
-    if not missing:
-        shown.add(gate)  # once opened, a gate stays open (also after "Try again")
-    if gate in shown:
+def unlocked() -> set:
+    """Exercises ("slug:id") whose answer was committed once, and lessons ("slug:*") a reader chose to see
+    whole: the page goes on past them even after "Try again" (which only forgets the answer)."""
+    return st.session_state.setdefault("lesson_shown", set())
+
+
+def gate(slug: str, ex_id: str) -> bool:
+    """Whether the lesson goes on past exercise ``ex_id``; if not, say how to go on."""
+    key = f"{slug}:{ex_id}"
+    if key in progress():
+        unlocked().add(key)
+    if key in unlocked() or f"{slug}:*" in unlocked():
         return True
     with st.container(border=True):
-        st.info(f"Commit your {'answer' if len(missing) == 1 else f'{len(missing)} answers'} above to go on: the "
-                "rest of the lesson shows what the engine did.", icon=":material/lock:")
-        if st.button("Show the rest without predicting", key=f"skip-{gate}", type="tertiary",
+        st.info("Commit your answer to go on: the rest of the lesson shows what the engine did.",
+                icon=":material/lock:")
+        if st.button("Show the whole lesson without predicting", key=f"skip-{slug}", type="tertiary",
                      help="For teachers presenting the lesson, or a second reading"):
-            shown.add(gate)
+            unlocked().add(f"{slug}:*")
             st.rerun()
     return False
 
@@ -131,15 +135,17 @@ def render_lesson(page_file: str) -> None:
 
     st.title(f"Lesson {lesson.number}: {lesson.title}")
     header = st.container()  # filled last, so it counts the answer committed in this run
+    # One question at a time: the page stops at the first question not yet answered, so nothing below it
+    # (text, a widget, the next question's wording) can give its answer away.
     for kind, value in split_body(lesson.body):
         if kind == "text":
             st.markdown(fill(value, facts))
-        elif kind == "exercise":
-            predict(slug, exercises[value], getattr(module, f"reveal_{value}", None), ctx)
         elif kind == "widget":
             getattr(module, f"widget_{value}")(ctx)
-        elif not gate_open(slug, value.split()):
-            break
+        else:
+            predict(slug, exercises[value], getattr(module, f"reveal_{value}", None), ctx)
+            if not gate(slug, value):
+                break
 
     answered, right = lesson_progress(lesson, exercises)
     with header:
@@ -148,13 +154,12 @@ def render_lesson(page_file: str) -> None:
         st.progress(answered / len(exercises) if exercises else 1.0)
 
     st.divider()
-    c = st.columns(3)
+    c = st.columns([1.3, 1, 1.7])
     if c[0].button("Open this in the Playground", type="primary", icon=":material/play_circle:",
                    help=f"Loads the '{lesson.playground['preset']}' preset there, to step it freely"):
         open_in_playground(lesson)
     if index > 0:
-        c[1].page_link(lessons[index - 1].page_path, label=f"Previous: {lessons[index - 1].nav_title}",
-                       icon=":material/arrow_back:")
+        c[1].page_link(lessons[index - 1].page_path, label="Previous lesson", icon=":material/arrow_back:")
     if index + 1 < len(lessons):
         c[2].page_link(lessons[index + 1].page_path, label=f"Next: {lessons[index + 1].nav_title}",
                        icon=":material/arrow_forward:")

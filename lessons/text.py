@@ -6,15 +6,12 @@ import re
 
 from .exercise import format_value
 
-# <!-- exercise: id -->, <!-- widget: name -->, and <!-- after: id id ... -->: the rest of the lesson is shown
-# once those exercises are answered (so the text below cannot give the answer away before the prediction)
-MARKER = re.compile(r"<!--\s*(exercise|widget|after)\s*:\s*([A-Za-z0-9_]+(?:\s+[A-Za-z0-9_]+)*)\s*-->")
+MARKER = re.compile(r"<!--\s*(exercise|widget)\s*:\s*([A-Za-z0-9_]+)\s*-->")
 FIELD = re.compile(r"\{\{\s*([A-Za-z0-9_]+)\s*\}\}")
 
 
 def split_body(body: str) -> list[tuple[str, str]]:
-    """``[("text", markdown), ("exercise", id), ("widget", name), ("after", "id id"), ...]`` in reading
-    order."""
+    """``[("text", markdown), ("exercise", id), ("widget", name), ...]`` in reading order."""
     parts, pos = [], 0
     for m in MARKER.finditer(body):
         if body[pos:m.start()].strip():

@@ -13,8 +13,9 @@ from .common import EngineRun
 KIND_WORDS = {"allocate": "allocations", "new_block": "new blocks", "free": "frees", "fork": "forks",
               "cow": "copy-on-write copies", "prefix_hit": "prefix-cache hits", "admit": "admissions",
               "preempt": "preemptions", "swap_out": "swaps out", "swap_in": "swaps in", "wait": "waits"}
-LEGEND = ("One colour per request; grey: a shared block (the count is written on it); pale: free. Framed in black: "
-          "blocks this step changed.")
+LEGEND = ("One colour per request; dark grey: a block shared by several sequences (x count); light grey "
+          "\"cached\": free, but still holding a prefix the prefix cache can reuse; palest: free. Framed in black: "
+          "the blocks this step took, copied or freed.")
 
 
 def _set(key: str, value: int) -> None:
@@ -25,11 +26,12 @@ def _kept(key: str) -> None:
     st.session_state[f"{key}:kept"] = st.session_state[key]
 
 
-def step_through(run: EngineRun, key: str, decode=None, slot_mode: bool = False,
+def step_through(run: EngineRun, key: str, decode=None, slot_mode: bool | None = None,
                  jump_kinds: tuple[str, ...] = ()) -> None:
     """A step slider over ``run``'s records with the pool, the swap pool, this step's events in words and
-    the block tables. ``jump_kinds``: event kinds the "previous/next" buttons jump between. The chosen step
-    is kept while the widget is off screen (e.g. while another run is selected)."""
+    the block tables. ``slot_mode``: one cell per slot (default: for pools of at most 16 blocks).
+    ``jump_kinds``: event kinds the "previous/next" buttons jump between. The chosen step is kept while the
+    widget is off screen (e.g. while another run is selected)."""
     n = len(run.records)
     now = min(max(1, st.session_state.get(f"{key}:kept", 1)), n)
     st.session_state[key] = now  # set before the slider exists in this run (Streamlit drops unseen widgets' state)
@@ -39,30 +41,35 @@ def step_through(run: EngineRun, key: str, decode=None, slot_mode: bool = False,
         words = ", ".join(KIND_WORDS.get(k, k) for k in jump_kinds)
         c1, c2, c3 = st.columns([1, 1, 3])
         c1.button("◀ previous", key=f"{key}-prev", on_click=_set, args=(key, earlier[-1] if earlier else now),
-                  width="stretch", disabled=not earlier, help=f"The previous step with {words}")
+                  width="stretch", disabled=not earlier)
         c2.button("next ▶", key=f"{key}-next", on_click=_set, args=(key, later[0] if later else now),
-                  width="stretch", disabled=not later, help=f"The next step with {words}")
+                  width="stretch", disabled=not later)
         shown = ", ".join(map(str, steps[:16])) + (", ..." if len(steps) > 16 else "")
-        c3.caption(f"steps with {words}: {shown or 'none'}")
+        c3.caption(f"the buttons jump between the steps with {words}: {shown or 'none'}")
     i = st.slider("Step", 1, max(n, 2), key=key, disabled=n < 2, on_change=_kept, args=(key,)) - 1
     rec = run.records[min(i, n - 1)]
     snap = rec.snapshot
     changed = sorted({b for e in rec.events if e.kind in ("allocate", "new_block", "cow", "fork", "free", "swap_in")
                       for b in e.blocks})
+    finished = sorted({e.request_id for e in rec.events if e.kind == "finish"})
     st.caption(f"step {rec.step} of {n} ({rec.kind}) · running {', '.join(snap.running) or 'none'} · waiting "
                f"{', '.join(snap.waiting) or 'none'}" + (f" · swapped {', '.join(snap.swapped)}" if snap.swapped else "")
+               + (f" · finished this step {', '.join(finished)}" if finished else "")
                + f" · free blocks {snap.num_free_blocks}/{snap.num_blocks}")
-    st.plotly_chart(block_pool_figure(snap, run.request_ids, decode=decode, highlight=changed, slot_mode=slot_mode),
-                    width="stretch", key=f"{key}-pool")
-    st.caption(LEGEND)
-    if snap.num_swap_blocks:
-        st.plotly_chart(swap_pool_figure(snap, run.request_ids), width="stretch", key=f"{key}-swap")
+    left, right = st.columns([3, 2])
+    small = slot_mode if slot_mode is not None else snap.num_blocks <= 16
+    left.plotly_chart(block_pool_figure(snap, run.request_ids, decode=decode, highlight=changed, slot_mode=small),
+                      width="stretch", key=f"{key}-pool", config={"displayModeBar": False})
+    left.caption(LEGEND)
+    if snap.num_swap_blocks and run.events("swap_out"):  # only runs that swap show the CPU swap pool
+        left.plotly_chart(swap_pool_figure(snap, run.request_ids), width="stretch", key=f"{key}-swap",
+                          config={"displayModeBar": False})
     lines = [e.message for e in rec.events if e.kind != "append"]
     appends = sum(e.kind == "append" for e in rec.events)
     if appends:
         lines.append(f"{appends} sequence{'s' * (appends != 1)} wrote {'their' if appends != 1 else 'its'} new "
                      "token into a block with room")
-    st.markdown("\n".join(f"- {x}" for x in lines) or "- nothing changed in the pool")
+    right.markdown("**This step, in words**\n\n" + ("\n".join(f"- {x}" for x in lines) or "- nothing changed"))
     rows = block_table_rows(snap, decode)
     if rows:
         st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")

@@ -91,6 +91,6 @@ def test_a_lesson_prediction_in_a_real_browser(app_url):
         page.wait_for_selector("text=the engine agrees", timeout=60_000)
         page.wait_for_selector("text=1 of 12 predictions made, 1 right", timeout=30_000)
         assert page.get_by_placeholder("numbers in order, e.g. 0, 2").first.input_value() == ""  # the next question
-        assert page.get_by_text("Commit your answer above to go on").count() == 1
+        assert page.get_by_text("Commit your answer to go on").count() == 1  # the next question waits
         assert page.locator("[data-testid='stException']").count() == 0
         browser.close()

@@ -141,7 +141,7 @@ def test_beam_finish_sentence_matches_the_best_beam(capsys, tmp_path):
     trace = tmp_path / "beam.jsonl"
     out = run_json(capsys, "--scenario", "beam-search", "--trace", str(trace))
     [finish] = [e for r in read_trace(trace) for e in r.events if e.kind == "finish"]
-    assert finish.message.endswith(f"after {len(out['requests'][0]['output_token_ids'])} tokens")
+    assert f"after {len(out['requests'][0]['output_token_ids'])} tokens: " in finish.message
 
 
 def test_memory_pressure_with_either_preemption_mode_gives_the_same_text(capsys):

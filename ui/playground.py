@@ -249,7 +249,8 @@ def views(lab) -> None:
     lines = [e.message for e in paged.events if e.kind != "append"]
     appends = [e for e in paged.events if e.kind == "append"]
     if appends:
-        lines.append(f"{len(appends)} sequences wrote their new token into a block with room "
+        lines.append(f"{len(appends)} sequence{'s' * (len(appends) != 1)} wrote {'their' if len(appends) != 1 else 'its'} "
+                     "new token into a block with room "
                      f"({', '.join(f'{e.request_id}->{e.blocks[0]}' for e in appends[:12])}"
                      f"{', ...' if len(appends) > 12 else ''})")
     if contiguous is not None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 OKABE_ITO = ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000"]
 TOL_MUTED = ["#332288", "#88CCEE", "#44AA99", "#117733", "#999933", "#DDCC77", "#CC6677", "#882255", "#AA4499"]
-PALETTE = OKABE_ITO + TOL_MUTED
+# Okabe-Ito's black goes last: black also outlines what a step changed, so no early request should be black
+PALETTE = OKABE_ITO[:-1] + TOL_MUTED + OKABE_ITO[-1:]
 
 FREE = "#F2F2F2"         # a free block / slot
 CACHED_FREE = "#D9D9D9"  # free, but still holding a cached prefix (prefix caching)

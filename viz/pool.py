@@ -54,13 +54,13 @@ def pool_cells(snapshot, request_order: list[str], decode: Callable[[list[int]],
         owners = snapshot.owners[b]
         count = snapshot.ref_counts[b]
         fill = snapshot.fills[b]
-        if count == 0:
+        if count == 0:  # the block id is written on every cell, so the events' "block 7" can be found
             color = CACHED_FREE if hashes[b] else FREE
-            label = "cached" if hashes[b] else ""
+            label = f"{b}: cached" if hashes[b] else f"{b}"
         elif count > 1:
-            color, label = SHARED, f"x{count}<br>{fill}/{B}"
+            color, label = SHARED, f"{b}: x{count}<br>{fill}/{B}"
         else:
-            color, label = request_color(owners[0], request_order), f"{owners[0]}<br>{fill}/{B}"
+            color, label = request_color(owners[0], request_order), f"{b}: {owners[0]}<br>{fill}/{B}"
         text = decode(tokens[b]) if decode and b in tokens else ""
         cells.append({"block": b, "owners": owners, "ref_count": count, "fill": fill, "color": color,
                       "label": label, "hash": hashes[b] or "", "text": text})
@@ -117,27 +117,20 @@ def block_pool_figure(snapshot, request_order: list[str], decode: Callable[[list
         hovertemplate=("block %{customdata[0]}<br>owners: %{customdata[1]}<br>reference count: "
                        "%{customdata[2]}<br>fill: %{customdata[3]}<br>prefix hash: %{customdata[4]}"
                        "<br>tokens: %{customdata[5]}<extra></extra>"),
-        textfont={"size": 10},
+        textfont={"size": 12 if ncols <= 16 else 10},
     ))
-    size = 26 if ncols <= 12 else 14 if ncols <= 32 else 7
     chosen = set()
     if selected:
         chosen = {c["block"] for c in cells if any(request_id_of(o) == selected for o in c["owners"])}
     for blocks, color in ((chosen, SELECTED), (set(highlight or []), "#000000")):
-        pts = [pos[b] for b in sorted(blocks) if b in pos]
-        if slot_mode:  # a frame around each changed block's row of slots
-            for row, _ in pts:
-                fig.add_shape(type="rect", x0=-0.5, x1=B - 0.5, y0=row - 0.5, y1=row + 0.5,
-                              line={"color": color, "width": 3})
-        elif pts:  # open squares around the cells, so labels stay readable
-            fig.add_trace(go.Scatter(x=[p[1] for p in pts], y=[p[0] for p in pts], mode="markers",
-                                     hoverinfo="skip", showlegend=False,
-                                     marker={"symbol": "square-open", "size": size, "color": color,
-                                             "line": {"width": 2, "color": color}}))
+        # a frame around each block (its cell, or in slot mode its row of slots), scaled with the figure
+        for row, col in (pos[b] for b in sorted(blocks) if b in pos):
+            x0, x1 = (-0.5, B - 0.5) if slot_mode else (col - 0.5, col + 0.5)
+            fig.add_shape(type="rect", x0=x0, x1=x1, y0=row - 0.5, y1=row + 0.5, line={"color": color, "width": 3})
     yaxis = {"visible": False, "autorange": "reversed"}
     if slot_mode:  # one row per block: name each row after its block, owners and reference count
         yaxis = {"autorange": "reversed", "tickmode": "array", "tickvals": list(range(nrows)), "showgrid": False,
-                 "zeroline": False, "ticktext": [_row_label(c) for c in cells], "tickfont": {"size": 11}}
+                 "zeroline": False, "ticktext": [_row_label(c) for c in cells], "tickfont": {"size": 13}}
     fig.update_layout(
         title=title or f"{snapshot.num_blocks - snapshot.num_free_blocks}/{snapshot.num_blocks} blocks in use",
         margin={"l": 10, "r": 10, "t": 40, "b": 10},
@@ -164,8 +157,8 @@ def block_table_rows(snapshot, decode: Callable[[list[int]], str] | None = None)
             "sequence": seq.seq_id,
             "status": f"swapped ({seq.num_tokens} tokens' K/V in the CPU swap pool)" if swapped else seq.status,
             "tokens in pool": 0 if swapped else seq.num_tokens,
-            "block table (logical -> physical)": " ".join(f"{i}->{'cpu' if swapped else ''}{b}"
-                                                          for i, b in enumerate(seq.block_table)),
+            "block table (logical -> physical)": ("(freed) " if seq.status == "finished" else "") + " ".join(
+                f"{i}->{'cpu' if swapped else ''}{b}" for i, b in enumerate(seq.block_table)),
             "text": decode(seq.token_ids[seq.prompt_len:]) if decode else "",
         })
     return rows

@@ -8,6 +8,7 @@ The lesson pages come from ``lessons.catalog()``: adding a lesson under ``lesson
 import streamlit as st
 
 from lessons import catalog
+from lessons.render import keep_widget_state
 
 st.set_page_config(page_title="Paged Attention Lab", page_icon=":material/grid_view:", layout="wide")
 
@@ -22,4 +23,5 @@ pages = {
         for lesson in catalog()
     ],
 }
+keep_widget_state()  # the lessons' explore widgets keep their values across pages
 st.navigation(pages).run()

@@ -98,13 +98,17 @@ LOADED = "the embedded model (loaded)"
 def widget_calculator(ctx) -> None:
     import streamlit as st
 
+    from lessons.render import keep
+
     from viz import gpu_memory_figure
 
     presets = kv_math.model_presets()
     names = [LOADED] + [p.name for p in presets.values()]
     with st.container(border=True):
         c1, c2 = st.columns([2, 1])
-        choice = c1.selectbox("Model config", names, index=1, key="l1_model")
+        keep(keep_l1_model=names[1], keep_l1_batch=32, keep_l1_ctx=4096, keep_l1_gpu=kv_math.gpus()[0].name,
+             keep_l1_util=kv_math.VLLM_GPU_MEMORY_UTILIZATION)
+        choice = c1.selectbox("Model config", names, key="keep_l1_model")
         if choice == LOADED:
             model = ctx.loaded[0]
             config, default_dtype = model.config, str(next(model.parameters()).dtype).replace("torch.", "")
@@ -115,7 +119,8 @@ def widget_calculator(ctx) -> None:
             params = kv_math.parameter_count(preset)
             source, note = f"[{preset.source}]({preset.source})", preset.note
         dtypes = list(kv_math.KV_DTYPES)
-        dtype = c2.selectbox("KV cache stored as", dtypes, index=dtypes.index(default_dtype), key=f"l1_dtype_{choice}",
+        keep(**{f"keep_l1_dtype_{choice}": default_dtype})
+        dtype = c2.selectbox("KV cache stored as", dtypes, key=f"keep_l1_dtype_{choice}",
                              help="The weights stay in the model's own type; only the cache changes")
         g = kv_math.geometry(config, dtype)
         weight_bytes = params * kv_math.geometry(config, default_dtype).dtype_bytes
@@ -125,16 +130,15 @@ def widget_calculator(ctx) -> None:
                  rf" = {g.bytes_per_token:,}\ \text{{bytes per token}} = \text{{{kv_math.human_bytes(g.bytes_per_token)}}}"
                  .replace(",", "{,}"))
         c3, c4 = st.columns(2)
-        batch = c3.number_input("Requests in the batch", 1, 4096, 32, key="l1_batch")
-        context = c4.number_input("Tokens per request (prompt + reply)", 1, 1_048_576, 4096, step=256, key="l1_ctx")
+        batch = c3.number_input("Requests in the batch", 1, 4096, key="keep_l1_batch")
+        context = c4.number_input("Tokens per request (prompt + reply)", 1, 1_048_576, step=256, key="keep_l1_ctx")
         total = int(batch) * int(context) * g.bytes_per_token
         st.markdown(f"{batch:,} requests × {context:,} tokens × {g.bytes_per_token:,} bytes = "
                     f"**{kv_math.human_bytes(total)}** of KV cache ({total / 1e9:,.1f} GB).")
         gpu_names = [x.name for x in kv_math.gpus()]
         c5, c6 = st.columns(2)
-        gpu = kv_math.gpus()[gpu_names.index(c5.selectbox("GPU", gpu_names, key="l1_gpu"))]
-        util = c6.slider("Share of GPU memory the server may use", 0.5, 1.0, kv_math.VLLM_GPU_MEMORY_UTILIZATION,
-                         0.05, key="l1_util", help="vLLM's gpu_memory_utilization; its default is 0.9")
+        gpu = kv_math.gpus()[gpu_names.index(c5.selectbox("GPU", gpu_names, key="keep_l1_gpu"))]
+        util = c6.slider("Share of GPU memory the server may use", 0.5, 1.0, step=0.05, key="keep_l1_util", help="vLLM's gpu_memory_utilization; its default is 0.9")
         fit = kv_math.gpu_fit(gpu.memory_bytes, weight_bytes, g.bytes_per_token, int(context), util)
         if not fit.weights_fit:
             st.error(f"The weights alone ({fit.weight_bytes / 1e9:,.1f} GB) do not fit in "
@@ -142,7 +146,8 @@ def widget_calculator(ctx) -> None:
                      "numbers (quantisation).")
         parts = {"weights": fit.weight_bytes, "KV cache": fit.kv_bytes,
                  "not used by the server": gpu.memory_bytes - fit.usable_bytes}
-        st.plotly_chart(gpu_memory_figure(parts, f"{gpu.name} at {util:.0%}"), width="stretch", key="l1_gpu_fig")
+        st.plotly_chart(gpu_memory_figure(parts, f"{gpu.name} at {util:.0%}"), width="stretch", key="l1_gpu_fig",
+                        config={"displayModeBar": False})
         m = st.columns(3)
         m[0].metric("KV cache room", f"{fit.kv_bytes / 1e9:,.1f} GB")
         m[1].metric("tokens that fit", f"{fit.tokens:,}")

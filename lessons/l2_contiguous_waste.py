@@ -56,7 +56,7 @@ class WasteRun:
 
 def waste_run(lengths: list[int], max_len: int, block_size: int, progress: int | None = None) -> WasteRun:
     """Give each request a ``max_len`` reservation in a region of ``len(lengths) * max_len`` slots and, in
-    a paged pool, the blocks its tokens fill; each holds ``min(length, progress)`` tokens (default: its
+    a paged pool of the same slots, the blocks its tokens fill; each holds ``min(length, progress)`` tokens (default: its
     final length). Raises ValueError naming a bad length or size."""
     lengths = list(lengths)
     if not lengths:
@@ -65,7 +65,9 @@ def waste_run(lengths: list[int], max_len: int, block_size: int, progress: int |
         if not 1 <= L <= max_len:
             raise ValueError(f"length {L} is outside 1..{max_len} (the maximum length)")
     contiguous = ContiguousAllocator(len(lengths) * max_len, max_len)
-    paged = BlockManager(sum(-(-L // block_size) for L in lengths), block_size)
+    # the same memory for both: a pool of as many slots as the region (whole blocks, at least what is needed)
+    paged = BlockManager(max(len(lengths) * max_len // block_size, sum(-(-L // block_size) for L in lengths)),
+                         block_size)
     final = {}
     for i, L in enumerate(lengths):
         rid, held = f"R{i + 1}", max(1, min(L, progress or L))
@@ -176,17 +178,18 @@ def reveal_frag_admit(ctx) -> None:
 def _redraw() -> None:
     import streamlit as st
 
-    st.session_state["l2_lengths"] = ", ".join(map(str, draw_lengths(int(st.session_state["l2_seed"]),
-                                                                     int(st.session_state["l2_n"]))))
+    st.session_state["keep_l2_lengths"] = ", ".join(map(str, draw_lengths(int(st.session_state["keep_l2_seed"]),
+                                                                     int(st.session_state["keep_l2_n"]))))
 
 
 def _reference() -> None:
     import streamlit as st
 
     r = REFERENCE
-    st.session_state.update(l2_seed=r["seed"], l2_n=r["n"], l2_max=r["max_len"], l2_block=r["block_size"])
+    st.session_state.update(keep_l2_seed=r["seed"], keep_l2_n=r["n"], keep_l2_max=r["max_len"],
+                            keep_l2_block=r["block_size"])
     _redraw()
-    st.session_state.pop("l2_progress", None)
+    st.session_state.pop("keep_l2_progress", None)
 
 
 def widget_waste(ctx) -> None:
@@ -195,30 +198,30 @@ def widget_waste(ctx) -> None:
     from viz import contiguous_region_figure, paged_slots_figure
     from viz.colors import EXTERNAL, INTERNAL, SLACK
 
-    if "l2_lengths" not in st.session_state:
+    if "keep_l2_lengths" not in st.session_state:
         _reference()
     with st.container(border=True):
         c = st.columns([1, 1, 1, 1, 1.2], vertical_alignment="bottom")
-        c[0].number_input("Seed", 0, 2**31 - 1, step=1, key="l2_seed", on_change=_redraw)
-        c[1].number_input("Requests", 1, 64, step=1, key="l2_n", on_change=_redraw)
-        c[2].number_input("Max length", 1, 32768, step=128, key="l2_max")
-        c[3].number_input("Block size", 1, 1024, step=1, key="l2_block")
+        c[0].number_input("Seed", 0, 2**31 - 1, step=1, key="keep_l2_seed", on_change=_redraw)
+        c[1].number_input("Requests", 1, 64, step=1, key="keep_l2_n", on_change=_redraw)
+        c[2].number_input("Max length", 1, 32768, step=128, key="keep_l2_max")
+        c[3].number_input("Block size", 1, 1024, step=1, key="keep_l2_block")
         c[4].button("Reference run", on_click=_reference, width="stretch")
         st.text_input("Final lengths (tokens, comma-separated; drawn from the seed, or type your own)",
-                      key="l2_lengths")
+                      key="keep_l2_lengths")
         try:
-            lengths = parse_int_list(st.session_state["l2_lengths"])
-            final = waste_run(lengths, int(st.session_state["l2_max"]), int(st.session_state["l2_block"]))
+            lengths = parse_int_list(st.session_state["keep_l2_lengths"])
+            final = waste_run(lengths, int(st.session_state["keep_l2_max"]), int(st.session_state["keep_l2_block"]))
         except ValueError as exc:
             st.error(f"Cannot run these settings: {exc}")
             return
         longest = max(lengths)
         # the slider's value lives in session state only (no default as well), clamped to the new lengths
-        if st.session_state.get("l2_progress", longest) > longest or "l2_progress" not in st.session_state:
-            st.session_state["l2_progress"] = longest
+        if st.session_state.get("keep_l2_progress", longest) > longest or "keep_l2_progress" not in st.session_state:
+            st.session_state["keep_l2_progress"] = longest
         progress = st.slider("Decode progress: tokens each request holds (up to its final length)", 1, max(2, longest),
-                             key="l2_progress")
-        run = waste_run(lengths, int(st.session_state["l2_max"]), int(st.session_state["l2_block"]), progress)
+                             key="keep_l2_progress")
+        run = waste_run(lengths, int(st.session_state["keep_l2_max"]), int(st.session_state["keep_l2_block"]), progress)
         order = list(run.final_lengths)
         m = st.columns(4)
         m[0].metric("contiguous: empty", f"{run.contig_pct:.1f}%", help="reserved slots without a token")
@@ -227,14 +230,17 @@ def widget_waste(ctx) -> None:
         m[3].metric("paged: empty", f"{run.paged_pct:.1f}%", help="slots of allocated blocks without a token")
         left, right = st.columns(2)
         left.plotly_chart(contiguous_region_figure(run.layout, order, run.final_lengths), width="stretch",
-                          key="l2_region")
-        right.plotly_chart(paged_slots_figure(run.snapshot, order), width="stretch", key="l2_paged")
+                          key="l2_region", config={"displayModeBar": False})
+        right.plotly_chart(paged_slots_figure(run.snapshot, order), width="stretch", key="l2_paged",
+                           config={"displayModeBar": False})
         st.markdown(
             f'<span style="color:{SLACK}">■</span> reserved, not yet used · '
             f'<span style="color:{INTERNAL}">■</span> internal fragmentation (past the reply\'s end) · '
             f'<span style="color:{EXTERNAL}">■</span> external fragmentation · coloured: tokens, one colour per '
-            f"request · paged: light grey is the unfilled end of a last block. Final state: contiguous "
-            f"{final.contig_pct:.1f}% vs paged {final.paged_pct:.1f}% empty.", unsafe_allow_html=True)
+            f"request. Paged: light grey is the unfilled end of a request's last block; palest is free, for "
+            f"other requests. Both strips draw the same {run.reserved:,} slots of memory on one scale. Final "
+            f"state: contiguous {final.contig_pct:.1f}% vs paged {final.paged_pct:.1f}% empty.",
+            unsafe_allow_html=True)
 
 
 if __name__ == "__main__":

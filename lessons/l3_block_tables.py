@@ -153,7 +153,8 @@ def reveal_where_slot(ctx) -> None:
     bm, new = busy_pool()
     snap = manager_snapshot(bm)
     st.plotly_chart(block_pool_figure(snap, sorted(bm.block_tables), highlight=[bm.slot(new, WHERE_T) // bm.block_size],
-                                      selected=new, slot_mode=True, title=f"{new}'s blocks framed in magenta"),
+                                      selected=new, slot_mode=True,
+                                      title=f"{new}'s blocks framed in magenta; the block of token {WHERE_T} in black"),
                     width="stretch", key="l3_reveal_where")
 
 
@@ -177,9 +178,10 @@ def widget_locator(ctx) -> None:
 
     bm, new = busy_pool()
     B = bm.block_size
+    st.session_state.setdefault("keep_l3_t", 0)
     with st.container(border=True):
         st.markdown(f"**Try any token of {new}** (it holds {bm.num_tokens[new]} tokens).")
-        t = int(st.number_input("token t", 0, bm.num_tokens[new] - 1, 0, key="l3_t"))
+        t = int(st.number_input("token t", 0, bm.num_tokens[new] - 1, key="keep_l3_t"))
         logical, offset = divmod(t, B)
         table = bm.block_tables[new]
         st.markdown(f"token {t} → logical block {t} // {B} = **{logical}**, offset {t} % {B} = **{offset}** → "
@@ -191,13 +193,15 @@ def widget_tradeoff(ctx) -> None:
     import pandas as pd
     import streamlit as st
 
+    from lessons.render import keep
+
     presets = kv_math.model_presets()
     with st.container(border=True):
         c1, c2 = st.columns(2)
-        tokens = int(c1.number_input("Request length (tokens)", 1, 1_000_000, TRADE_TOKENS, key="l3_trade_tokens"))
+        keep(keep_l3_trade_tokens=TRADE_TOKENS, keep_l3_trade_model=presets[TRADE_MODEL].name)
+        tokens = int(c1.number_input("Request length (tokens)", 1, 1_000_000, key="keep_l3_trade_tokens"))
         names = [p.name for p in presets.values()]
-        name = c2.selectbox("Bytes per token of", names, index=names.index(presets[TRADE_MODEL].name),
-                            key="l3_trade_model")
+        name = c2.selectbox("Bytes per token of", names, key="keep_l3_trade_model")
         p = next(p for p in presets.values() if p.name == name)
         bpt = kv_math.bytes_per_token(p.config, p.dtype)
         st.dataframe(pd.DataFrame(tradeoff(tokens, bpt, [1, 8, 16, 32, 64, 128, 256])), hide_index=True,

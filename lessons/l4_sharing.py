@@ -254,7 +254,7 @@ def widget_runs(ctx) -> None:
     tokenizer = ctx.loaded[1]
     with st.container(border=True):
         which = st.radio("Run", ["parallel sampling (n samples)", "shared system prompt (prefix caching)"],
-                         horizontal=True, key="l4_run")
+                         horizontal=True, key="keep_l4_run")
         run = ctx.run(parallel_run) if which.startswith("parallel") else ctx.run(prefix_run, True)
         step_through(run, f"l4_step_{which[:3]}", lambda ids: tokenizer.decode(ids),
                      jump_kinds=("fork", "cow", "prefix_hit", "new_block", "free"))

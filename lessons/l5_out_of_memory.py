@@ -124,7 +124,7 @@ def widget_runs(ctx) -> None:
 
     tokenizer = ctx.loaded[1]
     with st.container(border=True):
-        label = st.radio("Policy", list(POLICIES), horizontal=True, key="l5_policy")
+        label = st.radio("Policy", list(POLICIES), horizontal=True, key="keep_l5_policy")
         run = ctx.run(pressure_run, POLICIES[label])
         step_through(run, f"l5_step_{POLICIES[label]}", lambda ids: tokenizer.decode(ids),
                      jump_kinds=("admit", "preempt", "swap_out", "swap_in", "free"))

@@ -16,6 +16,20 @@ from .exercise import Exercise, format_value
 from .text import fill, split_body
 
 PROGRESS = "lesson_progress"  # session_state: "slug:exercise id" -> {"raw": answer, "correct": bool}
+KEEP = "keep_"  # widgets whose key starts with this keep their value while the learner is on another page
+
+
+def keep(**defaults) -> None:
+    """Give ``keep_*`` widget keys their first value (the widgets then take no default of their own)."""
+    for key, value in defaults.items():
+        st.session_state.setdefault(key, value)
+
+
+def keep_widget_state() -> None:
+    """Called by app.py on every page: Streamlit forgets a widget's value once a run does not draw it;
+    writing the value back makes it plain session state, which survives until the widget is drawn again."""
+    for key in [k for k in st.session_state if isinstance(k, str) and k.startswith(KEEP)]:
+        st.session_state[key] = st.session_state[key]
 
 
 @st.cache_resource(show_spinner="Running the engine...", max_entries=128)

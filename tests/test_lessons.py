@@ -280,12 +280,12 @@ def test_lesson2_widget_reports_bad_lengths_and_keeps_running(ctx):
     at.switch_page("lessons/l2_contiguous_waste.py").run()
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["contiguous: empty"] == "68.7%" and metrics["paged: empty"] == "1.4%"
-    at.text_input(key="l2_lengths").input("100, x").run()
+    at.text_input(key="keep_l2_lengths").input("100, x").run()
     assert not at.exception and any("'x'" in e.value for e in at.error)
-    at.text_input(key="l2_lengths").input("100, 5000").run()
+    at.text_input(key="keep_l2_lengths").input("100, 5000").run()
     assert any("5000" in e.value for e in at.error)
-    at.number_input(key="l2_seed").set_value(8).run()  # a new seed draws new lengths
-    assert at.text_input(key="l2_lengths").value != ", ".join(map(str, LESSON_LENGTHS))
+    at.number_input(key="keep_l2_seed").set_value(8).run()  # a new seed draws new lengths
+    assert at.text_input(key="keep_l2_lengths").value != ", ".join(map(str, LESSON_LENGTHS))
     assert not at.exception
 
 
@@ -326,3 +326,14 @@ def test_lesson_scenarios_are_the_playground_presets(ctx):
         assert lesson.playground["preset"] == preset
     tight = l5.pressure_run(ctx.loaded, "recompute")
     assert tight.num_blocks == 10 and len(tight.request_ids) == 5
+
+
+def test_explore_widgets_keep_their_values_across_pages(ctx):
+    at = answered_app("l1_kv_cache", ctx)
+    at.switch_page("lessons/l1_kv_cache.py").run()
+    at.selectbox(key="keep_l1_model").select("Qwen2.5-7B").run()
+    at.number_input(key="keep_l1_batch").set_value(7).run()
+    at.switch_page("ui/model_info.py").run()
+    at.switch_page("lessons/l1_kv_cache.py").run()
+    assert at.selectbox(key="keep_l1_model").value == "Qwen2.5-7B" and at.number_input(key="keep_l1_batch").value == 7
+    assert not at.exception

@@ -16,6 +16,7 @@ import plotly.graph_objects as go
 from .colors import CACHED_FREE, FREE, SELECTED, SHARED, request_color, request_id_of
 
 TEXT_LIMIT = 512  # above this many cells the labels are left out (unreadable, and slow to draw)
+FRAME_LIMIT = 64  # above this many outlined blocks, markers instead of one shape per block
 
 
 def _columns(n: int) -> int:
@@ -123,8 +124,16 @@ def block_pool_figure(snapshot, request_order: list[str], decode: Callable[[list
     if selected:
         chosen = {c["block"] for c in cells if any(request_id_of(o) == selected for o in c["owners"])}
     for blocks, color in ((chosen, SELECTED), (set(highlight or []), "#000000")):
-        # a frame around each block (its cell, or in slot mode its row of slots), scaled with the figure
-        for row, col in (pos[b] for b in sorted(blocks) if b in pos):
+        # a frame around each block (its cell, or in slot mode its row of slots), scaled with the figure; past
+        # FRAME_LIMIT frames (a big prefill in a big pool) one trace of open squares is lighter to send and draw
+        pts = [pos[b] for b in sorted(blocks) if b in pos]
+        if len(pts) > FRAME_LIMIT and not slot_mode:
+            fig.add_trace(go.Scatter(x=[p[1] for p in pts], y=[p[0] for p in pts], mode="markers",
+                                     hoverinfo="skip", showlegend=False,
+                                     marker={"symbol": "square-open", "size": 7, "color": color,
+                                             "line": {"width": 2, "color": color}}))
+            continue
+        for row, col in pts:
             x0, x1 = (-0.5, B - 0.5) if slot_mode else (col - 0.5, col + 0.5)
             fig.add_shape(type="rect", x0=x0, x1=x1, y0=row - 0.5, y1=row + 0.5, line={"color": color, "width": 3})
     yaxis = {"visible": False, "autorange": "reversed"}

@@ -116,7 +116,8 @@ def facts(ctx) -> dict:
             "max_len": REFERENCE["max_len"], "block_size": REFERENCE["block_size"], "reserved": run.reserved,
             "used": run.used, "contig_pct": _pct(run.contig_pct), "paged_blocks": run.paged_blocks,
             "paged_slots": run.paged_slots, "paged_pct": _pct(run.paged_pct), "frag_capacity": region.capacity,
-            "frag_sizes": " / ".join(f"{s:,}" for s in FRAG_SIZES), "frag_small": f"{small:,}"}
+            "frag_sizes": " / ".join(f"{s:,}" for s in FRAG_SIZES), "frag_small": f"{small:,}",
+            "draw_lo": LENGTH_RANGE[0], "draw_hi": LENGTH_RANGE[1] - 1, "ref_seed": REFERENCE["seed"]}
 
 
 def exercises(ctx) -> dict[str, Exercise]:

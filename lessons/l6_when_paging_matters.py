@@ -64,7 +64,7 @@ def facts(ctx) -> dict:
     g = kv_math.geometry(p.config, p.dtype)
     gpu = next(x for x in kv_math.gpus() if x.name == GPU_QUESTION)
     fit = kv_math.gpu_fit(gpu.memory_bytes, kv_math.parameter_count(p) * g.dtype_bytes, g.bytes_per_token, CONTEXT)
-    return {"fit_requests": fit.requests}
+    return {"fit_requests": fit.requests, "fit_context": f"{CONTEXT:,}"}
 
 
 def exercises(ctx) -> dict[str, Exercise]:

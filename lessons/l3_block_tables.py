@@ -4,7 +4,6 @@ trade-off for one request."""
 
 from __future__ import annotations
 
-from engine import SamplingParams
 from engine.block_manager import BlockManager
 from lessons import kv_math
 from lessons.common import manager_snapshot, scenario_run
@@ -126,7 +125,7 @@ def exercises(ctx) -> dict[str, Exercise]:
                          f"{r16['empty slots']}; at Llama-2-7B's "
                          f"{kv_math.human_bytes(_llama_bpt())} per token that is {r16['empty bytes']}.")),
         "trade_256": Exercise(
-            "trade_256", f"At B = 256, what percentage of the request's allocation is empty? (Within 3 points.)",
+            "trade_256", "At B = 256, what percentage of the request's allocation is empty? (Within 3 points.)",
             "number", r256["empty %"], tolerance=3.0, unit="%",
             explanation=(f"{r256['blocks']} blocks = {r256['slots']} slots, {r256['empty slots']} empty = "
                          f"{r256['empty %']}% ({r256['empty bytes']} at Llama-2-7B's size), for every such request.")),

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine import SamplingParams
 from engine.block_manager import BlockManager
 from engine.scenarios import get_scenario
-from lessons.common import manager_snapshot, run_engine
+from lessons.common import manager_snapshot, scenario_run
 from lessons.exercise import Exercise
 
 NUM_BLOCKS, BLOCK_SIZE = 8, 4
@@ -87,16 +86,11 @@ def serving_example() -> dict:
 
 
 def parallel_run(loaded):
-    sc = get_scenario("parallel-sampling")
-    w = sc.make(0, lambda t: loaded[1](t, add_special_tokens=False)["input_ids"])
-    return run_engine(loaded, [(r.prompt, r.params) for r in w.requests], **sc.engine_defaults)
+    return scenario_run(loaded, "parallel-sampling")
 
 
 def prefix_run(loaded, caching: bool):
-    sc = get_scenario("shared-prefix")
-    w = sc.make(0, lambda t: loaded[1](t, add_special_tokens=False)["input_ids"])
-    return run_engine(loaded, [(r.prompt, r.params) for r in w.requests], enable_prefix_caching=caching,
-                      **sc.engine_defaults)
+    return scenario_run(loaded, "shared-prefix", enable_prefix_caching=caching)
 
 
 def ordinal(n: int) -> str:

@@ -3,7 +3,6 @@ experiment run on the engine when the page loads (the reveal says which), not ty
 
 from __future__ import annotations
 
-import math
 
 from engine import EngineConfig, LLMEngine
 from lessons import kv_math

@@ -360,7 +360,7 @@ class BlockManager:
         kept = [b for b in table if b not in freed]
         msg = f"{seq_id}: released {len(table)} blocks, {len(freed)} free again {sorted(freed)}"
         if kept:
-            msg += f", {len(kept)} still shared {kept}"
+            msg += f", {len(kept)} still in use by other sequences {kept}"
         cached = [b for b in freed if self.block_hashes[b] is not None]
         if cached:
             msg += f"; {len(cached)} keep their prefix-cache hash until evicted"

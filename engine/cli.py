@@ -125,7 +125,7 @@ def contiguous_summary(engine, records: list[StepRecord], outputs) -> dict:
     """Contiguous accounting per request at its final length L: a reservation of R slots, L of them used.
 
     ``internal_frag_slots`` = sum of R - L; ``external_frag_slots`` = the largest number of free slots
-    that sat in gaps smaller than one reservation at any step; ``queued_at_door`` = requests that had to
+    that sat in gaps smaller than one reservation, although together they would have held one, at any step; ``queued_at_door`` = requests that had to
     wait because no gap was large enough.
     """
     R = engine.block_manager.reservation

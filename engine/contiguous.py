@@ -10,7 +10,7 @@ Its three kinds of waste (Kwon et al., SOSP 2023, section 3; LESSON_BRIEF sectio
 - reserved but not yet used: slots a running request reserved for tokens it has not produced yet;
 - internal fragmentation: reserved slots a finished request never used (its reply ended early);
 - external fragmentation: free slots in gaps smaller than one reservation, which no new request can use
-  although the total free space might suffice.
+  although the free space in total would suffice.
 
 The class offers the interface the scheduler uses with ``BlockManager`` (allocate, append_slot, free,
 slot_mapping, events, ...), so the same scheduler and model runner drive both allocators.
@@ -83,10 +83,14 @@ class ContiguousAllocator:
         return sum(length for _, length in self.regions.values())
 
     def external_frag(self, need: int | None = None) -> int:
-        """Free slots in gaps smaller than ``need`` slots (default: one reservation)."""
+        """Free slots in gaps smaller than ``need`` slots (default: one reservation), counted only when the
+        free slots together would hold ``need``: then the gaps, not a lack of memory, keep a request out.
+        (A region with fewer free slots than ``need`` in total is simply full.)"""
         if need is not None and (isinstance(need, bool) or not isinstance(need, int) or need <= 0):
             raise ValueError(f"need must be a positive integer, got {need!r}")
         need = need or self.reservation
+        if self.free_slots < need:
+            return 0
         return sum(length for _, length in self.gaps() if length < need)
 
     @property

@@ -64,6 +64,8 @@ class Exercise:
                 raise ValueError(f"{answer!r} is not a finite number")
             if value < 0:
                 raise ValueError(f"{answer!r} is negative; every answer here is 0 or more")
+            if self.unit == "%" and value > 100:
+                raise ValueError(f"{answer!r} is more than 100%")
             if isinstance(self.expected, int) and not value.is_integer():
                 raise ValueError(f"{answer!r} is not a whole number; this answer counts whole "
                                  f"{self.unit or 'units'}")
@@ -102,7 +104,7 @@ def parse_number(text: str, unit: str = "") -> float:
             t = t[: -len(suffix)].strip()
             break
     if not _NUMBER.fullmatch(t):
-        raise ValueError(f"{text!r} is not a number{f' of {unit}' if unit else ''}; write digits, e.g. 512 or 68.7")
+        raise ValueError(f"{text!r} is not a number{f' of {unit}' if unit else ''}; write it in digits")
     return float(t.replace(",", ""))
 
 
@@ -116,12 +118,13 @@ def parse_int_list(answer: Any) -> list[int]:
         if text.lower() in ("", "none", "-"):
             return []
         if re.search(r"[,;]\s*[,;]|^[,;]|[,;]$", text):
-            raise ValueError(f"{answer!r} has an empty item; write numbers separated by commas, e.g. 0, 2")
+            raise ValueError(f"{answer!r} has an empty item; write whole numbers separated by commas")
         pieces = [p for p in re.split(r"[\s,;]+", text) if p]
     out = []
     for p in pieces:
-        if not re.fullmatch(r"-?\d+", p.strip()):
-            raise ValueError(f"{p!r} is not a whole number; write numbers separated by commas, e.g. 0, 2")
+        if not re.fullmatch(r"\d+", p.strip()):
+            raise ValueError(f"{p!r} is not a whole number of 0 or more; write whole numbers separated by commas "
+                             "(or none, where nothing is the answer)")
         out.append(int(p))
     return out
 

@@ -187,8 +187,10 @@ def exercises(ctx) -> dict[str, Exercise]:
                               f"{len(chat['shared'])} shared system-prompt blocks become free?", "number",
                               len(chat["freed_shared"]), unit="blocks",
                               explanation=(f"None: their counts drop from {chat['count_before']} to "
-                                           f"{chat['count_after']}. Only the chat's {chat['private_freed']} private "
-                                           "blocks are freed.") if not chat["freed_shared"] else ""),
+                                           f"{chat['count_after']}. Only the chat's private blocks are freed: its "
+                                           f"own {CHAT['own']} tokens after the system prompt filled "
+                                           f"{chat['private_freed']} blocks of {CHAT['block_size']}.")
+                              if not chat["freed_shared"] else ""),
         "ps_blocks": Exercise("ps_blocks", f"Prefill writes the prompt once and forks the other samples from it. "
                               f"How many blocks are in use after the **first decode step**, when each of the "
                               f"{len(par_after.sequences)} samples has written one token?", "number",
@@ -202,11 +204,9 @@ def exercises(ctx) -> dict[str, Exercise]:
                            "system prompt plus its own question. How many of its prompt tokens does prefix caching find already in the cache?", "number",
                            hit.data["num_tokens"], unit="tokens",
                            explanation=(f"The engine said: *{hit.message}*: only full blocks are cached, and the "
-                                        "block where the system prompt ends also holds the question, so it differs.")),
-        "sp_saved": Exercise("sp_saved", f"After all {len(pre.request_ids)} prompts are prefilled, how many fewer "
-                             "blocks are in use than with prefix caching off?", "number", used_off - used_on,
-                             unit="blocks",
-                             explanation=f"{used_off} blocks without prefix caching, {used_on} with it."),
+                                        "block where the system prompt ends also holds the question, so it differs. "
+                                        f"Once all {len(pre.request_ids)} prompts are prefilled, {used_on} blocks are "
+                                        f"in use; with prefix caching off, {used_off}.")),
     }
 
 
@@ -250,6 +250,8 @@ def widget_runs(ctx) -> None:
     with st.container(border=True):
         which = st.radio("Run", ["parallel sampling (n samples)", "shared system prompt (prefix caching)"],
                          horizontal=True, key="keep_l4_run")
+        st.caption("Both runs have automatic prefix caching on (the engine's default), so blocks freed at the end "
+                   "keep their prefix hash and show as cached.")
         run = ctx.run(parallel_run) if which.startswith("parallel") else ctx.run(prefix_run, True)
         step_through(run, f"l4_step_{which[:3]}", lambda ids: tokenizer.decode(ids),
                      jump_kinds=("fork", "cow", "prefix_hit", "new_block", "free"))

@@ -55,7 +55,7 @@ def facts(ctx) -> dict:
     params = [sp for _, sp in requests(ctx.loaded[1])]
     return {"late_note": note, "num_blocks": run.num_blocks, "block_size": run.block_size,
             "small_ids": ", ".join(ids[:-1]), "small_prompt": prompts[0], "small_tokens": params[0].max_tokens,
-            "big_id": ids[-1], "big_prompt": prompts[-1]}
+            "big_id": ids[-1], "big_prompt": prompts[-1], "big_tokens": params[-1].max_tokens}
 
 
 def exercises(ctx) -> dict[str, Exercise]:

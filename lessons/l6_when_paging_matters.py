@@ -86,7 +86,8 @@ def exercises(ctx) -> dict[str, Exercise]:
         "q_compress": Exercise(
             "q_compress", "*Paging compresses the KV cache: a token takes fewer bytes in a block.*", "choice",
             _tf(per_slot["paged"] < per_slot["contiguous"]), options=TF,
-            explanation=(f"The engine built a paged pool and a contiguous region from the same 1 MiB budget: "
+            explanation=(f"The engine built a paged pool and a contiguous region from the same 1 MiB budget (it "
+                         "sizes both in whole blocks of 16, so the region has as many slots as the pool): "
                          f"{capacity['paged']['slots']:,} vs {capacity['contiguous']['slots']:,} token slots, "
                          f"{per_slot['paged']:,.0f} vs {per_slot['contiguous']:,.0f} bytes per slot. Paging stores the "
                          "same numbers; it only stops wasting slots.")),

@@ -16,6 +16,7 @@ from .exercise import Exercise, format_value
 from .text import fill, split_body
 
 PROGRESS = "lesson_progress"  # session_state: "slug:exercise id" -> {"raw": answer, "correct": bool}
+FIRST = "lesson_first_try"  # session_state: "slug:exercise id" -> the first committed answer was right
 KEEP = "keep_"  # widgets whose key starts with this keep their value while the learner is on another page
 
 
@@ -53,10 +54,21 @@ def progress() -> dict:
     return st.session_state.setdefault(PROGRESS, {})
 
 
-def lesson_progress(lesson: Lesson, exercise_ids) -> tuple[int, int]:
-    """(answered, right) for a lesson's exercises in this session."""
-    done = [progress()[f"{lesson.slug}:{i}"] for i in exercise_ids if f"{lesson.slug}:{i}" in progress()]
-    return len(done), sum(d["correct"] for d in done)
+def first_tries() -> dict:
+    """"slug:exercise id" -> whether the first answer committed for it was right (kept through "Try again")."""
+    return st.session_state.setdefault(FIRST, {})
+
+
+def lesson_progress(lesson: Lesson, exercise_ids) -> tuple[int, int, int]:
+    """(answered, right, right at the first try) for a lesson's exercises in this session."""
+    keys = [f"{lesson.slug}:{i}" for i in exercise_ids]
+    done = [progress()[k] for k in keys if k in progress()]
+    return len(done), sum(d["correct"] for d in done), sum(first_tries().get(k, False) for k in keys)
+
+
+def score_line(answered: int, total: int, right: int, first: int) -> str:
+    line = f"{answered} of {total} predictions made, {right} right"
+    return line + (f" ({first} at the first try)" if first != right else "")
 
 
 # ---------------------------------------------------------------------------------------------- exercise
@@ -64,13 +76,15 @@ def _answer_input(ex: Exercise, key: str):
     if ex.kind == "choice":
         return st.radio("Your answer", ex.options, index=None, key=f"in-{key}")
     placeholder = {"number": "a number" + (f" ({ex.unit})" if ex.unit else ""),
-                   "list": "numbers in order, e.g. 0, 2", "set": "numbers in any order, e.g. 3, 5 (or: none)"}
+                   "list": "whole numbers in order, separated by commas",
+                   "set": "whole numbers in any order, separated by commas (or: none)"}
     return st.text_input("Your answer", key=f"in-{key}", placeholder=placeholder[ex.kind])
 
 
-def predict(slug: str, ex: Exercise, reveal=None, ctx: LessonContext | None = None) -> None:
+def predict(slug: str, ex: Exercise, reveal=None, ctx: LessonContext | None = None, later: tuple = ()) -> None:
     """Ask ``ex``; once the learner commits an answer, show the engine's answer, the explanation and the
-    ``reveal(ctx)`` drawing (the engine's state after the step in question)."""
+    ``reveal(ctx)`` drawing (the engine's state after the step in question). "Try again" forgets this answer
+    and those of the ``later`` exercises, whose reveals could otherwise give this one away."""
     key = f"{slug}:{ex.id}"
     with st.container(border=True):
         st.markdown(f":material/psychology_alt: **Predict.** {ex.question}")
@@ -90,6 +104,7 @@ def predict(slug: str, ex: Exercise, reveal=None, ctx: LessonContext | None = No
                         st.error(f"Could not read your answer: {exc}")
                     else:
                         progress()[key] = entry = {"raw": answer, "correct": verdict.correct}
+                        first_tries().setdefault(key, verdict.correct)
                         slot.empty()
         if entry is not None:
             verdict = ex.check(entry["raw"])
@@ -99,30 +114,28 @@ def predict(slug: str, ex: Exercise, reveal=None, ctx: LessonContext | None = No
                 st.markdown(ex.explanation)
             if reveal is not None:
                 reveal(ctx)
-            if st.button("Try again", key=f"again-{key}", help="Forget this answer and predict again"):
-                del progress()[key]
+            if st.button("Try again from here", key=f"again-{key}",
+                         help="Forget this answer and the ones after it in this lesson, and predict again"):
+                for k in (key, *(f"{slug}:{i}" for i in later)):
+                    progress().pop(k, None)
                 st.rerun()
 
 
-def unlocked() -> set:
-    """Exercises ("slug:id") whose answer was committed once, and lessons ("slug:*") a reader chose to see
-    whole: the page goes on past them even after "Try again" (which only forgets the answer)."""
+def whole_lessons() -> set:
+    """Lessons a reader chose to see whole, without predicting (a teacher presenting, a second reading)."""
     return st.session_state.setdefault("lesson_shown", set())
 
 
 def gate(slug: str, ex_id: str) -> bool:
     """Whether the lesson goes on past exercise ``ex_id``; if not, say how to go on."""
-    key = f"{slug}:{ex_id}"
-    if key in progress():
-        unlocked().add(key)
-    if key in unlocked() or f"{slug}:*" in unlocked():
+    if f"{slug}:{ex_id}" in progress() or slug in whole_lessons():
         return True
     with st.container(border=True):
         st.info("Commit your answer to go on: the rest of the lesson shows what the engine did.",
                 icon=":material/lock:")
         if st.button("Show the whole lesson without predicting", key=f"skip-{slug}", type="tertiary",
                      help="For teachers presenting the lesson, or a second reading"):
-            unlocked().add(f"{slug}:*")
+            whole_lessons().add(slug)
             st.rerun()
     return False
 
@@ -151,20 +164,23 @@ def render_lesson(page_file: str) -> None:
     header = st.container()  # filled last, so it counts the answer committed in this run
     # One question at a time: the page stops at the first question not yet answered, so nothing below it
     # (text, a widget, the next question's wording) can give its answer away.
-    for kind, value in split_body(lesson.body):
+    parts = split_body(lesson.body)
+    order = [v for k, v in parts if k == "exercise"]
+    for kind, value in parts:
         if kind == "text":
             st.markdown(fill(value, facts))
         elif kind == "widget":
             getattr(module, f"widget_{value}")(ctx)
         else:
-            predict(slug, exercises[value], getattr(module, f"reveal_{value}", None), ctx)
+            predict(slug, exercises[value], getattr(module, f"reveal_{value}", None), ctx,
+                    later=tuple(order[order.index(value) + 1:]))
             if not gate(slug, value):
                 break
 
-    answered, right = lesson_progress(lesson, exercises)
+    answered, right, first = lesson_progress(lesson, exercises)
     with header:
         st.caption(f"Lesson {index + 1} of {len(lessons)} · about {lesson.minutes} minutes · "
-                   f"{answered} of {len(exercises)} predictions made, {right} right")
+                   + score_line(answered, len(exercises), right, first))
         st.progress(answered / len(exercises) if exercises else 1.0)
 
     st.divider()

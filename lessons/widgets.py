@@ -13,9 +13,15 @@ from .common import EngineRun
 KIND_WORDS = {"allocate": "allocations", "new_block": "new blocks", "free": "frees", "fork": "forks",
               "cow": "copy-on-write copies", "prefix_hit": "prefix-cache hits", "admit": "admissions",
               "preempt": "preemptions", "swap_out": "swaps out", "swap_in": "swaps in", "wait": "waits"}
-LEGEND = ("One colour per request; dark grey: a block shared by several sequences (x count); light grey "
-          "\"cached\": free, but still holding a prefix the prefix cache can reuse; palest: free. Framed in black: "
-          "the blocks this step took, copied or freed.")
+def legend(snap) -> str:
+    """The colours in this snapshot, in words (shared and cached blocks only when there are any)."""
+    parts = ["One colour per request"]
+    if any(c > 1 for c in snap.ref_counts):
+        parts.append("dark grey: a block shared by several sequences (x count)")
+    if any(c == 0 and h for c, h in zip(snap.ref_counts, snap.block_hashes or [])):
+        parts.append("light grey \"cached\": free, but still holding a prefix the prefix cache can reuse")
+    parts.append("palest: free. Framed in black: the blocks this step took, copied, moved or freed")
+    return "; ".join(parts) + "."
 
 
 def _set(key: str, value: int) -> None:
@@ -49,7 +55,8 @@ def step_through(run: EngineRun, key: str, decode=None, slot_mode: bool | None =
     i = st.slider("Step", 1, max(n, 2), key=key, disabled=n < 2, on_change=_kept, args=(key,)) - 1
     rec = run.records[min(i, n - 1)]
     snap = rec.snapshot
-    changed = sorted({b for e in rec.events if e.kind in ("allocate", "new_block", "cow", "fork", "free", "swap_in")
+    changed = sorted({b for e in rec.events
+                      if e.kind in ("allocate", "new_block", "cow", "fork", "free", "swap_in", "swap_out")
                       for b in e.blocks})
     finished = sorted({e.request_id for e in rec.events if e.kind == "finish"})
     st.caption(f"step {rec.step} of {n} ({rec.kind}) · running {', '.join(snap.running) or 'none'} · waiting "
@@ -60,7 +67,7 @@ def step_through(run: EngineRun, key: str, decode=None, slot_mode: bool | None =
     small = slot_mode if slot_mode is not None else snap.num_blocks <= 16
     left.plotly_chart(block_pool_figure(snap, run.request_ids, decode=decode, highlight=changed, slot_mode=small),
                       width="stretch", key=f"{key}-pool", config={"displayModeBar": False})
-    left.caption(LEGEND)
+    left.caption(legend(snap))
     if snap.num_swap_blocks and run.events("swap_out"):  # only runs that swap show the CPU swap pool
         left.plotly_chart(swap_pool_figure(snap, run.request_ids), width="stretch", key=f"{key}-swap",
                           config={"displayModeBar": False})

@@ -30,7 +30,7 @@ with sync_playwright() as pw:
     # a lesson: the tiny-block practice after two committed predictions
     page.goto(f"{URL}/lesson-4", wait_until="networkidle")
     for answer in ("2, 2", "0, 2"):
-        box = page.get_by_placeholder("numbers in order, e.g. 0, 2").first
+        box = page.get_by_placeholder("whole numbers in order, separated by commas").first
         box.wait_for(timeout=90_000)
         page.wait_for_timeout(1500)  # let the previous rerun settle, so the box is the live one
         box.fill(answer)

@@ -66,7 +66,8 @@ def test_external_fragmentation_is_named():
 
 
 def test_request_waits_at_the_door_with_the_reason(make_engine, text_ids):
-    # region of 160 slots, reservations of 64: two fit, the 32-slot tail is external fragmentation
+    # region of 160 slots, reservations of 64: two fit; the 32-slot tail is too small, and it is no external
+    # fragmentation (32 free slots in total could not hold a reservation anyway)
     engine = make_engine(block_size=4, num_blocks=40, max_model_len=64, allocator="contiguous",
                          reservation_tokens=64)
     for n in (5, 6, 7):
@@ -77,7 +78,7 @@ def test_request_waits_at_the_door_with_the_reason(make_engine, text_ids):
     assert waits[0].message == "R3 waits at the door: refused: largest gap 32 < 64 needed, 32 free in total"
     layout = rec.snapshot.contiguous
     assert [(r["start"], r["length"]) for r in layout["regions"]] == [(0, 64), (64, 64)]
-    assert layout["external_frag_slots"] == 32
+    assert layout["external_frag_slots"] == 0
     assert layout["reserved_unused_slots"] == 128 - layout["used_slots"]
     while engine.has_unfinished():
         engine.step()
@@ -103,3 +104,12 @@ def test_contiguous_refuses_parallel_sampling(make_engine, text_ids):
     engine = make_engine(block_size=4, num_blocks=64, allocator="contiguous", max_model_len=64)
     with pytest.raises(ValueError, match="one sequence per request; got n=2"):
         engine.add_request(text_ids[:5], SamplingParams(n=2))
+
+
+def test_free_slots_too_few_for_a_reservation_are_not_external_fragmentation():
+    alloc = ContiguousAllocator(capacity_tokens=160, reservation=64)
+    alloc.allocate("A", 5)
+    alloc.allocate("B", 5)
+    assert alloc.gaps() == [(128, 32)] and alloc.external_frag_slots == 0  # simply full
+    alloc.free("A")
+    assert alloc.external_frag(need=96) == 64 + 32  # 96 free in two gaps of 64 and 32: fragmented

@@ -103,3 +103,15 @@ def test_swap_strip_colours_the_swapped_request():
     z = fig.data[0].z[0]
     assert z[1] == z[2] != z[0] == z[3]
     assert "2/4 blocks in use" in fig.layout.title.text
+
+
+def test_a_full_region_shows_no_external_fragmentation():
+    """32 free slots that could not hold a 64-slot reservation even together: the region is full, not
+    fragmented, so nothing is drawn orange."""
+    layout = {"capacity_slots": 160, "reservation": 64,
+              "regions": [{"seq_id": "R1", "start": 0, "length": 64, "used": 5},
+                          {"seq_id": "R2", "start": 64, "length": 64, "used": 6}],
+              "gaps": [{"start": 128, "length": 32}],
+              "used_slots": 11, "reserved_unused_slots": 117, "internal_frag_slots": 0, "external_frag_slots": 0}
+    assert EXTERNAL not in region_cells(layout, ["R1", "R2"])
+    assert region_cells(layout, ["R1", "R2"])[128:] == [FREE] * 32

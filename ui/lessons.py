@@ -5,7 +5,7 @@ import importlib
 import streamlit as st
 
 from lessons import catalog
-from lessons.render import PROGRESS, context, lesson_progress
+from lessons.render import FIRST, PROGRESS, context, lesson_progress
 
 st.title("Lessons")
 st.markdown(
@@ -19,16 +19,18 @@ lessons = catalog()
 total_answered = total = 0
 for lesson in lessons:
     ids = importlib.import_module(lesson.module_name).exercises(ctx)
-    answered, right = lesson_progress(lesson, ids)
+    answered, right, first = lesson_progress(lesson, ids)
     total_answered, total = total_answered + answered, total + len(ids)
     with st.container(border=True):
         c1, c2 = st.columns([3, 1], vertical_alignment="center")
         c1.page_link(lesson.page_path, label=f"**{lesson.number}. {lesson.title}**", icon=":material/menu_book:")
         c1.caption(f"about {lesson.minutes} minutes · {len(ids)} predictions")
         status = "not started" if answered == 0 else "done" if answered == len(ids) else "in progress"
-        c2.progress(answered / len(ids) if ids else 0.0, text=f"{status}: {answered}/{len(ids)}, {right} right")
+        c2.progress(answered / len(ids) if ids else 0.0, text=f"{status}: {answered}/{len(ids)}, {right} right"
+                    + (f" ({first} at the first try)" if first != right else ""))
 st.progress(total_answered / total if total else 0.0, text=f"All lessons: {total_answered} of {total} predictions made")
 if st.button("Forget my answers", help="Clear every prediction made in this session"):
     st.session_state[PROGRESS] = {}
+    st.session_state[FIRST] = {}
     st.session_state["lesson_shown"] = set()  # lock the hidden parts again, for the next learner
     st.rerun()

@@ -16,7 +16,7 @@ FREE = "#F2F2F2"         # a free block / slot
 CACHED_FREE = "#D9D9D9"  # free, but still holding a cached prefix (prefix caching)
 SHARED = "#7F7F7F"       # a block several sequences point at (the count is written on it)
 SLACK = "#BDBDBD"        # allocated but unused (last-block slack, reserved-not-yet-used)
-INTERNAL = "#E41A1C"     # internal fragmentation (never-used reservation)
+INTERNAL = "#8C510A"     # internal fragmentation (never-used reservation): brown, unlike any request colour
 EXTERNAL = "#FDB863"     # external fragmentation (a gap too small for a reservation)
 SELECTED = "#FF00FF"     # outline of the highlighted request's blocks (magenta: no request has it)
 

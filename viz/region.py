@@ -2,8 +2,9 @@
 
 Both memories hold the same number of token slots (the same bytes), so drawing both as strips of equally
 many cells, each cell standing for the same number of slots, compares them fairly. Categories:
-- contiguous: used by a request (its colour), reserved but not yet used (light grey), free slots in a gap too
-  small for one reservation (external fragmentation, orange), free (near-white);
+- contiguous: used by a request (its colour), reserved but not yet used (light grey), free slots in gaps too
+  small for one reservation although together they would hold one (external fragmentation, orange), free
+  (near-white);
 - paged: used (the owner's colour), last-block slack (light grey), free (near-white).
 """
 
@@ -24,13 +25,16 @@ def region_cells(layout: dict, request_order: list[str], final_lengths: dict[str
 
     ``final_lengths`` (sequence id -> tokens it will hold when it finishes), known only with hindsight,
     splits a reservation's unused slots into "reserved, not yet used" (up to the final length, light grey)
-    and internal fragmentation (past it, never used; red). Without it all unused slots are light grey.
+    and internal fragmentation (past it, never used; brown). Without it all unused slots are light grey.
     """
     cap = layout["capacity_slots"]
     slots = [FREE] * cap
-    for g in layout["gaps"]:
-        if g["length"] < layout["reservation"]:
-            slots[g["start"]:g["start"] + g["length"]] = [EXTERNAL] * g["length"]
+    # gaps too small for a reservation are external fragmentation only when the free slots together would
+    # hold one (the allocator's external_frag_slots); otherwise the region is simply full
+    if layout.get("external_frag_slots", 0):
+        for g in layout["gaps"]:
+            if g["length"] < layout["reservation"]:
+                slots[g["start"]:g["start"] + g["length"]] = [EXTERNAL] * g["length"]
     for r in layout["regions"]:
         color = request_color(r["seq_id"], request_order)
         start, used, length = r["start"], r["used"], r["length"]
@@ -75,6 +79,8 @@ def _strip(slots: list[str], title: str, hover_unit: str) -> go.Figure:
     fig = go.Figure(go.Heatmap(z=z, customdata=custom, colorscale=_discrete_scale(colors), zmin=-0.5,
                                zmax=len(colors) - 0.5, showscale=False, xgap=1, ygap=1,
                                hovertemplate="%{customdata}<extra></extra>"))
+    if per_cell > 1:
+        title += f" · one cell = {per_cell} slots"
     fig.update_layout(title={"text": title, "font": {"size": 14}}, margin={"l": 10, "r": 10, "t": 56, "b": 10},
                       height=max(160, min(480, 14 * rows + 60)), xaxis={"visible": False},
                       yaxis={"visible": False, "autorange": "reversed"}, plot_bgcolor="white")

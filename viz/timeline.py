@@ -26,9 +26,12 @@ def timeline_figure(series: dict[str, list], current_step: int | None = None) ->
     if current_step is not None:
         for col in (1, 2):
             fig.add_vline(x=current_step, line={"dash": "dot", "color": "#888888"}, row=1, col=col)
-    fig.update_xaxes(title_text="step")
+    longest = max((len(r) for r in series.values()), default=0)
+    most = max((len(rec.snapshot.running) for r in series.values() for rec in r), default=0)
+    # whole steps and whole requests: ticks every 1 while there are few, so none repeats or falls between
+    fig.update_xaxes(title_text="step", tickformat="d", dtick=1 if longest <= 12 else None)
     fig.update_yaxes(rangemode="tozero")
-    fig.update_yaxes(tickformat="d", row=1, col=2)
+    fig.update_yaxes(tickformat="d", dtick=1 if most <= 8 else None, row=1, col=2)
     fig.update_layout(height=300, margin={"l": 10, "r": 10, "t": 60, "b": 10},
                       legend={"orientation": "h", "yanchor": "bottom", "y": 1.12, "x": 0})
     return fig

@@ -172,9 +172,10 @@ def exercises(ctx) -> dict[str, Exercise]:
                                           f"shared, and the new token starts a new logical block in a fresh block. "
                                           f"{_table_text(v1[-1])}")),
         "v2_counts": Exercise("v2_counts", f"**Variation 2.** A has {V2[0]} tokens; B and then C are forked from A; "
-                              f"then A, B and C each write one token, in that order. What are the counts of blocks "
-                              f"{first_two[0]} and {first_two[1]} afterwards?", "list",
-                              [v2[-1].counts[b] for b in first_two],
+                              f"then A, B and C each write one token, in that order. Predict three numbers: the "
+                              f"count of block {first_two[0]} afterwards, the count of block {first_two[1]}, and how "
+                              "many copies the three writes made.", "list",
+                              [v2[-1].counts[b] for b in first_two] + [v2_copies],
                               explanation=(" ".join(f"*{e.message}*." for st_ in v2[-3:] for e in st_.events)
                                            + f" {v2_copies} copies in three writes: the last writer owns the "
                                            f"original alone by then. {_table_text(v2[-1])}")),

@@ -137,7 +137,7 @@ def format_value(value: Any, unit: str = "") -> str:
     elif isinstance(value, float):
         text = f"{value:,.4g}" if abs(value) < 1000 else f"{value:,.0f}"
     elif isinstance(value, (list, tuple)):
-        text = "[" + ", ".join(map(str, value)) + "]"
+        text = "[" + ", ".join(map(str, value)) + "]" if value else "none"
     else:
         text = str(value)
     return f"{text}{unit}" if unit == "%" else f"{text} {unit}".strip()

@@ -197,7 +197,7 @@ def widget_waste(ctx) -> None:
     import streamlit as st
 
     from viz import contiguous_region_figure, paged_slots_figure
-    from viz.colors import EXTERNAL, INTERNAL, SLACK
+    from viz.colors import INTERNAL, SLACK
 
     if "keep_l2_lengths" not in st.session_state:
         _reference()
@@ -234,13 +234,18 @@ def widget_waste(ctx) -> None:
                           key="l2_region", config={"displayModeBar": False})
         right.plotly_chart(paged_slots_figure(run.snapshot, order), width="stretch", key="l2_paged",
                            config={"displayModeBar": False})
+        pool_slots = run.snapshot.num_blocks * run.snapshot.block_size
+        scale = (f"Both strips draw the same {run.reserved:,} slots of memory on one scale."
+                 if pool_slots == run.reserved else
+                 f"The region has {run.reserved:,} slots; the paged pool, in whole blocks of "
+                 f"{run.snapshot.block_size}, has {pool_slots:,}.")
         st.markdown(
             f'<span style="color:{SLACK}">■</span> reserved, not yet used · '
-            f'<span style="color:{INTERNAL}">■</span> internal fragmentation (past the reply\'s end) · '
-            f'<span style="color:{EXTERNAL}">■</span> external fragmentation · coloured: tokens, one colour per '
-            f"request. Paged: light grey is the unfilled end of a request's last block; palest is free, for "
-            f"other requests. Both strips draw the same {run.reserved:,} slots of memory on one scale. Final "
-            f"state: contiguous {final.contig_pct:.1f}% vs paged {final.paged_pct:.1f}% empty.",
+            f'<span style="color:{INTERNAL}">■</span> internal fragmentation (past the reply\'s end) · coloured: '
+            f"tokens, one colour per request. Paged: light grey is the unfilled end of a request's last block; "
+            f"palest is free, for other requests. (Every reservation here has the same size, so no gaps form "
+            f"between them; the third kind of waste comes below.) {scale} Final state: contiguous "
+            f"{final.contig_pct:.1f}% vs paged {final.paged_pct:.1f}% empty.",
             unsafe_allow_html=True)
 
 

@@ -198,7 +198,9 @@ def exercises(ctx) -> dict[str, Exercise]:
                               par_after.num_used_blocks, unit="blocks",
                               explanation=" ".join(f"*{e.message}*." for e in par.records[1].events
                                                    if e.kind != "append")
-                              + f" {len(cows)} copies in the whole run, {in_step} of them in this step: the last "
+                              + f" {len(cows)} copies in the whole run, "
+                              + (f"all {in_step} in this step" if in_step == len(cows) else f"{in_step} of them in this step")
+                              + ": the last "
                               "sample is the block's only owner by then and writes in place, and the blocks taken "
                               "later are private from the start."),
         "sp_hit": Exercise("sp_hit", f"Blocks hold {pre.block_size} tokens. The second request's prompt is the "
@@ -225,8 +227,13 @@ def _show(stages_of, index: int):
         left.plotly_chart(block_pool_figure(manager_snapshot(stage.bm), ["A", "B", "C"], highlight=changed,
                                             slot_mode=True, title=f"after: {stage.label}"),
                           width="stretch", key=f"l4_stage_{id(stages_of)}_{index}")
-        left.caption("One row per block, one cell per slot. Blue/orange/green: a block owned by A/B/C alone; "
-                     "grey: shared (its owners and count on the left); pale: free. Framed: what this step changed.")
+        owners = sorted(stage.bm.block_tables)
+        colours = {"A": "blue", "B": "orange", "C": "green"}
+        parts = [f"{'/'.join(colours[o] for o in owners)}: a block owned by {'/'.join(owners)} alone"]
+        if any(c > 1 for c in stage.bm.ref_counts):
+            parts.append("grey: shared (its owners and count on the left)")
+        left.caption("One row per block, one cell per slot. " + "; ".join(parts) + "; pale: free. Framed: what "
+                     "this step changed.")
     return reveal
 
 

@@ -100,8 +100,7 @@ def exercises(ctx) -> dict[str, Exercise]:
                                 explanation=(f"{held} tokens had their keys and values in its blocks, plus the last "
                                              "token it sampled, which had not been written yet (the next decode step "
                                              f"would have done that): {readmit.data['num_tokens']}. The engine said, "
-                                             f"when it preempted {victim}: *{preempt.message}*; and when it came "
-                                             f"back: *{readmit.message}*.")),
+                                             f"when {victim} came back: *{readmit.message}*.")),
         "m_swap": Exercise("m_swap", "With **swap** instead, how many blocks does the preempted request copy to "
                            "the CPU?",
                            "number", len(swap_out.blocks), unit="blocks",

@@ -62,8 +62,9 @@ def first_tries() -> dict:
 def lesson_progress(lesson: Lesson, exercise_ids) -> tuple[int, int, int]:
     """(answered, right, right at the first try) for a lesson's exercises in this session."""
     keys = [f"{lesson.slug}:{i}" for i in exercise_ids]
-    done = [progress()[k] for k in keys if k in progress()]
-    return len(done), sum(d["correct"] for d in done), sum(first_tries().get(k, False) for k in keys)
+    answered = [k for k in keys if k in progress()]
+    return (len(answered), sum(progress()[k]["correct"] for k in answered),
+            sum(first_tries().get(k, False) for k in answered))
 
 
 def score_line(answered: int, total: int, right: int, first: int) -> str:
@@ -106,6 +107,13 @@ def predict(slug: str, ex: Exercise, reveal=None, ctx: LessonContext | None = No
                         progress()[key] = entry = {"raw": answer, "correct": verdict.correct}
                         first_tries().setdefault(key, verdict.correct)
                         slot.empty()
+        if entry is None and slug in whole_lessons():
+            with st.expander("The engine's answer (for presenters)"):
+                st.markdown(f"**{format_value(ex.expected, ex.unit)}**")
+                if ex.explanation:
+                    st.markdown(ex.explanation)
+                if reveal is not None:
+                    reveal(ctx)
         if entry is not None:
             verdict = ex.check(entry["raw"])
             shown = format_value(ex.parse(entry["raw"]), ex.unit)

@@ -20,7 +20,7 @@ def legend(snap) -> str:
         parts.append("dark grey: a block shared by several sequences (x count)")
     if any(c == 0 and h for c, h in zip(snap.ref_counts, snap.block_hashes or [])):
         parts.append("light grey \"cached\": free, but still holding a prefix the prefix cache can reuse")
-    parts.append("palest: free. Framed in black: the blocks this step took, copied, moved or freed")
+    parts.append("palest: free. Framed in black: the GPU blocks this step took, copied, swapped out or freed")
     return "; ".join(parts) + "."
 
 

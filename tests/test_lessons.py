@@ -14,7 +14,7 @@ from engine.model_loader import load_model
 from engine.scenarios import LESSON_LENGTHS
 from lessons import catalog, kv_math, parse_front_matter
 from lessons.common import LessonContext
-from lessons.exercise import Exercise, parse_int_list
+from lessons.exercise import Exercise, format_value, parse_int_list
 from lessons.text import MARKER, fields, fill, split_body
 
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
@@ -341,3 +341,23 @@ def test_explore_widgets_keep_their_values_across_pages(ctx):
     at.switch_page("lessons/l1_kv_cache.py").run()
     assert at.selectbox(key="keep_l1_model").value == "Qwen2.5-7B" and at.number_input(key="keep_l1_batch").value == 7
     assert not at.exception
+
+
+def test_presenters_see_the_engine_answers_in_whole_lesson_mode():
+    at = new_app()
+    at.switch_page("lessons/l2_contiguous_waste.py").run()
+    next(b for b in at.button if b.label == "Show the whole lesson without predicting").click().run()
+    assert not at.exception
+    assert len([e for e in at.expander if e.label.startswith("The engine's answer")]) == 4  # one per question
+    assert "0 of 4 predictions made" in at.caption[0].value  # showing answers is not answering
+
+
+def test_first_tries_count_only_answered_questions():
+    at = new_app()
+    at.switch_page("lessons/l3_block_tables.py").run()
+    _commit(at, "l3_block_tables:prefill_blocks", "3")
+    _commit(at, "l3_block_tables:last_fill", "8")
+    next(b for b in at.button if b.key == "again-l3_block_tables:prefill_blocks").click().run()
+    assert "0 of 8 predictions made, 0 right" in at.caption[0].value
+    assert "first try" not in at.caption[0].value
+    assert Exercise("s", "q", "set", [1]).parse("none") == [] and format_value([], "") == "none"

@@ -111,6 +111,24 @@ def token_locator(snap, B: int) -> None:
                  f"physical block **{physical}** -> slot {physical} x {B} + {offset} = **{physical * B + offset}**")
 
 
+def colour_key(snap, contiguous, selected: str) -> str:
+    """The colours on screen now, in words (shared, cached, external fragmentation and magenta only when
+    something shows them)."""
+    parts = ["Colours: one per request"]
+    if any(c > 1 for c in snap.ref_counts):
+        parts.append("dark grey = shared block (its reference count is written on it)")
+    if any(c == 0 and h for c, h in zip(snap.ref_counts, snap.block_hashes or [])):
+        parts.append("light grey \"cached\" = free block still holding a reusable prefix")
+    parts.append("light grey strip cells = last-block slack / reserved but not used")
+    if contiguous is not None and contiguous.snapshot.contiguous.get("external_frag_slots"):
+        parts.append("orange = external fragmentation (gaps too small for a reservation, though together "
+                     "they would hold one)")
+    parts.append("palest grey = free. Outlined black: blocks this step changed")
+    if selected != "none":
+        parts.append(f"magenta: {selected}'s blocks")
+    return "; ".join(parts) + "."
+
+
 def main() -> None:
     lab = get_lab()
     if lab is None:
@@ -239,10 +257,7 @@ def views(lab) -> None:
                 st.caption(note)
         else:
             st.info(" ".join(lab.notes) or "The contiguous baseline is not available for these settings.")
-        st.caption("Colours: one per request; dark grey = shared block (its reference count is written on it); "
-                   "light grey = last-block slack / reserved but not used; orange = external fragmentation (a gap "
-                   "too small for a reservation); palest grey = free. Outlined black: blocks this step changed; "
-                   "magenta: the highlighted request's blocks.")
+        st.caption(colour_key(snap, contiguous, selected))
 
     # ------------------------------------------------------------------------------------ what happened
     st.subheader("This step, in words")

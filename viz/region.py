@@ -79,9 +79,8 @@ def _strip(slots: list[str], title: str, hover_unit: str) -> go.Figure:
     fig = go.Figure(go.Heatmap(z=z, customdata=custom, colorscale=_discrete_scale(colors), zmin=-0.5,
                                zmax=len(colors) - 0.5, showscale=False, xgap=1, ygap=1,
                                hovertemplate="%{customdata}<extra></extra>"))
-    if per_cell > 1:
-        title += f" · one cell = {per_cell} slots"
-    fig.update_layout(title={"text": title, "font": {"size": 14}}, margin={"l": 10, "r": 10, "t": 56, "b": 10},
+    title += f"<br>one cell = {per_cell} slots" if per_cell > 1 else "<br>one cell = one slot"
+    fig.update_layout(title={"text": title, "font": {"size": 14}}, margin={"l": 10, "r": 10, "t": 76, "b": 10},
                       height=max(160, min(480, 14 * rows + 60)), xaxis={"visible": False},
                       yaxis={"visible": False, "autorange": "reversed"}, plot_bgcolor="white")
     return fig

@@ -40,6 +40,14 @@ class Lesson:
         return self.short or self.title
 
     @property
+    def exercise_ids(self) -> list[str]:
+        """The ids of the lesson's questions, in reading order (from its markers; tests check they match the
+        module's ``exercises``)."""
+        from .text import split_body
+
+        return [value for kind, value in split_body(self.body) if kind == "exercise"]
+
+    @property
     def module_name(self) -> str:
         return f"lessons.{self.slug}"
 

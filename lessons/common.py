@@ -3,7 +3,7 @@ plain data (snapshots, step records). No Streamlit here."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from engine import EngineConfig, LLMEngine, SamplingParams
@@ -16,13 +16,11 @@ class LessonContext:
     """What a lesson module gets.
 
     ``loaded``: (model, tokenizer) of the embedded model, shared read-only; ``memo(fn, *args)`` returns
-    ``fn(*args)``, cached by the app across sessions (the tests pass a plain call); ``state``: this
-    session's widget values (``st.session_state`` in the app, a dict in tests).
+    ``fn(*args)``, cached by the app across sessions (the tests pass a plain call).
     """
 
     loaded: Any = None
     memo: Callable = lambda fn, *args: fn(*args)  # noqa: E731
-    state: dict = field(default_factory=dict)
 
     def run(self, fn: Callable, *args):
         """``fn(loaded, *args)`` through the memo (``loaded`` itself is not part of the cache key)."""
@@ -30,7 +28,8 @@ class LessonContext:
 
 
 class _Bound:
-    """``fn`` with the model bound, hashable by ``fn`` alone (the model is the same for every call)."""
+    """``fn`` with the model bound; its cache ``key`` names ``fn`` alone (the model is the same for every
+    call)."""
 
     def __init__(self, fn: Callable, loaded) -> None:
         self.fn, self.loaded = fn, loaded
@@ -41,12 +40,6 @@ class _Bound:
     @property
     def key(self) -> str:
         return f"{self.fn.__module__}.{self.fn.__qualname__}"
-
-    def __hash__(self) -> int:
-        return hash(self.key)
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, _Bound) and self.key == other.key
 
 
 def manager_snapshot(bm: BlockManager, tokens: dict[str, list[int]] | None = None) -> Snapshot:

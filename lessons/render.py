@@ -17,6 +17,7 @@ from .text import fill, split_body
 
 PROGRESS = "lesson_progress"  # session_state: "slug:exercise id" -> {"raw": answer, "correct": bool}
 FIRST = "lesson_first_try"  # session_state: "slug:exercise id" -> the first committed answer was right
+SHOWN = "lesson_shown"  # session_state: slugs of lessons shown whole, without predicting
 KEEP = "keep_"  # widgets whose key starts with this keep their value while the learner is on another page
 
 
@@ -47,7 +48,7 @@ def _memo(fn, *args):
 def context() -> LessonContext:
     from ui.state import shared_model
 
-    return LessonContext(loaded=shared_model(EMBEDDED_MODEL), memo=_memo, state=st.session_state)
+    return LessonContext(loaded=shared_model(EMBEDDED_MODEL), memo=_memo)
 
 
 def progress() -> dict:
@@ -131,7 +132,7 @@ def predict(slug: str, ex: Exercise, reveal=None, ctx: LessonContext | None = No
 
 def whole_lessons() -> set:
     """Lessons a reader chose to see whole, without predicting (a teacher presenting, a second reading)."""
-    return st.session_state.setdefault("lesson_shown", set())
+    return st.session_state.setdefault(SHOWN, set())
 
 
 def gate(slug: str, ex_id: str) -> bool:
@@ -173,7 +174,7 @@ def render_lesson(page_file: str) -> None:
     # One question at a time: the page stops at the first question not yet answered, so nothing below it
     # (text, a widget, the next question's wording) can give its answer away.
     parts = split_body(lesson.body)
-    order = [v for k, v in parts if k == "exercise"]
+    order = lesson.exercise_ids
     for kind, value in parts:
         if kind == "text":
             st.markdown(fill(value, facts))

@@ -6,6 +6,7 @@ import pandas as pd
 import streamlit as st
 
 from viz import block_pool_figure, block_table_rows, swap_pool_figure
+from viz.colors import colour_key
 
 from .common import EngineRun
 
@@ -13,15 +14,6 @@ from .common import EngineRun
 KIND_WORDS = {"allocate": "allocations", "new_block": "new blocks", "free": "frees", "fork": "forks",
               "cow": "copy-on-write copies", "prefix_hit": "prefix-cache hits", "admit": "admissions",
               "preempt": "preemptions", "swap_out": "swaps out", "swap_in": "swaps in", "wait": "waits"}
-def legend(snap) -> str:
-    """The colours in this snapshot, in words (shared and cached blocks only when there are any)."""
-    parts = ["One colour per request"]
-    if any(c > 1 for c in snap.ref_counts):
-        parts.append("dark grey: a block shared by several sequences (x count)")
-    if any(c == 0 and h for c, h in zip(snap.ref_counts, snap.block_hashes or [])):
-        parts.append("light grey \"cached\": free, but still holding a prefix the prefix cache can reuse")
-    parts.append("palest: free. Framed in black: the GPU blocks this step took, copied, swapped out or freed")
-    return "; ".join(parts) + "."
 
 
 def _set(key: str, value: int) -> None:
@@ -67,7 +59,7 @@ def step_through(run: EngineRun, key: str, decode=None, slot_mode: bool | None =
     small = slot_mode if slot_mode is not None else snap.num_blocks <= 16
     left.plotly_chart(block_pool_figure(snap, run.request_ids, decode=decode, highlight=changed, slot_mode=small),
                       width="stretch", key=f"{key}-pool", config={"displayModeBar": False})
-    left.caption(legend(snap))
+    left.caption(colour_key(snap))
     if snap.num_swap_blocks and run.events("swap_out"):  # only runs that swap show the CPU swap pool
         left.plotly_chart(swap_pool_figure(snap, run.request_ids), width="stretch", key=f"{key}-swap",
                           config={"displayModeBar": False})

@@ -15,7 +15,7 @@ from ui.state import build_lab, default_settings, get_lab, preset_settings, shar
 from ui.lab import LabSettings
 from viz import (block_pool_figure, block_table_rows, contiguous_region_figure, paged_slots_figure,
                  swap_pool_figure, timeline_figure)
-from viz.colors import request_color, request_id_of
+from viz.colors import colour_key, request_color, request_id_of
 
 PRESET_DEFAULTS = {"block_size": 16, "num_blocks": 64, "max_model_len": 256}
 
@@ -109,24 +109,6 @@ def token_locator(snap, B: int) -> None:
         physical = seq.block_table[logical]
         st.write(f"token {t} -> logical block {t} // {B} = **{logical}**, offset {t} % {B} = **{offset}** -> "
                  f"physical block **{physical}** -> slot {physical} x {B} + {offset} = **{physical * B + offset}**")
-
-
-def colour_key(snap, contiguous, selected: str) -> str:
-    """The colours on screen now, in words (shared, cached, external fragmentation and magenta only when
-    something shows them)."""
-    parts = ["Colours: one per request"]
-    if any(c > 1 for c in snap.ref_counts):
-        parts.append("dark grey = shared block (its reference count is written on it)")
-    if any(c == 0 and h for c, h in zip(snap.ref_counts, snap.block_hashes or [])):
-        parts.append("light grey \"cached\" = free block still holding a reusable prefix")
-    parts.append("light grey strip cells = last-block slack / reserved but not used")
-    if contiguous is not None and contiguous.snapshot.contiguous.get("external_frag_slots"):
-        parts.append("orange = external fragmentation (gaps too small for a reservation, though together "
-                     "they would hold one)")
-    parts.append("palest grey = free. Outlined black: blocks this step changed")
-    if selected != "none":
-        parts.append(f"magenta: {selected}'s blocks")
-    return "; ".join(parts) + "."
 
 
 def main() -> None:
@@ -257,7 +239,8 @@ def views(lab) -> None:
                 st.caption(note)
         else:
             st.info(" ".join(lab.notes) or "The contiguous baseline is not available for these settings.")
-        st.caption(colour_key(snap, contiguous, selected))
+        st.caption(colour_key(snap, contiguous.snapshot.contiguous if contiguous is not None else None,
+                              None if selected == "none" else selected, strips=True))
 
     # ------------------------------------------------------------------------------------ what happened
     st.subheader("This step, in words")

@@ -35,3 +35,24 @@ def request_color(request_id: str, order: list[str]) -> str:
 
 def request_colors(order: list[str]) -> dict[str, str]:
     return {rid: PALETTE[i % len(PALETTE)] for i, rid in enumerate(order)}
+
+
+def colour_key(snapshot, contiguous_layout: dict | None = None, selected: str | None = None,
+               strips: bool = False) -> str:
+    """The pool's colours now on screen, in one sentence: shared and cached blocks, external fragmentation
+    (``contiguous_layout``, the contiguous strip) and the highlighted request (``selected``) only when
+    something shows them. ``strips``: the slot strips are on screen too (their light grey is explained)."""
+    parts = ["Colours: one per request"]
+    if any(c > 1 for c in snapshot.ref_counts):
+        parts.append("dark grey = a block shared by several sequences (its reference count is written on it)")
+    if any(c == 0 and h for c, h in zip(snapshot.ref_counts, snapshot.block_hashes or [])):
+        parts.append("light grey \"cached\" = free, but still holding a prefix the prefix cache can reuse")
+    if strips:
+        parts.append("light grey strip cells = last-block slack / reserved but not used")
+    if contiguous_layout and contiguous_layout.get("external_frag_slots"):
+        parts.append("orange = external fragmentation (gaps too small for a reservation, though together "
+                     "they would hold one)")
+    parts.append("palest grey = free. Outlined black: the blocks this step took, copied, swapped out or freed")
+    if selected:
+        parts.append(f"magenta: {selected}'s blocks")
+    return "; ".join(parts) + "."

@@ -4,15 +4,25 @@ Public API (names follow vLLM): ``EngineConfig``, ``SamplingParams``, ``LLMEngin
 ``StepRecord`` (with ``Event``, ``Snapshot``, ``SequenceState``), ``BlockManager`` (usable without a model),
 ``write_trace`` / ``read_trace``, ``KVGeometry`` and ``EMBEDDED_MODEL``.
 
-The engine never imports Streamlit or Plotly; viewers read ``StepRecord`` data only.
+The engine never imports Streamlit or Plotly; viewers read ``StepRecord`` data only. The names that
+need torch (``LLMEngine``, ``KVGeometry``, ``ModelLoadError``, the outputs) are imported on first use, so
+``engine.records`` and ``engine.metrics`` stay importable by figures that must not import torch.
 """
+
+from importlib import import_module
 
 from .block_manager import BlockManager, NoFreeBlocksError
 from .config import EMBEDDED_MODEL, EngineConfig, SamplingParams
-from .llm_engine import LLMEngine
-from .model_loader import KVGeometry, ModelLoadError
 from .records import Event, ScheduledSequence, SequenceState, Snapshot, StepRecord, read_trace, write_trace
-from .sequence import CompletionOutput, RequestOutput
+
+_LAZY = {"LLMEngine": "llm_engine", "KVGeometry": "model_loader", "ModelLoadError": "model_loader",
+         "CompletionOutput": "sequence", "RequestOutput": "sequence"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [

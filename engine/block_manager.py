@@ -25,12 +25,23 @@ its parent block's hash and its own token ids, so equal hashes mean equal whole 
 reuses the blocks of its longest cached prefix, whether in use by others or free-but-cached; the last
 prompt token is never taken from the cache, so the model computes at least one token and has logits.
 Free cached blocks keep their hash until the free queue hands them out again (least recently freed first);
-that eviction drops the stale hash.
+that eviction drops the stale hash. Two blocks may carry the same hash (two sequences computed the same
+prefix before either was cached): the cache keeps every such block (hash -> blocks, as vLLM's
+``BlockHashToBlockMap``), so evicting one leaves the others findable. ``stats`` counts prefix-cache
+queries and hits of first admissions apart from re-admissions after a preemption (vLLM's
+``PrefixCacheStats``: a re-admitted request mostly hits its own freed blocks, which says nothing about
+sharing). ``reset_prefix_cache`` drops every hash while no block is in use (vLLM's ``reset_prefix_cache``).
+
+Watermark (vLLM v0's ``BlockSpaceManager``): admission and swap-in keep ``watermark_blocks`` free
+(``watermark`` x ``num_blocks``, rounded down), so a request just admitted is not preempted at its first
+decode steps. It is waived when no sequence holds blocks, so a lone request that fits the pool always
+runs. A swap-in also needs one free block per sequence for its next token.
 
 Swapping: ``swap_out`` moves a set of sequences' blocks to a separate CPU swap pool (their GPU blocks are
 released) and ``swap_in`` brings them back into fresh GPU blocks, preserving sharing inside the set.
 
-Every decision is appended to ``events`` (``engine.records.Event``); data movement the KV tensors must do
+Every decision is appended to the event log (``engine.records.EventLog``, the engine's own when it
+passes one); data movement the KV tensors must do
 is queued in ``pending_ops`` as ``(kind, src, dst)`` with kind "copy" (GPU->GPU), "swap_out" (GPU->CPU) or
 "swap_in" (CPU->GPU), to be executed in order before the next forward pass.
 """
@@ -40,7 +51,8 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 
-from .records import Event
+from .metrics import blocks_for
+from .records import EventKind, EventLog
 
 NONE_HASH = ""
 
@@ -67,18 +79,22 @@ class BlockManager:
         block_size: token slots per block (>= 1).
         enable_prefix_caching: reuse full blocks of identical prefixes (needs token ids on allocate/append).
         num_swap_blocks: blocks in the CPU swap pool (0: no swapping).
+        watermark: share of the pool that admission and swap-in keep free, in [0, 1) (vLLM v0: 0.01).
+        event_log: where decisions are logged (the engine's); default a log of the manager's own.
 
     Raises:
-        ValueError: a size is not a positive integer (``num_swap_blocks`` may be 0).
+        ValueError: a size is not a positive integer (``num_swap_blocks`` may be 0), or a bad watermark.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 num_swap_blocks: int = 0) -> None:
+                 num_swap_blocks: int = 0, watermark: float = 0.0, event_log: EventLog | None = None) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if isinstance(num_swap_blocks, bool) or not isinstance(num_swap_blocks, int) or num_swap_blocks < 0:
             raise ValueError(f"num_swap_blocks must be an integer >= 0, got {num_swap_blocks!r}")
+        if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0 <= watermark < 1:
+            raise ValueError(f"watermark must be a number in [0, 1), got {watermark!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -90,8 +106,10 @@ class BlockManager:
         # prefix caching
         self.token_ids: dict[str, list[int]] = {}  # tokens of sequences that gave them (for hashing)
         self.block_hashes: list[str | None] = [None] * num_blocks
-        self.cached_blocks: dict[str, int] = {}  # hash -> physical block
-        self.stats = {"prefix_queries": 0, "prefix_query_tokens": 0, "prefix_hit_tokens": 0, "evictions": 0}
+        self.cached_blocks: dict[str, dict[int, None]] = {}  # hash -> every block with it (an ordered set)
+        self.stats = {"requests": 0, "queries": 0, "hits": 0, "preempted_requests": 0, "preempted_queries": 0,
+                      "preempted_hits": 0, "evictions": 0}
+        self.watermark_blocks = int(watermark * num_blocks)
         # swap pool (CPU)
         self.num_swap_blocks = num_swap_blocks
         self.swap_free: list[int] = list(range(num_swap_blocks))
@@ -100,7 +118,7 @@ class BlockManager:
         self.swap_tables: dict[str, list[int]] = {}
         self.swap_num_tokens: dict[str, int] = {}
         self.pending_ops: list[tuple[str, int, int]] = []
-        self.events: list[Event] = []
+        self.log = event_log if event_log is not None else EventLog()
         self.peak_used_blocks = 0  # most blocks in use at any moment, also within a step
 
     # ----------------------------------------------------------------------------------------- queries
@@ -116,9 +134,14 @@ class BlockManager:
     def num_free_swap_blocks(self) -> int:
         return len(self.swap_free)
 
+    @property
+    def events(self) -> list:
+        """Events logged and not yet drained."""
+        return self.log.events
+
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that ``num_tokens`` tokens occupy: ceil(num_tokens / block_size)."""
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     def match_prefix(self, token_ids: list[int]) -> list[int]:
         """Physical blocks holding the longest cached prefix of ``token_ids`` (full blocks only, never the
@@ -129,10 +152,10 @@ class BlockManager:
         parent = NONE_HASH
         for i in range((len(token_ids) - 1) // self.block_size):
             parent = block_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
-            b = self.cached_blocks.get(parent)
-            if b is None:
+            blocks = self.cached_blocks.get(parent)
+            if not blocks:
                 break
-            hits.append(b)
+            hits.append(next(iter(blocks)))
         return hits
 
     def free_blocks_needed(self, num_tokens: int, token_ids: list[int] | None = None) -> int:
@@ -144,13 +167,20 @@ class BlockManager:
     def can_allocate(self, num_tokens: int, token_ids: list[int] | None = None) -> bool:
         return self.free_blocks_needed(num_tokens, token_ids) <= self.num_free_blocks
 
-    def admission_refusal(self, token_lists: list[list[int]]) -> str | None:
-        """Why sequences with these tokens cannot all be allocated now (None if they can). Conservative:
-        each sequence counts only the prefix-cache hits that exist before any of them is allocated."""
+    def _watermark(self) -> int:
+        """Blocks admission and swap-in keep free: the watermark, waived while no block is in use."""
+        return self.watermark_blocks if self.num_used_blocks else 0
+
+    def admission_refusal(self, token_lists: list[list[int]], reservation: int | None = None) -> str | None:
+        """Why sequences with these tokens cannot all be allocated now, keeping the watermark free (None if
+        they can). Conservative: each sequence counts only the prefix-cache hits that exist before any of
+        them is allocated. ``reservation`` is the contiguous allocator's; blocks are taken as needed here."""
         need = sum(self.free_blocks_needed(len(ids), ids) for ids in token_lists)
-        if need <= self.num_free_blocks:
+        keep = self._watermark()
+        if need + keep <= self.num_free_blocks:
             return None
-        return f"needs {need} free block{'s' * (need != 1)}, {self.num_free_blocks} free"
+        also = f" + {keep} kept free (watermark)" if keep else ""
+        return f"needs {need} free block{'s' * (need != 1)}{also}, {self.num_free_blocks} free"
 
     def needs_new_block(self, seq_id: str) -> bool:
         """True if appending one token to ``seq_id`` needs a fresh block (last block full, or shared: CoW)."""
@@ -181,6 +211,53 @@ class BlockManager:
             raise ValueError(f"slot_mapping range start {start} is after end {end}")
         return [self.slot(seq_id, p) for p in range(start, end)]
 
+    def table_of(self, seq_id: str) -> tuple[list[int], int] | None:
+        """(block table, tokens held) of ``seq_id``: its GPU table, or its CPU swap-pool table while swapped
+        out; None if it holds nothing."""
+        if seq_id in self.block_tables:
+            return self.block_tables[seq_id], self.num_tokens[seq_id]
+        if seq_id in self.swap_tables:
+            return self.swap_tables[seq_id], self.swap_num_tokens[seq_id]
+        return None
+
+    def attention_view(self, seq_id: str) -> tuple[list[int], int]:
+        """What attention needs to read ``seq_id``'s K/V: (block table, 0)."""
+        return self._table(seq_id), 0
+
+    def reservation_for(self, prompt_len: int, max_len: int, final_len: int | None = None) -> None:
+        """Paging reserves nothing ahead: blocks are taken as tokens arrive."""
+        return None
+
+    max_seqs_per_request = None  # any number of samples / beams share blocks
+
+    def snapshot_fields(self) -> dict:
+        """The allocator's part of a ``records.Snapshot``."""
+        return self.pool_fields()
+
+    def invariant_violations(self) -> list[str]:
+        """Broken invariants (empty when consistent): counts equal table references, free exactly at count
+        0, and the prefix cache both ways: every hashed block is findable by its hash, every cache entry
+        points at a block carrying that hash."""
+        bad = []
+        refs = [0] * self.num_blocks
+        for table in self.block_tables.values():
+            for b in table:
+                refs[b] += 1
+        if refs != self.ref_counts:
+            bad.append(f"reference counts {self.ref_counts} differ from table references {refs}")
+        free = set(self.free_block_queue)
+        if free != {b for b in range(self.num_blocks) if self.ref_counts[b] == 0}:
+            bad.append("the free queue is not exactly the blocks with count 0")
+        for b, h in enumerate(self.block_hashes):
+            if h is not None and b not in self.cached_blocks.get(h, {}):
+                bad.append(f"block {b} carries hash {h} but the cache cannot find it")
+        for h, blocks in self.cached_blocks.items():
+            if not blocks:
+                bad.append(f"cache entry {h} holds no block")
+            bad += [f"cache entry {h} points at block {b}, which carries {self.block_hashes[b]}"
+                    for b in blocks if self.block_hashes[b] != h]
+        return bad
+
     def pool_fields(self) -> dict:
         """The pool's part of a ``records.Snapshot`` (per-block lists indexed by physical block id), so a
         lesson driving a bare manager draws it with the same figures as the engine's snapshots."""
@@ -196,13 +273,15 @@ class BlockManager:
         ``allocate_with_prefix``. Returns the block table."""
         return self.allocate_with_prefix(seq_id, num_tokens, token_ids)[0]
 
-    def allocate_with_prefix(self, seq_id: str, num_tokens: int,
-                             token_ids: list[int] | None = None) -> tuple[list[int], int]:
+    def allocate_with_prefix(self, seq_id: str, num_tokens: int, token_ids: list[int] | None = None,
+                             reservation: int | None = None, preempted: bool = False) -> tuple[list[int], int]:
         """Give a new sequence the blocks for its first ``num_tokens`` tokens (prefill).
 
         With prefix caching and ``token_ids``, the longest cached prefix is reused (reference counts rise,
         free cached blocks leave the free queue); the rest takes fresh blocks from the free queue. Full
         fresh blocks are registered in the cache at once (their K/V are computed in this same step).
+        ``preempted``: a re-admission after a preemption; its query and hits are counted apart in ``stats``.
+        ``reservation`` is ignored (the contiguous allocator's).
 
         Returns:
             (block table, number of leading tokens whose K/V are already cached and need no compute).
@@ -224,9 +303,10 @@ class BlockManager:
             )
         hits = self.match_prefix(token_ids) if token_ids is not None else []
         if self.enable_prefix_caching and token_ids is not None:
-            self.stats["prefix_queries"] += 1
-            self.stats["prefix_query_tokens"] += num_tokens
-            self.stats["prefix_hit_tokens"] += len(hits) * self.block_size
+            prefix = "preempted_" if preempted else ""
+            self.stats[prefix + "requests"] += 1
+            self.stats[prefix + "queries"] += num_tokens
+            self.stats[prefix + "hits"] += len(hits) * self.block_size
         for b in hits:
             if self.ref_counts[b] == 0:
                 del self.free_block_queue[b]
@@ -236,25 +316,31 @@ class BlockManager:
             self.fills[b] = min(self.block_size, num_tokens - i * self.block_size)
         self.block_tables[seq_id] = table
         self.num_tokens[seq_id] = num_tokens
+        self.token_ids.pop(seq_id, None)  # never hash a block from an earlier sequence's tokens
         if token_ids is not None:
             self.token_ids[seq_id] = list(token_ids)
             for i in range(len(hits), num_tokens // self.block_size):
                 self._register_full_block(seq_id, i)
-        need_new = len(table) - len(hits)
-        msg = f"{seq_id}: {num_tokens} tokens take {need_new} new block{'s' * (need_new != 1)} {table[len(hits):]}"
+        cached = len(hits) * self.block_size
+        self.log.emit(EventKind.ALLOCATE, seq_id, table, self._allocation_message(seq_id, table, len(hits)),
+                      num_tokens=num_tokens, cached_tokens=cached)
         if hits:
-            msg = (f"{seq_id}: prefix cache hit, {len(hits) * self.block_size} tokens in blocks {hits} reused; "
-                   f"{num_tokens - len(hits) * self.block_size} more tokens take {need_new} new "
-                   f"block{'s' * (need_new != 1)} {table[len(hits):]}")
-        msg += f" (last block holds {self.fills[table[-1]]}/{self.block_size})"
-        self.events.append(Event("allocate", seq_id, list(table), msg,
-                                 {"num_tokens": num_tokens, "cached_tokens": len(hits) * self.block_size}))
-        if hits:
-            self.events.append(Event("prefix_hit", seq_id, list(hits),
-                                     f"{seq_id}: reused {len(hits)} cached block{'s' * (len(hits) != 1)} "
-                                     f"({len(hits) * self.block_size} tokens)",
-                                     {"num_tokens": len(hits) * self.block_size}))
-        return list(table), len(hits) * self.block_size
+            self.log.emit(EventKind.PREFIX_HIT, seq_id, hits,
+                          f"{seq_id}: reused {_n(len(hits), 'cached block')} ({cached} tokens)"
+                          + (" on re-admission" if preempted else ""), num_tokens=cached, readmission=preempted)
+        return list(table), cached
+
+    def _allocation_message(self, seq_id: str, table: list[int], num_hits: int) -> str:
+        """One sentence for an allocation: the tokens, the new blocks, any reused prefix, the last block's fill."""
+        num_tokens, fresh = self.num_tokens[seq_id], table[num_hits:]
+        taken = f"take {_n(len(fresh), 'new block')} {fresh}"
+        if num_hits:
+            cached = num_hits * self.block_size
+            msg = (f"{seq_id}: prefix cache hit, {cached} tokens in blocks {table[:num_hits]} reused; "
+                   f"{num_tokens - cached} more tokens {taken}")
+        else:
+            msg = f"{seq_id}: {num_tokens} tokens {taken}"
+        return msg + f" (last block holds {self.fills[table[-1]]}/{self.block_size})"
 
     def append_slot(self, seq_id: str, token_id: int | None = None) -> int:
         """Reserve the slot for one more token of ``seq_id`` (decode) and return its slot id.
@@ -270,6 +356,8 @@ class BlockManager:
             NoFreeBlocksError: a fresh block is needed and none is free (nothing is changed).
         """
         table = self._table(seq_id)
+        if seq_id in self.token_ids and token_id is None:  # checked before anything changes
+            raise ValueError(f"sequence {seq_id!r} was allocated with token ids; append_slot needs token_id")
         n = self.num_tokens[seq_id]
         offset = n % self.block_size
         if offset == 0:
@@ -277,11 +365,9 @@ class BlockManager:
                 raise NoFreeBlocksError(f"sequence {seq_id!r} needs a new block for token {n}, none free")
             b = self._take_block()
             table.append(b)
-            self.events.append(Event(
-                "new_block", seq_id, [b],
-                f"{seq_id}: token {n} starts logical block {len(table) - 1}, takes block {b}",
-                {"position": n, "logical_block": len(table) - 1},
-            ))
+            self.log.emit(EventKind.NEW_BLOCK, seq_id, [b],
+                          f"{seq_id}: token {n} starts logical block {len(table) - 1}, takes block {b}",
+                          position=n, logical_block=len(table) - 1)
         elif self.ref_counts[table[-1]] > 1:
             if not self.free_block_queue:
                 raise NoFreeBlocksError(f"sequence {seq_id!r} must copy shared block {table[-1]}, none free")
@@ -291,25 +377,18 @@ class BlockManager:
             self.fills[dst] = self.fills[src]
             table[-1] = dst
             self.pending_ops.append(("copy", src, dst))
-            self.events.append(Event(
-                "cow", seq_id, [src, dst],
-                f"{seq_id}: block {src} is shared (count {self.ref_counts[src] + 1}) and partly filled, "
-                f"so it is copied to block {dst} before writing token {n}",
-                {"src": src, "dst": dst, "position": n},
-            ))
+            self.log.emit(EventKind.COW, seq_id, [src, dst],
+                          f"{seq_id}: block {src} is shared (count {self.ref_counts[src] + 1}) and partly filled, "
+                          f"so it is copied to block {dst} before writing token {n}", src=src, dst=dst, position=n)
         else:
-            self.events.append(Event(
-                "append", seq_id, [table[-1]],
-                f"{seq_id}: token {n} written into block {table[-1]} ({offset + 1}/{self.block_size})",
-                {"position": n},
-            ))
+            self.log.emit(EventKind.APPEND, seq_id, [table[-1]],
+                          f"{seq_id}: token {n} written into block {table[-1]} ({offset + 1}/{self.block_size})",
+                          position=n)
         b = table[-1]
         assert self.ref_counts[b] == 1, "a block is only ever written by its sole owner"
         self.fills[b] = offset + 1
         self.num_tokens[seq_id] = n + 1
         if seq_id in self.token_ids:
-            if token_id is None:
-                raise ValueError(f"sequence {seq_id!r} was allocated with token ids; append_slot needs token_id")
             self.token_ids[seq_id].append(token_id)
             if offset + 1 == self.block_size:
                 self._register_full_block(seq_id, len(table) - 1)
@@ -330,15 +409,14 @@ class BlockManager:
         self.num_tokens[child_id] = self.num_tokens[parent_id]
         if parent_id in self.token_ids:
             self.token_ids[child_id] = list(self.token_ids[parent_id])
-        self.events.append(Event("fork", child_id, list(table),
-                                 f"{child_id} forked from {parent_id}: shares blocks {table}",
-                                 {"parent": parent_id}))
+        self.log.emit(EventKind.FORK, child_id, table, f"{child_id} forked from {parent_id}: shares blocks {table}",
+                      parent=parent_id)
         return list(table)
 
-    def free(self, seq_id: str) -> list[int]:
+    def free(self, seq_id: str, final_len: int | None = None) -> list[int]:
         """Release ``seq_id``'s blocks: every count drops by one; blocks reaching 0 return to the free queue
         (a cached block keeps its hash there until it is evicted). A swapped-out sequence releases its
-        swap blocks instead.
+        swap blocks instead. ``final_len`` (the contiguous allocator's accounting) is not needed here.
 
         Returns:
             the GPU blocks that became free (shared blocks still in use elsewhere are not among them).
@@ -348,6 +426,7 @@ class BlockManager:
         """
         if seq_id in self.swap_tables:
             self._release_swap(seq_id)
+            self.token_ids.pop(seq_id, None)
             return []
         table = self._table(seq_id)
         freed = []
@@ -358,13 +437,13 @@ class BlockManager:
         del self.num_tokens[seq_id]
         self.token_ids.pop(seq_id, None)
         kept = [b for b in table if b not in freed]
-        msg = f"{seq_id}: released {len(table)} blocks, {len(freed)} free again {sorted(freed)}"
+        msg = f"{seq_id}: released {_n(len(table), 'block')}, {len(freed)} free again {sorted(freed)}"
         if kept:
             msg += f", {len(kept)} still in use by other sequences {kept}"
         cached = [b for b in freed if self.block_hashes[b] is not None]
         if cached:
             msg += f"; {len(cached)} keep their prefix-cache hash until evicted"
-        self.events.append(Event("free", seq_id, sorted(freed), msg, {"released": list(table)}))
+        self.log.emit(EventKind.FREE, seq_id, sorted(freed), msg, released=list(table))
         return sorted(freed)
 
     # -------------------------------------------------------------------------------------------- swap
@@ -405,8 +484,10 @@ class BlockManager:
         return pairs
 
     def can_swap_in(self, seq_ids: list[str]) -> bool:
+        """Room to swap these sequences back in and let each write its next token, keeping the watermark
+        free (vLLM v0's ``can_swap_in``: the held blocks + one per sequence + the watermark)."""
         distinct = {c for s in seq_ids for c in self.swap_tables[s]}
-        return len(distinct) <= self.num_free_blocks
+        return len(distinct) + len(seq_ids) + self._watermark() <= self.num_free_blocks
 
     def swap_in(self, seq_ids: list[str], request_id: str | None = None) -> list[tuple[int, int]]:
         """Bring swapped sequences back into fresh GPU blocks. Returns the (cpu, gpu) pairs, also queued as
@@ -434,13 +515,27 @@ class BlockManager:
 
     def _swap_event(self, kind: str, request_id: str, seq_ids: list[str], pairs, gpu_blocks: list[int],
                     what: str) -> None:
-        self.events.append(Event(kind, request_id, gpu_blocks, f"{', '.join(seq_ids)}: {len(pairs)} blocks {what}",
-                                 {"pairs": [list(p) for p in pairs], "seqs": list(seq_ids)}))
+        self.log.emit(EventKind(kind), request_id, gpu_blocks, f"{', '.join(seq_ids)}: {_n(len(pairs), 'block')} {what}",
+                      pairs=[list(p) for p in pairs], seqs=list(seq_ids))
+
+    # -------------------------------------------------------------------------------------- prefix cache
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash, as vLLM's ``reset_prefix_cache``: refused (returns False, changes nothing)
+        while any block is in use, since running sequences' blocks would lose their hashes under them.
+        Afterwards no free block has a hash or holds tokens, and no earlier prefix can hit."""
+        if self.num_used_blocks:
+            return False
+        dropped = sum(h is not None for h in self.block_hashes)
+        self.block_hashes = [None] * self.num_blocks
+        self.cached_blocks = {}
+        self.fills = [0] * self.num_blocks
+        self.log.emit(EventKind.RESET_PREFIX_CACHE, None, [],
+                      f"prefix cache reset: {_n(dropped, 'cached block')} forgotten", num_blocks=dropped)
+        return True
 
     # ------------------------------------------------------------------------------------------- drains
-    def drain_events(self) -> list[Event]:
-        events, self.events = self.events, []
-        return events
+    def drain_events(self) -> list:
+        return self.log.drain()
 
     def drain_ops(self) -> list[tuple[str, int, int]]:
         """Data movement queued since the last drain, in order: ("copy"|"swap_out"|"swap_in", src, dst)."""
@@ -470,13 +565,16 @@ class BlockManager:
         b, _ = self.free_block_queue.popitem(last=False)
         old = self.block_hashes[b]
         if old is not None:  # evict a free cached block: its hash must no longer find it
-            if self.cached_blocks.get(old) == b:
+            copies = self.cached_blocks[old]
+            del copies[b]
+            if not copies:
                 del self.cached_blocks[old]
             self.block_hashes[b] = None
             self.stats["evictions"] += 1
-            self.events.append(Event("evict", None, [b],
-                                     f"block {b} evicted from the prefix cache (hash {old}) to be reused",
-                                     {"hash": old}))
+            also = f"; {_n(len(copies), 'other block')} with the same prefix stay cached" if copies else ""
+            self.log.emit(EventKind.EVICT, None, [b],
+                          f"block {b} evicted from the prefix cache (hash {old}) to be reused{also}",
+                          hash=old, still_cached=len(copies))
         self.ref_counts[b] = 1
         self.fills[b] = 0
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
@@ -507,7 +605,7 @@ class BlockManager:
         tokens = self.token_ids[seq_id][index * self.block_size:(index + 1) * self.block_size]
         h = block_hash(parent, tokens)
         self.block_hashes[b] = h
-        self.cached_blocks.setdefault(h, b)
+        self.cached_blocks.setdefault(h, {})[b] = None
 
     def _distinct_blocks(self, seq_ids: list[str]) -> list[int]:
         return list(dict.fromkeys(b for s in seq_ids for b in self._table(s)))
@@ -520,4 +618,9 @@ class BlockManager:
                 self.swap_free.append(c)
         self.swap_num_tokens.pop(seq_id, None)
         if not quiet:
-            self.events.append(Event("free", seq_id, [], f"{seq_id}: released its swapped-out blocks"))
+            self.log.emit(EventKind.FREE, seq_id, [], f"{seq_id}: released its swapped-out blocks")
+
+
+def _n(count: int, noun: str) -> str:
+    """'1 block', '3 blocks'."""
+    return f"{count} {noun}{'s' * (count != 1)}"

@@ -15,14 +15,14 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 from pathlib import Path
 
-from .config import EMBEDDED_MODEL, EngineConfig
+from . import metrics
+from .config import CONTIGUOUS_POLICIES, EMBEDDED_MODEL, EngineConfig
 from .records import StepRecord, write_trace
 from .scenarios import SCENARIOS, get_scenario
-from .workloads import run_workload
+from .workloads import learn_final_lengths, run_workload
 
 MIB = 1024 * 1024
 
@@ -44,8 +44,19 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=0, help="seed of the scenario's sampling streams")
     run.add_argument("--allocator", choices=("paged", "contiguous", "both"),
                      help="KV allocator (default: both for scenarios that compare, else paged)")
-    run.add_argument("--reservation", type=int, help="contiguous baseline: slots reserved per request "
-                                                     "(default: the scenario's, or max model length)")
+    run.add_argument("--reservation", type=int, help="contiguous baseline: slots reserved per request under "
+                                                     "the max policy (default: the scenario's, or max model length)")
+    run.add_argument("--contiguous-policy", choices=CONTIGUOUS_POLICIES,
+                     help="contiguous baseline: how much a request reserves (default: the scenario's, or max): "
+                          "max, max_tokens (prompt + max_tokens), pow2 or oracle (its true final length, "
+                          "learned from the paged run)")
+    run.add_argument("--watermark", type=float,
+                     help="share of the paged pool that admission keeps free (default: the scenario's, or 0.01)")
+    run.add_argument("--passes", type=int, default=1,
+                     help="run the scenario's requests this many times in a row on the same engine (later "
+                          "passes can hit the prefix cache the earlier ones filled)")
+    run.add_argument("--reset-prefix-cache", action="store_true",
+                     help="with --passes: reset the prefix cache between passes (vLLM's reset_prefix_cache)")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     run.add_argument("--trace", help="write every StepRecord to this JSON-lines file")
     sub.add_parser("scenarios", help="list the scenarios")
@@ -70,77 +81,37 @@ def engine_config(args, scenario, allocator: str = "paged") -> EngineConfig:
         fields.pop("num_blocks", None)
     if args.max_model_len is not None:
         fields["max_model_len"] = args.max_model_len
-    if getattr(args, "preemption_mode", None) is not None:
-        fields["preemption_mode"] = args.preemption_mode
+    for flag in ("preemption_mode", "contiguous_policy", "watermark"):
+        if getattr(args, flag, None) is not None:
+            fields[flag] = getattr(args, flag)
     return EngineConfig(model=args.model, device=args.device, **fields)
 
 
-def final_lengths(outputs) -> list[int]:
-    """Each completion's final length L = prompt + generated tokens (what it needed at its longest)."""
-    return [len(o.prompt_token_ids) + len(c.token_ids) for o in outputs for c in o.outputs]
-
-
-def _pct(part: float, whole: float) -> float:
-    return round(100.0 * part / whole, 2) if whole else 0.0
-
-
-def _run_stats(records: list[StepRecord], outputs) -> dict:
-    busy = sum(r.elapsed_s for r in records)
-    generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    live = [r.snapshot for r in records if r.snapshot.slots_allocated]
-    waited = {e.request_id for r in records for e in r.events if e.kind == "wait"}
-    return {
-        "steps": len(records),
-        "generated_tokens": generated,
-        "seconds": round(busy, 3),
-        "tokens_per_s": round(generated / busy, 2) if busy else 0.0,
-        "peak_concurrency": max((len(r.snapshot.running) for r in records), default=0),
-        "mean_concurrency": round(statistics.fmean(len(r.snapshot.running) for r in records), 2) if records else 0.0,
-        "kv_utilization": round(statistics.fmean(s.slots_used / s.slots_allocated for s in live) * 100, 2)
-        if live else 0.0,
-        "queued_at_door": len(waited),
-    }
-
-
 def paged_summary(engine, records: list[StepRecord], outputs) -> dict:
-    """Paged accounting per request at its final length L: ceil(L / B) blocks, and the live pool's peak.
-
-    ``kv_utilization``: token slots holding real K/V over slots in allocated blocks, averaged over steps (%).
-    """
-    B = engine.block_size
-    lengths = final_lengths(outputs)
-    blocks = sum(-(-n // B) for n in lengths)
-    used = sum(lengths)
+    """Paged accounting per completion at its final length L (``metrics.paged_accounting``), the pool's
+    peak, the prefix cache (hit rate of first admissions; re-admissions apart), preemptions, run stats."""
     return {
         "peak_blocks_used": engine.block_manager.peak_used_blocks,
-        "blocks_allocated": blocks,
-        "slots_allocated": blocks * B,
-        "slots_used": used,
-        "waste_pct": _pct(blocks * B - used, blocks * B),
-        **_run_stats(records, outputs),
+        **metrics.paged_accounting(metrics.final_lengths(outputs), engine.block_size),
+        "prefix_cache": metrics.prefix_cache_stats(engine.block_manager.stats),
+        "preemption": metrics.preemption_counts(records),
+        **metrics.run_stats(records, outputs),
     }
 
 
 def contiguous_summary(engine, records: list[StepRecord], outputs) -> dict:
-    """Contiguous accounting per request at its final length L: a reservation of R slots, L of them used.
-
-    ``internal_frag_slots`` = sum of R - L; ``external_frag_slots`` = the largest number of free slots
-    that sat in gaps smaller than one reservation, although together they would have held one, at any step; ``queued_at_door`` = requests that had to
-    wait because no gap was large enough.
-    """
-    R = engine.block_manager.reservation
-    lengths = final_lengths(outputs)
-    used = sum(lengths)
-    reserved = R * len(lengths)
+    """Contiguous accounting over the released reservations (``metrics.contiguous_accounting``: reserved,
+    used = final lengths, internal fragmentation, waste), the largest external fragmentation seen at any
+    step, and run stats (``queued_at_door``: requests that waited for a large enough gap)."""
+    alloc = engine.block_manager
     return {
-        "reservation": R,
-        "capacity_slots": engine.block_manager.capacity,
-        "reserved_slots": reserved,
-        "used_slots": used,
-        "waste_pct": _pct(reserved - used, reserved),
-        "internal_frag_slots": reserved - used,
+        "policy": alloc.policy,
+        "reservation": alloc.reservation,
+        "capacity_slots": alloc.capacity,
+        **metrics.contiguous_accounting(alloc.finished),
         "external_frag_slots": max((r.snapshot.contiguous["external_frag_slots"] for r in records), default=0),
-        **_run_stats(records, outputs),
+        "preemption": metrics.preemption_counts(records),
+        **metrics.run_stats(records, outputs),
     }
 
 
@@ -155,8 +126,7 @@ def summarize(runs: dict) -> dict:
     for r in records:
         for e in r.events:
             counts[e.kind] = counts.get(e.kind, 0) + 1
-    busy = sum(r.elapsed_s for r in records)
-    generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)  # every sample and beam
+    stats = metrics.run_stats(records, outputs)
     out = {
         "model": engine.config.model,
         "device": str(engine.device),
@@ -191,14 +161,16 @@ def summarize(runs: dict) -> dict:
             "cow_copies": counts.get("cow", 0),
             "forks": counts.get("fork", 0),
             "prefix_cache_hit_tokens": sum(e.data.get("num_tokens", 0) for r in records for e in r.events
-                                           if e.kind == "prefix_hit"),
+                                           if e.kind == "prefix_hit" and not e.data.get("readmission")),
+            "readmission_hit_tokens": sum(e.data.get("num_tokens", 0) for r in records for e in r.events
+                                          if e.kind == "prefix_hit" and e.data.get("readmission")),
             "evictions": counts.get("evict", 0),
             "preemptions": counts.get("preempt", 0),
             "swaps_out": counts.get("swap_out", 0),
             "swaps_in": counts.get("swap_in", 0),
         },
-        "generated_tokens": generated,
-        "tokens_per_s": round(generated / busy, 2) if busy else 0.0,
+        "generated_tokens": stats["generated_tokens"],  # every sample and beam
+        "tokens_per_s": stats["tokens_per_s"],
     }
     if "paged" in runs:
         out["paged"] = paged_summary(*runs["paged"])
@@ -250,6 +222,35 @@ def print_text(summary: dict, records: list[StepRecord], out) -> None:
     w("events: " + ", ".join(f"{k} {v}" for k, v in summary["events"].items()) + "\n")
 
 
+def _tokenizer(engine):
+    return lambda text: engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _build_engines(engine_cls, configs: dict, allocators: list[str], scenario, seed: int) -> dict:
+    """Build the engines (one copy of the weights) and check every request on each before anything runs.
+
+    Raises:
+        ValueError: a bad setting, or a request an allocator refuses (naming the allocator and request).
+    """
+    engines: dict = {}
+    for alloc in allocators:
+        first = next(iter(engines.values()), None)
+        engine = engine_cls(configs[alloc], (first.model, first.tokenizer) if first else None)
+        for i, r in enumerate(scenario.make(seed, _tokenizer(engine)).requests):
+            try:
+                if alloc == "contiguous" and engine.config.contiguous_policy in ("pow2", "oracle"):
+                    # the longest final length the request may reach stands in for the one learned later
+                    ids = engines["paged"].check_request(r.prompt, r.params)
+                    engine.check_request(r.prompt, r.params,
+                                         final_len=min(len(ids) + r.params.max_tokens, engine.max_model_len))
+                else:
+                    engine.check_request(r.prompt, r.params)
+            except ValueError as exc:
+                raise ValueError(f"{alloc} allocator: request {i + 1} of {scenario.name!r}: {exc}") from None
+        engines[alloc] = engine
+    return engines
+
+
 def run(args) -> int:
     from .llm_engine import LLMEngine  # heavy (torch, transformers): only for the run command
 
@@ -257,42 +258,56 @@ def run(args) -> int:
     if not 0 <= args.seed < 2**40:
         raise ValueError(f"--seed must be an integer in [0, 2**40), got {args.seed}")
     if args.trace:
-        parent = Path(args.trace).resolve().parent
-        if Path(args.trace).is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
-            raise ValueError(f"--trace {args.trace!r} is not a writable file path")
-    choice = args.allocator or ("both" if scenario.compare else "paged")
-    allocators = ["paged", "contiguous"] if choice == "both" else [choice]
-    configs = {a: engine_config(args, scenario, a) for a in allocators}  # bad flags fail before any work
-    engines, workloads = {}, {}
-    for alloc in allocators:  # build every engine and check every request before running anything
-        engine = LLMEngine(configs[alloc], (engines[allocators[0]].model, engines[allocators[0]].tokenizer)
-                           if engines else None)
-        tokenize = lambda text, e=engine: e.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-        workloads[alloc] = scenario.make(args.seed, tokenize)
-        for i, r in enumerate(workloads[alloc].requests):
+        # Refuse before the run, not after it: an existing path must be a regular file that opens for
+        # writing (in append mode, so nothing is truncated); a new one needs a writable folder.
+        trace = Path(args.trace)
+        if trace.exists():
+            writable = trace.is_file()
             try:
-                engine.check_request(r.prompt, r.params)
-            except ValueError as exc:
-                raise ValueError(f"{alloc} allocator: request {i + 1} of {args.scenario!r}: {exc}") from None
-        engines[alloc] = engine
-    if "contiguous" in engines:
-        cont = engines["contiguous"]
-        longest = max(len(cont.check_request(r.prompt, r.params)) + r.params.max_tokens
-                      for r in workloads["contiguous"].requests)
+                if writable:
+                    open(trace, "a").close()
+            except OSError:  # e.g. /proc/version: a regular file that refuses writes, even to root
+                writable = False
+        else:
+            parent = trace.resolve().parent
+            writable = parent.is_dir() and os.access(parent, os.W_OK)
+        if not writable:
+            raise ValueError(f"--trace {args.trace!r} is not a writable file path")
+    if isinstance(args.passes, bool) or not 1 <= args.passes <= 100:
+        raise ValueError(f"--passes must be an integer in [1, 100], got {args.passes}")
+    choice = args.allocator or ("both" if scenario.compare else "paged")
+    wanted = ["paged", "contiguous"] if choice == "both" else [choice]
+    configs = {a: engine_config(args, scenario, a) for a in ("paged", "contiguous")}  # bad flags fail first
+    # "pow2" and "oracle" reserve by each request's true final length: a paged run of the same requests
+    # learns them (the same seeds give the same tokens on both allocators)
+    oracle = "contiguous" in wanted and configs["contiguous"].contiguous_policy in ("pow2", "oracle")
+    allocators = ["paged", "contiguous"] if oracle else wanted
+    engines = _build_engines(LLMEngine, configs, allocators, scenario, args.seed)
+    cont = engines.get("contiguous")
+    if cont is not None and cont.config.contiguous_policy == "max":
+        workload = scenario.make(args.seed, _tokenizer(cont))
+        longest = max(len(cont.check_request(r.prompt, r.params)) + r.params.max_tokens for r in workload.requests)
         if longest > cont.max_model_len:
             print(f"note: on the contiguous baseline requests stop at its {cont.max_model_len}-slot reservation; "
                   f"the longest request here needs {longest}, so its outputs are cut short", file=sys.stderr)
     runs = {}
     for alloc in allocators:
         engine = engines[alloc]
+        final_lens = learn_final_lengths(runs["paged"][2]) if alloc == "contiguous" and oracle else None
         records: list[StepRecord] = []
-        outputs = run_workload(engine, workloads[alloc], on_step=records.append)
+        outputs = []
+        for k in range(args.passes):
+            if k and args.reset_prefix_cache:
+                engine.reset_prefix_cache()
+            outputs += run_workload(engine, scenario.make(args.seed, _tokenizer(engine)), on_step=records.append,
+                                    final_lens=final_lens)
         runs[alloc] = (engine, records, outputs)
-        if args.trace:
+        if args.trace and alloc in wanted:
             path = Path(args.trace)
-            if alloc == "contiguous" and len(allocators) > 1:
+            if alloc == "contiguous" and len(wanted) > 1:
                 path = path.with_name(f"{path.stem}.contiguous{path.suffix}")
             write_trace(records, path)
+    runs = {a: runs[a] for a in wanted}
     summary = summarize(runs)
     if args.json:
         json.dump(summary, sys.stdout, indent=2)

@@ -19,6 +19,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 PREEMPTION_MODES = ("recompute", "swap")
 MAX_SEED = 2**62  # sample i of n uses seed + i; torch generators take 64-bit seeds
 ALLOCATORS = ("paged", "contiguous")
+CONTIGUOUS_POLICIES = ("max", "max_tokens", "pow2", "oracle")  # engine.contiguous explains each
 
 
 def _check_positive_int(name: str, value, allow_none: bool = False) -> None:
@@ -56,8 +57,15 @@ class EngineConfig:
         allocator: "paged" (block pool) or "contiguous" (the baseline: one flat region of
             num_blocks x block_size slots, the same bytes, where each request reserves
             ``reservation_tokens`` contiguous slots first-fit at admission).
-        reservation_tokens: slots each request reserves in contiguous mode; None means max_model_len. A
-            request also stops at its reservation.
+        reservation_tokens: slots each request reserves in contiguous mode under the "max" policy; None
+            means max_model_len. A request also stops at its reservation.
+        contiguous_policy: how much a request reserves in contiguous mode (the vLLM paper's baselines):
+            "max" (``reservation_tokens``), "max_tokens" (prompt + max_tokens), "pow2" (the next power of
+            two of its true final length) or "oracle" (exactly its true final length); the last two need
+            the final length in advance (``LLMEngine.add_request(final_len=...)``).
+        watermark: share of the paged pool that admission and swap-in keep free, in [0, 1) (vLLM v0's
+            ``watermark``, default 0.01: ``int(0.01 x num_blocks)`` blocks), so a request just admitted is
+            not preempted at once. 0 keeps the exact pool (the lessons).
 
     Raises:
         ValueError: a field is out of range, naming the field and the value.
@@ -78,6 +86,8 @@ class EngineConfig:
     swap_space_blocks: int | None = None
     allocator: str = "paged"
     reservation_tokens: int | None = None
+    contiguous_policy: str = "max"
+    watermark: float = 0.01
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -107,6 +117,11 @@ class EngineConfig:
         if self.allocator not in ALLOCATORS:
             raise ValueError(f"allocator must be one of {ALLOCATORS}, got {self.allocator!r}")
         _check_positive_int("reservation_tokens", self.reservation_tokens, allow_none=True)
+        if self.contiguous_policy not in CONTIGUOUS_POLICIES:
+            raise ValueError(f"contiguous_policy must be one of {CONTIGUOUS_POLICIES}, got {self.contiguous_policy!r}")
+        if (isinstance(self.watermark, bool) or not isinstance(self.watermark, (int, float))
+                or not 0 <= self.watermark < 1):
+            raise ValueError(f"watermark must be a number in [0, 1), got {self.watermark!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
 
@@ -117,11 +132,13 @@ class SamplingParams:
 
     Attributes:
         max_tokens: most tokens to generate (>= 1).
-        temperature: 0 means greedy (argmax); > 0 divides the logits before softmax.
+        temperature: 0 means greedy (argmax); > 0 divides the logits before softmax. Below
+            ``SamplingParams.SAMPLING_EPS`` (1e-5) it is greedy too, as in vLLM (``_SAMPLING_EPS`` in
+            vllm/sampling_params.py): dividing by a tinier temperature overflows the logits to inf/nan.
         top_p: nucleus sampling, keep the smallest set of tokens whose probability sums to >= top_p; in (0, 1].
         top_k: keep the k most likely tokens; -1 (or 0) keeps all.
         seed: seed of this request's own random stream; None draws one. Sample ``i`` of ``n`` uses seed + i.
-        ignore_eos: keep generating past the end-of-sequence token.
+        ignore_eos: keep generating past the end-of-sequence token (True or False).
         n: parallel sampling, ``n`` completions of one prompt that share the prompt's KV blocks.
         beam_width: beam search with this many beams (1: off). Deterministic like transformers'
             ``generate(num_beams=w, do_sample=False, early_stopping=False)``: temperature, top_p and top_k
@@ -131,6 +148,8 @@ class SamplingParams:
     Raises:
         ValueError: a field is out of range, naming the field and the value.
     """
+
+    SAMPLING_EPS = 1e-5  # a class constant, not a field: temperatures below it are greedy (vLLM's value)
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -147,7 +166,7 @@ class SamplingParams:
         if (isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float))
                 or not math.isfinite(self.temperature) or self.temperature < 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (all) or a positive integer, got {self.top_k!r}")
@@ -158,8 +177,11 @@ class SamplingParams:
         _check_positive_int("beam_width", self.beam_width)
         if self.n > 1 and self.beam_width > 1:
             raise ValueError(f"use n ({self.n}) or beam_width ({self.beam_width}), not both")
-        if not isinstance(self.length_penalty, (int, float)) or not math.isfinite(self.length_penalty):
+        if (isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float))
+                or not math.isfinite(self.length_penalty)):
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
 
     @property
     def num_seqs(self) -> int:
@@ -168,4 +190,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Argmax decoding: temperature below ``SAMPLING_EPS`` (0 included)."""
+        return self.temperature < self.SAMPLING_EPS

@@ -12,13 +12,24 @@ Its three kinds of waste (Kwon et al., SOSP 2023, section 3; LESSON_BRIEF sectio
 - external fragmentation: free slots in gaps smaller than one reservation, which no new request can use
   although the free space in total would suffice.
 
-The class offers the interface the scheduler uses with ``BlockManager`` (allocate, append_slot, free,
-slot_mapping, events, ...), so the same scheduler and model runner drive both allocators.
+How much a request reserves is the policy (the vLLM paper's baselines, Kwon et al., SOSP 2023, section 6,
+"Orca (Max)", "Orca (Pow2)", "Orca (Oracle)"; ``reservation_for``):
+- "max": every request reserves ``reservation_tokens`` (default the maximum model length);
+- "max_tokens": prompt + ``max_tokens`` (capped at the maximum length), what a server knows at admission;
+- "pow2": the next power of two of the request's true final length (over-reserves by up to 2x);
+- "oracle": exactly the true final length (prompt + the tokens it will really generate).
+"pow2" and "oracle" need the final length in advance: the caller learns it from a paged run of the same
+requests (``engine.workloads.run_workload(..., final_lens=...)``).
+
+It implements the allocator protocol (``engine.allocator.KVAllocator``), so the same scheduler and model
+runner drive both allocators.
 """
 
 from __future__ import annotations
 
-from .records import Event
+from .config import CONTIGUOUS_POLICIES
+from .metrics import external_fragmentation, internal_fragmentation
+from .records import EventKind, EventLog
 
 
 class ContiguousAllocator:
@@ -26,33 +37,74 @@ class ContiguousAllocator:
 
     Args:
         capacity_tokens: slots in the region (tokens).
-        reservation: slots every request reserves at admission (tokens), 1..capacity_tokens.
+        reservation: slots a request reserves under the "max" policy (tokens), 1..capacity_tokens.
+        policy: one of ``CONTIGUOUS_POLICIES`` (see the module docstring).
+        event_log: where decisions are logged (the engine's); default a log of the allocator's own.
 
     Raises:
-        ValueError: a size that is not a positive integer, or a reservation larger than the region.
+        ValueError: a size that is not a positive integer, a reservation larger than the region, or an
+            unknown policy.
     """
 
-    block_size = 1  # a slot is its own "block": there is no paging here
-    block_tables: dict = {}  # none: attention reads each request's range directly
+    block_size = 1  # a slot is its own unit: there is no paging here
+    num_swap_blocks = 0  # no swap pool: a preempted request can only be recomputed
+    max_seqs_per_request = 1  # no sharing, so one sequence per request (no n > 1, no beams)
 
-    def __init__(self, capacity_tokens: int, reservation: int) -> None:
+    def __init__(self, capacity_tokens: int, reservation: int, policy: str = "max",
+                 event_log: EventLog | None = None) -> None:
         for name, value in (("capacity_tokens", capacity_tokens), ("reservation_tokens", reservation)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if reservation > capacity_tokens:
             raise ValueError(f"reservation_tokens {reservation} is larger than the region of {capacity_tokens} "
                              f"slots; no request could ever be admitted")
+        if policy not in CONTIGUOUS_POLICIES:
+            raise ValueError(f"contiguous_policy must be one of {CONTIGUOUS_POLICIES}, got {policy!r}")
         self.capacity = capacity_tokens
         self.reservation = reservation
+        self.policy = policy
         self.regions: dict[str, tuple[int, int]] = {}  # seq -> (start, length)
-        self.num_tokens: dict[str, int] = {}
-        # cumulative: reserved slots finished requests never wrote. A request's last sampled token is never
-        # written (nothing computes it), so this counts one slot more per request than the CLI's summary,
-        # which measures each request at its final length (prompt + generated tokens).
-        self.internal_frag_slots = 0
-        self.finished_reserved_slots = 0
-        self.finished_used_slots = 0
-        self.events: list[Event] = []
+        self.num_tokens: dict[str, int] = {}  # slots written (holding K/V)
+        # (reserved slots, final length) of every released reservation, for the accounting
+        self.finished: list[tuple[int, int]] = []
+        self.log = event_log if event_log is not None else EventLog()
+        self.peak_used_blocks = 0  # most slots reserved at any moment
+
+    @property
+    def events(self) -> list:
+        """Events logged and not yet drained."""
+        return self.log.events
+
+    @property
+    def internal_frag_slots(self) -> int:
+        """Reserved slots released reservations never needed (``metrics.internal_fragmentation``)."""
+        return sum(internal_fragmentation(r, n) for r, n in self.finished)
+
+    def reservation_for(self, prompt_len: int, max_len: int, final_len: int | None = None) -> int:
+        """Slots a request reserves under this allocator's policy (tokens).
+
+        Args:
+            prompt_len: the prompt's tokens. max_len: the most it may reach (prompt + max_tokens, capped
+            at the maximum model length). final_len: its true final length, if known in advance.
+
+        Raises:
+            ValueError: "pow2" or "oracle" without ``final_len``, or a reservation larger than the region.
+        """
+        if self.policy == "max":
+            return self.reservation
+        if self.policy == "max_tokens":
+            size = max_len
+        elif final_len is None:
+            raise ValueError(f"contiguous_policy {self.policy!r} needs each request's final length in advance "
+                             f"(learn it from a paged run of the same requests)")
+        elif self.policy == "oracle":
+            size = final_len
+        else:  # pow2: the next power of two of the true length, never past the "max" reservation
+            size = min(1 << (final_len - 1).bit_length(), max(self.reservation, final_len))
+        if size > self.capacity:
+            raise ValueError(f"a reservation of {size:,} slots ({self.policy}) is larger than the region of "
+                             f"{self.capacity:,} slots")
+        return size
 
     # ----------------------------------------------------------------------------------------- queries
     def gaps(self) -> list[tuple[int, int]]:
@@ -89,25 +141,48 @@ class ContiguousAllocator:
         if need is not None and (isinstance(need, bool) or not isinstance(need, int) or need <= 0):
             raise ValueError(f"need must be a positive integer, got {need!r}")
         need = need or self.reservation
-        if self.free_slots < need:
-            return 0
-        return sum(length for _, length in self.gaps() if length < need)
+        return external_fragmentation([length for _, length in self.gaps()], self.free_slots, need)
 
     @property
     def external_frag_slots(self) -> int:
-        """Free slots in gaps too small for one reservation."""
+        """Free slots in gaps too small for one "max" reservation (``metrics.external_fragmentation``)."""
         return self.external_frag()
 
     def admission_refusal(self, token_lists: list[list[int]], reservation: int | None = None) -> str | None:
-        """Why a request (one sequence) reserving ``reservation`` slots (default: the allocator's) cannot be
-        admitted now (None if it can)."""
+        """Why a request (one sequence) reserving ``reservation`` slots (default: the "max" reservation)
+        cannot be admitted now (None if it can)."""
         need = reservation or self.reservation
         if self.largest_gap >= need:
             return None
         return f"refused: largest gap {self.largest_gap:,} < {need:,} needed, {self.free_slots:,} free in total"
 
     def needs_new_block(self, seq_id: str) -> bool:
-        return False  # everything was reserved at admission
+        """Never: every slot was reserved at admission."""
+        return False
+
+    def can_swap_out(self, seq_ids: list[str]) -> bool:
+        """Never: there is no swap pool."""
+        return False
+
+    def match_prefix(self, token_ids) -> list[int]:
+        """No prefix cache: nothing is ever shared."""
+        return []
+
+    def table_of(self, seq_id: str) -> tuple[list[int], int] | None:
+        """(no table, tokens held) of ``seq_id``; None if it holds no reservation."""
+        return ([], self.num_tokens[seq_id]) if seq_id in self.regions else None
+
+    def attention_view(self, seq_id: str) -> tuple[list[int], int]:
+        """What attention needs to read ``seq_id``'s K/V: (no block table, the first slot of its range)."""
+        return [], self.regions[seq_id][0]
+
+    def fork(self, parent_id: str, child_id: str) -> list[int]:
+        """Refused: one sequence per request, nothing is shared."""
+        raise ValueError("the contiguous allocator cannot fork: it serves one sequence per request")
+
+    def reset_prefix_cache(self) -> bool:
+        """Nothing to reset: there is no prefix cache."""
+        return True
 
     def slot(self, seq_id: str, position: int) -> int:
         start, length = self.regions[seq_id]
@@ -128,9 +203,8 @@ class ContiguousAllocator:
 
     # ----------------------------------------------------------------------------------------- changes
     def allocate(self, seq_id: str, num_tokens: int, reservation: int | None = None) -> int:
-        """Reserve ``reservation`` slots (default: the allocator's) first-fit for a new request holding
-        ``num_tokens`` tokens now. The engine reserves the same size for every request; other sizes exist
-        for lessons and tests of external fragmentation.
+        """Reserve ``reservation`` slots (default: the "max" reservation) first-fit for a new request
+        holding ``num_tokens`` tokens now.
 
         Returns the start slot. Raises ValueError (bad sizes, more tokens than the reservation) or
         RuntimeError when no gap is large enough (nothing is changed).
@@ -148,20 +222,17 @@ class ContiguousAllocator:
             raise RuntimeError(self.admission_refusal([[0] * num_tokens], size))
         self.regions[seq_id] = (fit, size)
         self.num_tokens[seq_id] = num_tokens
-        self.events.append(Event(
-            "allocate", seq_id, [],
-            f"{seq_id}: reserves slots {fit:,}..{fit + size - 1:,} ({size:,}) for {num_tokens} tokens now",
-            {"start": fit, "length": size, "num_tokens": num_tokens},
-        ))
+        self.peak_used_blocks = max(self.peak_used_blocks, self.reserved_slots)
+        self.log.emit(EventKind.ALLOCATE, seq_id, [],
+                      f"{seq_id}: reserves slots {fit:,}..{fit + size - 1:,} ({size:,}) for {num_tokens} tokens now",
+                      start=fit, length=size, num_tokens=num_tokens, cached_tokens=0)
         return fit
 
-    def allocate_with_prefix(self, seq_id: str, num_tokens: int, token_ids=None) -> tuple[list[int], int]:
-        """Scheduler interface: reserve like ``allocate``; there is no prefix cache, so nothing is cached."""
-        self.allocate(seq_id, num_tokens)
+    def allocate_with_prefix(self, seq_id: str, num_tokens: int, token_ids=None, reservation: int | None = None,
+                             preempted: bool = False) -> tuple[list[int], int]:
+        """The allocator protocol's allocation: reserve like ``allocate``; no prefix cache, nothing cached."""
+        self.allocate(seq_id, num_tokens, reservation)
         return [], 0
-
-    def match_prefix(self, token_ids) -> list[int]:
-        return []
 
     def append_slot(self, seq_id: str, token_id: int | None = None) -> int:
         n = self.num_tokens[seq_id]
@@ -171,23 +242,28 @@ class ContiguousAllocator:
         self.num_tokens[seq_id] = n + 1
         return start + n
 
-    def free(self, seq_id: str) -> list[int]:
+    def free(self, seq_id: str, final_len: int | None = None) -> list[int]:
+        """Release ``seq_id``'s reservation. ``final_len``: its final length (prompt + generated tokens;
+        default the slots written), the measure of internal fragmentation: a request's last sampled token
+        is never written (nothing computes it), but it is part of what the request needed."""
         start, length = self.regions.pop(seq_id)
         used = self.num_tokens.pop(seq_id)
-        self.internal_frag_slots += length - used
-        self.finished_reserved_slots += length
-        self.finished_used_slots += used
-        self.events.append(Event(
-            "free", seq_id, [],
-            f"{seq_id}: releases slots {start:,}..{start + length - 1:,}; it used {used:,} of {length:,} "
-            f"({length - used:,} never used: internal fragmentation)",
-            {"start": start, "length": length, "used": used},
-        ))
+        final = min(final_len if final_len is not None else used, length)
+        self.finished.append((length, final))
+        never = internal_fragmentation(length, final)
+        self.log.emit(EventKind.FREE, seq_id, [],
+                      f"{seq_id}: releases slots {start:,}..{start + length - 1:,}; its final length is {final:,} "
+                      f"of {length:,} ({never:,} never needed: internal fragmentation)",
+                      start=start, length=length, used=used, final_len=final)
         return []
 
-    def drain_events(self) -> list[Event]:
-        events, self.events = self.events, []
-        return events
+    def drain_events(self) -> list:
+        return self.log.drain()
+
+    def snapshot_fields(self) -> dict:
+        """The allocator's part of a ``records.Snapshot``: slots as the pool, the region's layout."""
+        return dict(num_blocks=self.capacity, block_size=1, num_free_blocks=self.free_slots, ref_counts=[],
+                    fills=[], owners=[], allocator="contiguous", contiguous=self.layout())
 
     def drain_ops(self) -> list:
         return []
@@ -197,6 +273,7 @@ class ContiguousAllocator:
         return {
             "capacity_slots": self.capacity,
             "reservation": self.reservation,
+            "policy": self.policy,
             "regions": [{"seq_id": s, "start": st, "length": ln, "used": self.num_tokens[s]}
                         for s, (st, ln) in sorted(self.regions.items(), key=lambda kv: kv[1][0])],
             "gaps": [{"start": s, "length": n} for s, n in self.gaps()],

@@ -15,7 +15,6 @@ in the paged pool, each request samples its next token, finished requests free t
 from __future__ import annotations
 
 import numbers
-import os
 import random
 import time
 
@@ -29,7 +28,8 @@ from .config import EngineConfig, SamplingParams
 from .kv_cache import KVCache, num_blocks_for_budget
 from .model_loader import geometry_from_config, load_model, resolve_device, resolve_dtype
 from .model_runner import ModelRunner, SeqInput
-from .records import ScheduledSequence, SequenceState, Snapshot, StepRecord
+from .allocator import KVAllocator
+from .records import EventLog, ScheduledSequence, SequenceState, Snapshot, StepRecord
 from .sampler import sample_batch
 from .scheduler import Scheduler
 from .sequence import FINISHED, RUNNING, BeamState, CompletionOutput, Request, RequestOutput, Sequence
@@ -86,9 +86,9 @@ class LLMEngine:
         if self.block_size > self.max_model_len:
             raise ValueError(f"block_size {self.block_size} exceeds max_model_len {self.max_model_len}: one block "
                              f"would be longer than the longest sequence")
-        self._check_memory(self.num_blocks * self.geometry.bytes_per_block(self.block_size))
-        self.contiguous = config.allocator == "contiguous"
-        if self.contiguous:
+        self._check_memory(self.num_blocks * self.geometry.bytes_per_block(self.block_size),
+                           self._swap_pool_blocks(config))
+        if config.allocator == "contiguous" and config.contiguous_policy == "max":
             reservation = config.reservation_tokens or self.max_model_len
             if reservation > capacity:
                 raise ValueError(f"reservation_tokens {reservation} is larger than the region of {capacity} slots "
@@ -101,39 +101,74 @@ class LLMEngine:
                 f"a long request could never be prefilled"
             )
 
-        swap_blocks = config.swap_space_blocks
-        if swap_blocks is None:
-            swap_blocks = self.num_blocks if config.preemption_mode == "swap" else 0
-        dtype = next(self.model.parameters()).dtype
-        if self.contiguous:
-            # the same bytes as the paged pool, as one flat region of slots ("blocks" of one token)
-            self.block_manager = ContiguousAllocator(capacity, reservation)
-            self.kv_cache = KVCache(self.geometry, capacity, 1, self.device, dtype)
-        else:
-            self.block_manager = BlockManager(self.num_blocks, self.block_size,
-                                              enable_prefix_caching=config.enable_prefix_caching,
-                                              num_swap_blocks=swap_blocks)
-            self.kv_cache = KVCache(self.geometry, self.num_blocks, self.block_size, self.device, dtype,
-                                    num_swap_blocks=swap_blocks)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, max_batched, config.preemption_mode)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.backend, contiguous=self.contiguous)
+        self.log = EventLog()  # the engine's: allocator and scheduler write into it, each step drains it
+        self.block_manager, self.kv_cache, self.runner = self._build_memory(config, self._swap_pool_blocks(config))
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, max_batched, config.preemption_mode,
+                                   log=self.log)
         self.requests: dict[str, Request] = {}
         self.step_count = 0
         self._next_id = 1
 
-    def _check_memory(self, nbytes: int) -> None:
-        """Refuse a KV pool the device cannot hold, before trying to allocate it."""
-        if self.device.type == "cuda":
-            free = torch.cuda.mem_get_info(self.device)[0]
-        else:
-            try:
-                free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            except (ValueError, OSError, AttributeError):
-                return
-        if nbytes > free:
+    def _check_memory(self, nbytes: int, swap_blocks: int = 0) -> None:
+        """Refuse a KV pool of ``nbytes`` bytes on the device, and a CPU swap pool of ``swap_blocks`` blocks,
+        that the machine cannot hold, before either is allocated.
+
+        Free memory is ``torch.cuda.mem_get_info`` on CUDA; on the host it is the smaller of the free RAM and
+        what the container's cgroup limit allows (``engine.memory.available_host_memory_bytes``). The swap
+        pool always lives in host memory, so with the pool on the CPU both must fit together.
+
+        Raises:
+            ValueError: the pool or the swap pool (naming ``swap_space_blocks``) does not fit, with the
+                sizes in GiB.
+        """
+        from .memory import available_host_memory_bytes
+
+        gib = 2**30
+        host = available_host_memory_bytes()
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else host
+        if free is not None and nbytes > free:
             raise ValueError(
-                f"a KV pool of {self.num_blocks} blocks x {self.block_size} tokens needs {nbytes / 2**30:.2f} GiB "
-                f"but only {free / 2**30:.2f} GiB are free on {self.device}; use fewer blocks or a smaller budget")
+                f"a KV pool of {self.num_blocks} blocks x {self.block_size} tokens needs {nbytes / gib:.2f} GiB "
+                f"but only {free / gib:.2f} GiB are free on {self.device}; use fewer blocks or a smaller budget")
+        swap_bytes = swap_blocks * self.geometry.bytes_per_block(self.block_size)
+        pool_on_host = 0 if self.device.type == "cuda" else nbytes
+        if host is not None and swap_bytes and pool_on_host + swap_bytes > host:
+            also = f" besides the KV pool's {nbytes / gib:.2f} GiB" if pool_on_host else ""
+            raise ValueError(
+                f"swap_space_blocks {swap_blocks} needs {swap_bytes / gib:.2f} GiB of CPU memory for the swap pool"
+                f"{also} but only {host / gib:.2f} GiB are free on the host; use a smaller swap_space_blocks")
+
+    def _swap_pool_blocks(self, config: EngineConfig) -> int:
+        """Blocks of the CPU swap pool that ``__init__`` allocates: ``swap_space_blocks``, or when None as many
+        as the pool in "swap" mode and none in "recompute" mode; none for the contiguous allocator."""
+        if config.allocator == "contiguous":
+            return 0
+        if config.swap_space_blocks is not None:
+            return config.swap_space_blocks
+        return self.num_blocks if config.preemption_mode == "swap" else 0
+
+    def _build_memory(self, config: EngineConfig, swap_blocks: int) -> tuple[KVAllocator, KVCache, ModelRunner]:
+        """The allocator, the KV tensors and the model runner: the one place that knows which allocator
+        ``config.allocator`` names. Both hold the same bytes: the contiguous region is the pool's
+        ``num_blocks x block_size`` slots as one flat range ("blocks" of one slot)."""
+        dtype = next(self.model.parameters()).dtype
+        if config.allocator == "contiguous":
+            capacity = self.num_blocks * self.block_size
+            allocator = ContiguousAllocator(capacity, config.reservation_tokens or self.max_model_len,
+                                            config.contiguous_policy, event_log=self.log)
+            kv_cache = KVCache(self.geometry, capacity, 1, self.device, dtype)
+            return allocator, kv_cache, ModelRunner(self.model, kv_cache, self.backend, contiguous=True)
+        allocator = BlockManager(self.num_blocks, self.block_size, enable_prefix_caching=config.enable_prefix_caching,
+                                 num_swap_blocks=swap_blocks, watermark=config.watermark, event_log=self.log)
+        kv_cache = KVCache(self.geometry, self.num_blocks, self.block_size, self.device, dtype,
+                           num_swap_blocks=swap_blocks)
+        return allocator, kv_cache, ModelRunner(self.model, kv_cache, self.backend)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's ``LLMEngine.reset_prefix_cache``). Refused, returning False and
+        changing nothing, while any request holds blocks; the next step's record carries the
+        "reset_prefix_cache" event."""
+        return self.block_manager.reset_prefix_cache()
 
     def _pool_blocks(self, config: EngineConfig, model_max: int) -> int:
         if config.num_blocks is not None:
@@ -145,8 +180,12 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, final_len: int | None = None) -> str:
         """Queue a request; returns its id ("R1", "R2", ... unless given).
+
+        ``final_len``: its true final length (prompt + generated tokens) when known in advance, for the
+        contiguous "pow2" and "oracle" policies (with ``ignore_eos`` it is known: prompt + max_tokens,
+        capped at max_model_len).
 
         Raises:
             ValueError: empty prompt, a token id outside the vocabulary, a duplicate id, a prompt that can
@@ -154,18 +193,19 @@ class LLMEngine:
                 unchanged.
         """
         rid = request_id if request_id is not None else self._auto_ids(1)[0]
-        request = self._make_request(prompt, params or SamplingParams(), rid)
+        request = self._make_request(prompt, params or SamplingParams(), rid, final_len)
         self._enqueue(request)
         return rid
 
-    def check_request(self, prompt, params: SamplingParams | None = None) -> list[int]:
+    def check_request(self, prompt, params: SamplingParams | None = None, final_len: int | None = None) -> list[int]:
         """Validate a request without adding it; returns its prompt token ids.
 
         Raises:
             ValueError: whatever ``add_request`` would refuse, with the same message.
         """
         # an id that is free now, so a caller's own ids never make the check fail
-        return self._make_request(prompt, params or SamplingParams(), self._auto_ids(1)[0]).prompt_token_ids
+        return self._make_request(prompt, params or SamplingParams(), self._auto_ids(1)[0],
+                                  final_len).prompt_token_ids
 
     def _auto_ids(self, count: int) -> list[str]:
         """The next ``count`` free ids "R<k>", skipping ids a caller chose."""
@@ -183,7 +223,7 @@ class LLMEngine:
         if rid.startswith("R") and rid[1:].isdigit():
             self._next_id = max(self._next_id, int(rid[1:]) + 1)
 
-    def _make_request(self, prompt, params: SamplingParams, rid: str) -> Request:
+    def _make_request(self, prompt, params: SamplingParams, rid: str, final_len: int | None = None) -> Request:
         """Validate and tokenize; raises ValueError and changes nothing on bad input."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -195,9 +235,11 @@ class LLMEngine:
         if params.num_seqs > self.config.max_num_seqs:
             raise ValueError(f"{params.num_seqs} samples/beams exceed max_num_seqs {self.config.max_num_seqs}; "
                              f"they could never run together")
-        if self.contiguous and params.num_seqs > 1:
-            raise ValueError(f"the contiguous allocator serves one sequence per request; got n={params.n}, "
-                             f"beam_width={params.beam_width}")
+        per_request = self.block_manager.max_seqs_per_request
+        if per_request is not None and params.num_seqs > per_request:
+            raise ValueError(f"the {self.config.allocator} allocator serves {'one' if per_request == 1 else per_request}"
+                             f" sequence{'s' * (per_request != 1)} per request; "
+                             f"got n={params.n}, beam_width={params.beam_width}")
         need = -(-len(ids) // self.block_size)
         if need > self.num_blocks:
             raise ValueError(
@@ -206,9 +248,17 @@ class LLMEngine:
             )
         if len(ids) >= self.max_model_len:
             limit = (f"the contiguous reservation of {self.max_model_len} slots (reservation_tokens)"
-                     if self.contiguous and self.max_model_len < (self.config.max_model_len or 10**9)
-                     else f"max_model_len {self.max_model_len}")
+                     if self.max_model_len < (self.config.max_model_len or 10**9)
+                     and self.config.allocator == "contiguous" else f"max_model_len {self.max_model_len}")
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate within {limit}")
+        max_len = min(len(ids) + params.max_tokens, self.max_model_len)
+        if final_len is None and params.ignore_eos:
+            final_len = max_len
+        if final_len is not None and (isinstance(final_len, bool) or not isinstance(final_len, int)
+                                      or not len(ids) < final_len <= max_len):
+            raise ValueError(f"final_len {final_len!r} must be an integer in ({len(ids)}, {max_len}]: "
+                             f"the prompt plus 1..max_tokens generated tokens")
+        reservation = self.block_manager.reservation_for(len(ids), max_len, final_len)
         if params.num_seqs > 1:
             # each sample / beam must be able to grow to its end on its own, even without sharing
             longest = min(len(ids) + params.max_tokens, self.max_model_len)
@@ -218,7 +268,8 @@ class LLMEngine:
                 raise ValueError(f"{what} of up to {longest} tokens may need {worst} blocks but the pool has only "
                                  f"{self.num_blocks}; lower max_tokens or use a bigger pool")
         seed = params.seed if params.seed is not None else random.randrange(2**62)
-        req = Request(rid, text, ids, params, seed)
+        req = Request(rid, text, ids, params, seed, max_len=min(max_len, reservation or max_len),
+                      reservation=reservation)
         first_id = rid if params.num_seqs == 1 else (f"{rid}.b0" if params.beam_width > 1 else f"{rid}.0")
         req.seqs.append(Sequence(first_id, list(ids), len(ids), self._generator(seed, 0)))
         if params.beam_width > 1:
@@ -233,6 +284,13 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty ('')")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:  # a lone surrogate such as '\ud800', which no tokenizer takes
+                raise ValueError(f"prompt has an invalid character {prompt[exc.start]!r} (a lone surrogate, "
+                                 f"not Unicode text) at position {exc.start}") from None
+            if prompt.isspace():
+                raise ValueError(f"prompt is only whitespace ({prompt!r}); give some text")
             ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
             if not ids:
                 raise ValueError(f"prompt {prompt!r} encodes to no tokens")
@@ -267,15 +325,11 @@ class LLMEngine:
             inputs = []
             owner = {s.seq_id: r.request_id for r in batch.requests for s in r.seqs}
             for seq, n in zip(batch.seqs, batch.num_new_tokens):
-                start = seq.num_cached - n
-                inputs.append(SeqInput(
-                    seq_id=seq.seq_id,
-                    token_ids=seq.token_ids[start:seq.num_cached],
-                    start_pos=start,
-                    slot_mapping=self.block_manager.slot_mapping(seq.seq_id, start, seq.num_cached),
-                    block_table=[] if self.contiguous else self.block_manager.block_tables[seq.seq_id],
-                    region_start=self.block_manager.start_of(seq.seq_id) if self.contiguous else 0,
-                ))
+                start, end = seq.num_computed_tokens - n, seq.num_computed_tokens
+                table, region_start = self.block_manager.attention_view(seq.seq_id)
+                inputs.append(SeqInput(seq_id=seq.seq_id, token_ids=seq.token_ids[start:end], start_pos=start,
+                                       slot_mapping=self.block_manager.slot_mapping(seq.seq_id, start, end),
+                                       block_table=table, region_start=region_start))
                 scheduled.append(ScheduledSequence(seq.seq_id, owner[seq.seq_id], n, start))
             logits = self.runner.execute(inputs)
             rows = {seq.seq_id: logits[i] for i, seq in enumerate(batch.seqs)}
@@ -286,7 +340,7 @@ class LLMEngine:
             for req in batch.requests:
                 if req.is_beam_search:
                     self._beam_step(req, rows, out)
-        events = self.block_manager.drain_events()
+        events = self.log.drain()
         return StepRecord(
             step=self.step_count, kind=batch.kind, scheduled=scheduled, events=events,
             new_tokens=out.tokens, new_text=out.text, finished=out.finished, snapshot=self.snapshot(),
@@ -305,7 +359,8 @@ class LLMEngine:
             parent = req.seqs[0]
             for i in range(1, p.n):
                 child = Sequence(f"{req.request_id}.{i}", list(parent.token_ids), parent.prompt_len,
-                                 self._generator(req.seed, i), num_cached=parent.num_cached, status=RUNNING)
+                                 self._generator(req.seed, i), num_computed_tokens=parent.num_computed_tokens,
+                                 status=RUNNING)
                 self.block_manager.fork(parent.seq_id, child.seq_id)
                 req.seqs.append(child)
                 rows[child.seq_id] = rows[parent.seq_id]
@@ -355,7 +410,7 @@ class LLMEngine:
         parents = (cand_idx // vocab).tolist()
         tokens = (cand_idx % vocab).tolist()
         cur_len = live[0].num_tokens
-        max_length = min(prompt_len + p.max_tokens, self.max_model_len)
+        max_length = req.max_len
         eos = None if p.ignore_eos else self.tokenizer.eos_token_id
         hits = torch.tensor([t == eos or cur_len + 1 >= max_length for t in tokens])
         # e. running beams for the next step
@@ -394,7 +449,7 @@ class LLMEngine:
             parent = live[parents[j]]
             if parents[j] in claimed:
                 child = Sequence(f"{req.request_id}.b{beam.next_beam}", list(parent.token_ids), prompt_len,
-                                 num_cached=parent.num_cached, status=RUNNING)
+                                 num_computed_tokens=parent.num_computed_tokens, status=RUNNING)
                 beam.next_beam += 1
                 self.block_manager.fork(parent.seq_id, child.seq_id)
                 plan.append((child, tokens[j], float(run_scores[j])))
@@ -414,7 +469,7 @@ class LLMEngine:
         eos = self.tokenizer.eos_token_id
         if not req.params.ignore_eos and eos is not None and token == eos:
             return "stop"
-        if len(seq.output_token_ids) >= req.params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.num_tokens >= req.max_len:  # max_tokens, max_model_len or a contiguous reservation
             return "length"
         return None
 
@@ -429,13 +484,8 @@ class LLMEngine:
             if req.status == FINISHED and req.finish_step != self.step_count:
                 continue
             for seq in req.seqs:
-                table, n = [], bm.num_tokens.get(seq.seq_id, 0)
-                if seq.seq_id in bm.block_tables:
-                    table = bm.block_tables[seq.seq_id]
-                elif not self.contiguous and seq.seq_id in bm.swap_tables:
-                    table, n = bm.swap_tables[seq.seq_id], bm.swap_num_tokens[seq.seq_id]
-                elif seq.status == FINISHED:
-                    table = seq.last_block_table
+                held = bm.table_of(seq.seq_id)
+                table, n = held if held else (seq.last_block_table if seq.status == FINISHED else [], 0)
                 states.append(SequenceState(
                     seq_id=seq.seq_id, request_id=req.request_id, status=seq.status, prompt_len=seq.prompt_len,
                     num_generated=len(seq.output_token_ids), num_tokens=n, block_table=list(table),
@@ -444,11 +494,7 @@ class LLMEngine:
         queues = dict(waiting=[r.request_id for r in self.scheduler.waiting],
                       running=[r.request_id for r in self.scheduler.running],
                       swapped=[r.request_id for r in self.scheduler.swapped])
-        if self.contiguous:
-            return Snapshot(num_blocks=bm.capacity, block_size=1, num_free_blocks=bm.free_slots, ref_counts=[],
-                            fills=[], owners=[], sequences=states, allocator="contiguous",
-                            contiguous=bm.layout(), **queues)
-        return Snapshot(sequences=states, **bm.pool_fields(), **queues)
+        return Snapshot(sequences=states, **bm.snapshot_fields(), **queues)
 
     def get_output(self, request_id: str) -> RequestOutput:
         """The request's output so far (``finish_reason`` None while it runs). Raises KeyError if unknown.
@@ -468,7 +514,8 @@ class LLMEngine:
         first = req.seqs[0] if req.seqs else None
         table = []
         if first is not None:
-            table = self.block_manager.block_tables.get(first.seq_id, first.last_block_table)
+            held = self.block_manager.table_of(first.seq_id)
+            table = held[0] if held else first.last_block_table
         best = outputs[0]
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids),

@@ -78,7 +78,29 @@ def geometry_from_config(config, dtype: str) -> KVGeometry:
 
 
 class ModelLoadError(ValueError):
-    """The model could not be found or is not supported; the message is one line."""
+    """The model could not be found, read or is not supported; the message is one line."""
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: first line of the message`` of an exception, for a one-line error."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def _active_sliding_window(config) -> int | None:
+    """The attention window of a config whose layers (some or all) attend to only the last
+    ``sliding_window`` tokens, when it is shorter than ``max_position_embeddings``; else None.
+
+    Mistral applies ``sliding_window`` to every layer; Qwen2/Qwen3 only with ``use_sliding_window`` true,
+    and then to the layers that ``layer_types`` marks "sliding_attention".
+    """
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return window if window < config.max_position_embeddings else None
 
 
 def _is_local(model: str) -> bool:
@@ -115,8 +137,19 @@ def load_model(model: str, device: torch.device, dtype: str):
 
     Raises:
         ModelLoadError: the path/id cannot be found (offline with an uncached hub id included), the
-            model type is not Llama-family, or the weights are not safetensors.
+            model type is not Llama-family, the model uses sliding-window attention, the weights are not
+            safetensors, or anything else fails while loading (a corrupt config.json or weights file, an
+            unreadable file): always one line that names ``model`` as given, never a traceback.
     """
+    try:
+        return _load_model(model, device, dtype)
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # e.g. a truncated safetensors file, a tokenizer file that does not parse
+        raise ModelLoadError(f"cannot load model {model!r}: {_one_line(exc)}") from exc
+
+
+def _load_model(model: str, device: torch.device, dtype: str):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -125,6 +158,8 @@ def load_model(model: str, device: torch.device, dtype: str):
     source = os.path.expanduser(model) if _is_local(model) else model
     # A hub id is "name" or "org/name"; anything path-like that is not a directory is a missing folder.
     if not _is_local(model) and (model.startswith((".", "/", "~")) or model.count("/") > 1):
+        if os.path.exists(os.path.expanduser(model)):
+            raise ModelLoadError(f"model path {model!r} is a file, not a model directory")
         raise ModelLoadError(f"model directory {model!r} does not exist")
     offline_msg = (f"cannot load model {model!r}: not a local directory and not in the hub cache, and the hub "
                    f"cannot be reached (offline?). The embedded default model is {EMBEDDED_MODEL}")
@@ -133,6 +168,8 @@ def load_model(model: str, device: torch.device, dtype: str):
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=False)
     except OSError as exc:
+        if _is_local(model):  # e.g. a config.json that is not valid JSON, or unreadable
+            raise ModelLoadError(f"cannot read the config.json of {model!r}: {_one_line(exc)}") from exc
         raise ModelLoadError(offline_msg) from exc
     except ValueError as exc:  # a directory without a usable config.json
         raise ModelLoadError(f"{model!r} is not a model transformers can read: "
@@ -141,6 +178,12 @@ def load_model(model: str, device: torch.device, dtype: str):
         raise ModelLoadError(
             f"model {model!r} has model_type {config.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    window = _active_sliding_window(config)
+    if window is not None:
+        raise ModelLoadError(
+            f"model {model!r} uses sliding-window attention (sliding_window={window} in config.json, below "
+            f"max_position_embeddings={config.max_position_embeddings}); sliding-window attention is not "
+            f"supported yet")
     try:
         hf_model = AutoModelForCausalLM.from_pretrained(
             source, dtype=_DTYPES[dtype], use_safetensors=True, trust_remote_code=False

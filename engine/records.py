@@ -10,28 +10,86 @@ offset``.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Iterable, Iterator
 
-# Kinds of allocator / scheduler event a StepRecord may carry.
-EVENT_KINDS = (
-    "admit",      # a waiting request joined the running batch
-    "wait",       # the next waiting request cannot be admitted yet (not enough free memory), and why
-    "allocate",   # prefill took blocks for a request's tokens
-    "new_block",  # decode took one fresh block because the last one was full
-    "append",     # decode wrote one token into a slot of an existing block
-    "cow",        # copy-on-write: a shared, partly filled block was copied before writing
-    "fork",       # a sequence now shares all of another's blocks
-    "free",       # blocks returned to the free queue (count reached zero)
-    "prefix_hit", # a new sequence reused cached blocks of an identical prefix
-    "evict",      # a free cached block was handed out again; its hash is dropped
-    "preempt",    # a running request was evicted from the batch to free blocks (recompute or swap)
-    "swap_out",   # blocks copied to the CPU swap pool and released on the GPU
-    "swap_in",    # blocks copied back from the swap pool into fresh GPU blocks
-    "finish",     # a request (or one of its samples / beams) finished
-)
+from pydantic import TypeAdapter, ValidationError
+
+class EventKind(StrEnum):
+    """Kinds of allocator / scheduler event a StepRecord may carry (a ``str``: compares equal to its value)."""
+
+    ADMIT = "admit"            # a waiting request joined the running batch
+    WAIT = "wait"              # the next waiting request cannot be admitted yet (not enough free memory), and why
+    ALLOCATE = "allocate"      # prefill took blocks (or a contiguous reservation) for a sequence's tokens
+    NEW_BLOCK = "new_block"    # decode took one fresh block because the last one was full
+    APPEND = "append"          # decode wrote one token into a slot of an existing block
+    COW = "cow"                # copy-on-write: a shared, partly filled block was copied before writing
+    FORK = "fork"              # a sequence now shares all of another's blocks
+    FREE = "free"              # blocks returned to the free queue (count reached zero)
+    PREFIX_HIT = "prefix_hit"  # a new sequence reused cached blocks of an identical prefix
+    EVICT = "evict"            # a free cached block was handed out again; its hash is dropped
+    PREEMPT = "preempt"        # a running request was evicted from the batch to free blocks (recompute or swap)
+    SWAP_OUT = "swap_out"      # blocks copied to the CPU swap pool and released on the GPU
+    SWAP_IN = "swap_in"        # blocks copied back from the swap pool into fresh GPU blocks
+    FINISH = "finish"          # a request (or one of its samples / beams) finished
+    RESET_PREFIX_CACHE = "reset_prefix_cache"  # every free block's hash dropped (vLLM: reset_prefix_cache)
+
+
+EVENT_KINDS = tuple(k.value for k in EventKind)
+
+
+class SeqStatus(StrEnum):
+    """Where a sequence (and its request) is: vLLM's waiting / running / swapped / finished."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+# ``Event.data`` per kind: the one table of payload fields (name -> type). Fields not listed are not set;
+# ``read_trace`` refuses a trace whose events carry other fields or other types.
+#
+# | kind               | data fields                                                                 |
+# | ------------------ | --------------------------------------------------------------------------- |
+# | admit              | num_tokens (prompt + generated, tokens), computed (tokens the prefill       |
+# |                    | computes), readmission (bool: re-admitted after a recompute preemption)      |
+# | wait               | reason (str)                                                                |
+# | allocate           | num_tokens; cached_tokens (prefix-cache hit); contiguous: start, length      |
+# |                    | (the reservation, slots)                                                    |
+# | new_block          | position (token index), logical_block                                       |
+# | append             | position                                                                    |
+# | cow                | src, dst (physical blocks), position                                        |
+# | fork               | parent (sequence id)                                                        |
+# | free               | released (the sequence's table); contiguous: start, length, used,           |
+# |                    | final_len (slots / tokens)                                                  |
+# | prefix_hit         | num_tokens (hit tokens), readmission (bool)                                 |
+# | evict              | hash, still_cached (other blocks with the same hash stay findable: int)     |
+# | preempt            | mode ("recompute" | "swap"), reason                                         |
+# | swap_out / swap_in | pairs ([gpu, cpu] / [cpu, gpu]), seqs (sequence ids)                         |
+# | finish             | reason ("stop" | "length" | "pruned"), final_len (tokens)                    |
+# | reset_prefix_cache | num_blocks (hashes dropped)                                                 |
+EVENT_DATA: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "admit": {"num_tokens": int, "computed": int, "readmission": bool},
+    "wait": {"reason": str},
+    "allocate": {"num_tokens": int, "cached_tokens": int, "start": int, "length": int},
+    "new_block": {"position": int, "logical_block": int},
+    "append": {"position": int},
+    "cow": {"src": int, "dst": int, "position": int},
+    "fork": {"parent": str},
+    "free": {"released": list, "start": int, "length": int, "used": int, "final_len": int},
+    "prefix_hit": {"num_tokens": int, "readmission": bool},
+    "evict": {"hash": str, "still_cached": int},
+    "preempt": {"mode": str, "reason": str},
+    "swap_out": {"pairs": list, "seqs": list},
+    "swap_in": {"pairs": list, "seqs": list},
+    "finish": {"reason": str, "final_len": int},
+    "reset_prefix_cache": {"num_blocks": int},
+}
 
 
 @dataclass
@@ -39,18 +97,36 @@ class Event:
     """One allocator or scheduler decision.
 
     Attributes:
-        kind: one of ``EVENT_KINDS``.
-        request_id: the request concerned (None for pool-wide events).
+        kind: an ``EventKind``.
+        request_id: the request (or sequence) concerned; None for pool-wide events.
         blocks: physical block ids involved, in order (for "cow": [source, destination]).
         message: the decision in one plain sentence, for people.
-        data: extra machine-readable fields (e.g. ``{"slot": 37}``, ``{"mode": "recompute"}``).
+        data: machine-readable fields, per kind as in ``EVENT_DATA``.
     """
 
-    kind: str
+    kind: EventKind
     request_id: str | None
     blocks: list[int] = field(default_factory=list)
     message: str = ""
     data: dict = field(default_factory=dict)
+
+
+class EventLog:
+    """The engine's log of one step's events. The engine owns it and hands it to its allocator and its
+    scheduler, which append to it; the engine drains it into the step's record. A bare ``BlockManager``
+    (the lessons drive one directly) makes its own."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def emit(self, kind: EventKind, request_id: str | None, blocks=(), message: str = "", **data) -> Event:
+        event = Event(EventKind(kind), request_id, list(blocks), message, data)
+        self.events.append(event)
+        return event
+
+    def drain(self) -> list[Event]:
+        events, self.events = self.events, []
+        return events
 
 
 @dataclass
@@ -65,7 +141,7 @@ class SequenceState:
 
     seq_id: str
     request_id: str
-    status: str  # "waiting" | "running" | "swapped" | "finished"
+    status: SeqStatus
     prompt_len: int
     num_generated: int
     num_tokens: int
@@ -81,8 +157,9 @@ class Snapshot:
     ``ref_counts``, ``fills``, ``owners`` and ``block_hashes`` are indexed by physical block id: reference
     count, tokens held (0..block_size), the ids of the sequences whose block tables point at the block,
     and its prefix-cache hash (None if not cached). A block with count 0 and a hash is free but cached.
-    ``swap_fills`` is indexed by CPU swap-pool block id. ``prefix_cache`` holds the cache's counters:
-    queries, query tokens, hit tokens, evictions.
+    ``swap_fills`` is indexed by CPU swap-pool block id. ``prefix_cache`` holds the cache's counters
+    (``BlockManager.stats``: requests, queries, hits of first admissions; the same for re-admissions after
+    a preemption; evictions).
 
     For the contiguous baseline (``allocator == "contiguous"``) the pool fields describe slots (block size
     1, per-block lists empty) and ``contiguous`` holds the region's layout and accounting: capacity,
@@ -114,18 +191,15 @@ class Snapshot:
 
     @property
     def slots_used(self) -> int:
-        """Token slots holding real K/V of live sequences (tokens)."""
-        if self.contiguous is not None:
-            return self.contiguous["used_slots"]
-        return sum(f for f, c in zip(self.fills, self.ref_counts) if c > 0)
+        """Token slots holding K/V of live sequences (``engine.metrics.slots_used``)."""
+        from .metrics import slots_used
+        return slots_used(self)
 
     @property
     def slots_allocated(self) -> int:
-        """Token slots taken by live sequences: blocks in use x block size (paged), or reserved slots
-        (contiguous)."""
-        if self.contiguous is not None:
-            return self.contiguous["used_slots"] + self.contiguous["reserved_unused_slots"]
-        return self.num_used_blocks * self.block_size
+        """Token slots taken by live sequences (``engine.metrics.slots_allocated``)."""
+        from .metrics import slots_allocated
+        return slots_allocated(self)
 
     @property
     def num_running(self) -> int:
@@ -178,19 +252,50 @@ class StepRecord:
 
     @classmethod
     def from_dict(cls, d: dict) -> "StepRecord":
-        snap = dict(d["snapshot"])
-        snap["sequences"] = [SequenceState(**r) for r in snap["sequences"]]
-        return cls(
-            step=d["step"],
-            kind=d["kind"],
-            scheduled=[ScheduledSequence(**s) for s in d["scheduled"]],
-            events=[Event(**e) for e in d["events"]],
-            new_tokens=dict(d["new_tokens"]),
-            new_text=dict(d["new_text"]),
-            finished=list(d["finished"]),
-            snapshot=Snapshot(**snap),
-            elapsed_s=d.get("elapsed_s", 0.0),
-        )
+        """A record from ``to_dict``'s output, checked field by field (types strictly, counts >= 0, event
+        kinds and their data as in ``EVENT_DATA``, per-block lists as long as the pool).
+
+        Raises:
+            ValueError: the first field that is wrong, by its path (e.g. ``snapshot.num_free_blocks``).
+        """
+        try:
+            # JSON mode: strict types, with enums and lists read from their JSON forms
+            record = _record_adapter().validate_json(json.dumps(d), strict=True)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            raise ValueError(f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+        _check_record(record)
+        return record
+
+
+@functools.cache
+def _record_adapter():
+    return TypeAdapter(StepRecord)
+
+
+def _check_record(rec: "StepRecord") -> None:
+    """What types alone do not say: counts >= 0, free <= total, per-block lists sized to the pool."""
+    snap = rec.snapshot
+    if rec.step < 1 or rec.kind not in ("prefill", "decode", "idle"):
+        raise ValueError(f"step {rec.step} / kind {rec.kind!r}: a step is >= 1 and prefill, decode or idle")
+    for name in ("num_blocks", "block_size", "num_free_blocks", "num_swap_blocks", "num_free_swap_blocks"):
+        if getattr(snap, name) < 0:
+            raise ValueError(f"snapshot.{name}: {getattr(snap, name)} is negative")
+    if snap.num_free_blocks > snap.num_blocks or snap.num_free_swap_blocks > snap.num_swap_blocks:
+        raise ValueError(f"snapshot: more free blocks ({snap.num_free_blocks}) than blocks ({snap.num_blocks})")
+    for name in ("ref_counts", "fills", "owners", "block_hashes"):
+        values = getattr(snap, name)
+        if values and len(values) != snap.num_blocks:
+            raise ValueError(f"snapshot.{name}: {len(values)} entries for {snap.num_blocks} blocks")
+    if any(v < 0 for v in snap.ref_counts) or any(not 0 <= v <= snap.block_size for v in snap.fills):
+        raise ValueError("snapshot: a reference count is negative or a fill is outside 0..block_size")
+    for i, e in enumerate(rec.events):
+        schema = EVENT_DATA[e.kind]
+        for key, value in e.data.items():
+            if key not in schema or isinstance(value, bool) != (schema[key] is bool) \
+                    or not isinstance(value, schema[key]):
+                raise ValueError(f"events.{i}.data.{key}: {value!r} is not a field of a {e.kind!r} event "
+                                 f"of that type")
 
 
 def write_trace(records: Iterable[StepRecord], path: str | Path) -> int:
@@ -204,16 +309,21 @@ def write_trace(records: Iterable[StepRecord], path: str | Path) -> int:
 
 
 def read_trace(path: str | Path) -> Iterator[StepRecord]:
-    """Read a JSON-lines trace written by ``write_trace``.
+    """Read a JSON-lines trace written by ``write_trace``, checking every record (``StepRecord.from_dict``).
 
     Raises:
-        ValueError: a line is not a valid record (names the line number).
+        ValueError: a line is not JSON or not a valid record (names the line number and the field).
     """
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                yield StepRecord.from_dict(json.loads(line))
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{lineno}: not a step record ({exc})") from exc
+                data = json.loads(line)
+            except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: absurdly deep JSON
+                raise ValueError(f"{path}:{lineno}: not JSON ({type(exc).__name__})") from None
+            try:
+                record = StepRecord.from_dict(data)
+            except (ValueError, TypeError, RecursionError) as exc:
+                raise ValueError(f"{path}:{lineno}: not a step record ({exc})") from None
+            yield record

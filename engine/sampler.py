@@ -15,8 +15,9 @@ from .config import SamplingParams
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
     """Pick one token id per row of float32 ``logits [num_seqs, vocab]``.
 
-    Greedy rows (temperature 0) take the argmax. Other rows: divide by the temperature, keep the top-k
-    logits (k > 0), keep the smallest set of most likely tokens whose probabilities sum to >= top_p (the
+    Greedy rows (temperature 0, or below ``SamplingParams.SAMPLING_EPS`` = 1e-5 as in vLLM, where dividing
+    would overflow the logits to inf/nan) take the argmax. Other rows: divide by the temperature, keep the
+    top-k logits (k > 0), keep the smallest set of most likely tokens whose probabilities sum to >= top_p (the
     most likely token always stays), renormalise, and invert the cumulative distribution at a uniform
     draw from the row's own generator (on the CPU, so a seed gives the same tokens on every device).
     """

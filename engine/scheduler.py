@@ -1,13 +1,15 @@
 """Continuous batching with preemption by recompute or swap (vLLM v0's scheduling policy, simplified).
 
 Each step is either a prefill step or a decode step:
-- swapped requests come back first: while the head of the swapped queue fits in the free pool, its blocks
-  are swapped in, and no new request is admitted until the swapped queue is empty;
+- swapped requests come back first: while the head of the swapped queue fits in the free pool with room
+  for each sequence's next token and the watermark (vLLM v0's ``can_swap_in``), its blocks are swapped in,
+  and no new request is admitted until the swapped queue is empty;
 - prefill: admit waiting requests in arrival order (first come, first served) while their blocks fit in
-  the free pool, the batch has room (``max_num_seqs``) and the step's token budget
-  (``max_num_batched_tokens``) allows. Admission stops at the first request that does not fit, so a long
-  request is never starved by shorter ones behind it. With prefix caching a request's cached prefix is
-  not computed again.
+  the free pool above the watermark, the running sequences stay within ``max_num_seqs`` (always) and the
+  step's token budget (``max_num_batched_tokens``) allows; only the budget is waived for the first request
+  of an empty batch, so a long prompt is never refused forever. Admission stops at the first request that
+  does not fit, so a long request is never starved by shorter ones behind it. With prefix caching a
+  request's cached prefix is not computed again.
 - decode: when nobody can be admitted, every live sequence of every running request computes one token.
   Before a request's sequences append, the scheduler makes sure enough blocks are free for all of them
   (a new block when the last is full, or a copy when it is shared); if not, it preempts the most recently
@@ -26,8 +28,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager
-from .records import Event
+from .allocator import KVAllocator
+from .records import EventKind, EventLog
 from .sequence import FINISHED, RUNNING, SWAPPED, WAITING, Request, Sequence
 
 
@@ -46,9 +48,12 @@ FINISH_WORDS = {"stop": "it produced the end-of-sequence token",
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 preemption_mode: str = "recompute") -> None:
+    """Chooses each step's batch; logs admissions, waits, preemptions and finishes to ``log`` (the engine's)."""
+
+    def __init__(self, block_manager: KVAllocator, max_num_seqs: int, max_num_batched_tokens: int,
+                 preemption_mode: str = "recompute", log: EventLog | None = None) -> None:
         self.block_manager = block_manager
+        self.log = log if log is not None else block_manager.log
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
@@ -71,14 +76,14 @@ class Scheduler:
         return self._schedule_decode()
 
     def _num_running_seqs(self) -> int:
-        return sum(len(r.live_seqs) for r in self.running)
+        return sum(r.max_num_running_seqs for r in self.running)
 
     def _swap_in(self) -> None:
         bm = self.block_manager
         while self.swapped:
             req = self.swapped[0]
             ids = [s.seq_id for s in req.live_seqs]
-            if not bm.can_swap_in(ids) or (self.running and self._num_running_seqs() + len(ids) > self.max_num_seqs):
+            if not bm.can_swap_in(ids) or self._num_running_seqs() + req.max_num_running_seqs > self.max_num_seqs:
                 return
             self.swapped.popleft()
             bm.swap_in(ids, request_id=req.request_id)
@@ -97,32 +102,41 @@ class Scheduler:
             n = sum(s.num_tokens for s in seqs)  # prompt, plus generated tokens when recomputing
             # tokens to compute: what the prefix cache does not already hold (the step's budget counts these)
             compute = n - bm.block_size * sum(len(bm.match_prefix(s.token_ids)) for s in seqs)
-            # the step's limits never keep a request out of an empty batch (else it could wait forever)
-            if batch.seqs and (self._num_running_seqs() + len(seqs) > self.max_num_seqs
-                               or tokens + compute > self.max_num_batched_tokens):
-                break
-            refusal = bm.admission_refusal([s.token_ids for s in seqs])
+            if self._num_running_seqs() + req.max_num_running_seqs > self.max_num_seqs:
+                break  # the batch is full; add_request refuses a request that could never fit it alone
+            if batch.seqs and tokens + compute > self.max_num_batched_tokens:
+                break  # the budget never keeps a request out of an empty batch (else it could wait forever)
+            refusal = bm.admission_refusal([s.token_ids for s in seqs], req.reservation)
             if refusal is not None:
-                bm.events.append(Event("wait", req.request_id, [], f"{req.request_id} waits at the door: {refusal}",
-                                       {"reason": refusal}))
+                self.log.emit(EventKind.WAIT, req.request_id, [], f"{req.request_id} waits at the door: {refusal}",
+                              reason=refusal)
                 break
             self.waiting.popleft()
-            computed = 0
-            for s in seqs:
-                _, cached = bm.allocate_with_prefix(s.seq_id, s.num_tokens, s.token_ids)
-                s.status = RUNNING
-                s.num_cached = s.num_tokens
-                batch.seqs.append(s)
-                batch.num_new_tokens.append(s.num_tokens - cached)
-                computed += s.num_tokens - cached
-            req.status = RUNNING
-            self.running.append(req)
-            batch.requests.append(req)
+            computed = self._admit(req, batch)
             tokens += computed
-            verb = "re-admitted (recompute)" if req.num_preemptions else "admitted"
-            bm.events.append(Event("admit", req.request_id, [],
-                                   f"{req.request_id} {verb}: prefill computes {computed} of {n} tokens"))
+            again = req.num_preemptions > 0
+            verb = "re-admitted (recompute)" if again else "admitted"
+            self.log.emit(EventKind.ADMIT, req.request_id, [],
+                          f"{req.request_id} {verb}: prefill computes {computed} of {n} tokens",
+                          num_tokens=n, computed=computed, readmission=again)
         return batch
+
+    def _admit(self, req: Request, batch: Batch) -> int:
+        """Allocate the request's sequences and put them in the batch; returns the tokens to compute."""
+        computed = 0
+        for s in req.live_seqs:
+            _, cached = self.block_manager.allocate_with_prefix(s.seq_id, s.num_tokens, s.token_ids,
+                                                                reservation=req.reservation,
+                                                                preempted=req.num_preemptions > 0)
+            s.status = RUNNING
+            s.num_computed_tokens = s.num_tokens
+            batch.seqs.append(s)
+            batch.num_new_tokens.append(s.num_tokens - cached)
+            computed += s.num_tokens - cached
+        req.status = RUNNING
+        self.running.append(req)
+        batch.requests.append(req)
+        return computed
 
     def _schedule_decode(self) -> Batch:
         batch = Batch("decode" if self.running else "idle")
@@ -140,8 +154,8 @@ class Scheduler:
             if req.status != RUNNING:
                 continue
             for s in seqs:
-                bm.append_slot(s.seq_id, s.token_ids[s.num_cached])
-                s.num_cached += 1
+                bm.append_slot(s.seq_id, s.token_ids[s.num_computed_tokens])
+                s.num_computed_tokens += 1
                 batch.seqs.append(s)
                 batch.num_new_tokens.append(1)
             batch.requests.append(req)
@@ -151,7 +165,7 @@ class Scheduler:
         """Evict ``req`` from the batch: swap when enabled and the swap pool has room, else recompute."""
         bm = self.block_manager
         ids = [s.seq_id for s in req.live_seqs]
-        blocks = sorted({b for i in ids for b in bm.block_tables[i]})
+        blocks = sorted({b for i in ids for b in bm.table_of(i)[0]})
         self.running.remove(req)
         mode = "swap" if self.preemption_mode == "swap" and bm.can_swap_out(ids) else "recompute"
         note = ""
@@ -162,9 +176,8 @@ class Scheduler:
         else:
             what = (f"its {len(blocks)} blocks are freed and its {sum(s.num_tokens for s in req.live_seqs)} "
                     f"tokens will be recomputed")
-        bm.events.append(Event("preempt", req.request_id, blocks,
-                               f"{req.request_id} preempted by {mode}{note} ({reason}): {what}",
-                               {"mode": mode, "reason": reason}))
+        self.log.emit(EventKind.PREEMPT, req.request_id, blocks,
+                      f"{req.request_id} preempted by {mode}{note} ({reason}): {what}", mode=mode, reason=reason)
         req.num_preemptions += 1
         if mode == "swap":
             bm.swap_out(ids, request_id=req.request_id)
@@ -176,17 +189,17 @@ class Scheduler:
         for s in req.live_seqs:
             bm.free(s.seq_id)
             s.status = WAITING
-            s.num_cached = 0
+            s.num_computed_tokens = 0
         req.status = WAITING
         self.waiting.appendleft(req)
 
     def finish_seq(self, req: Request, seq: Sequence, reason: str) -> None:
         """One sequence is done: free its blocks at once."""
-        bm = self.block_manager
-        seq.last_block_table = list(bm.block_tables.get(seq.seq_id, []))
+        held = self.block_manager.table_of(seq.seq_id)
+        seq.last_block_table = list(held[0]) if held else []
         seq.status = FINISHED
         seq.finish_reason = reason
-        bm.free(seq.seq_id)
+        self.block_manager.free(seq.seq_id, final_len=seq.num_tokens)
 
     def finish(self, req: Request, reason: str, num_tokens: int) -> None:
         """Remove a finished request from the batch; free whatever its sequences still hold.
@@ -197,7 +210,7 @@ class Scheduler:
             self.running.remove(req)
         req.status = FINISHED
         req.finish_reason = reason
-        self.block_manager.events.append(Event(
-            "finish", req.request_id, [],
-            f"{req.request_id} finished after {num_tokens} token{'s' * (num_tokens != 1)}: "
-            f"{FINISH_WORDS.get(reason, reason)}", {"reason": reason}))
+        self.log.emit(EventKind.FINISH, req.request_id, [],
+                      f"{req.request_id} finished after {num_tokens} token{'s' * (num_tokens != 1)}: "
+                      f"{FINISH_WORDS.get(reason, reason)}",
+                      reason=reason, final_len=max(len(s.token_ids) for s in req.seqs))

@@ -13,24 +13,26 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import SamplingParams
+from .records import SeqStatus
 
-WAITING, RUNNING, SWAPPED, FINISHED = "waiting", "running", "swapped", "finished"
+WAITING, RUNNING, SWAPPED, FINISHED = SeqStatus.WAITING, SeqStatus.RUNNING, SeqStatus.SWAPPED, SeqStatus.FINISHED
 
 
 @dataclass
 class Sequence:
     """One token stream with its own block table.
 
-    ``num_cached`` counts tokens whose K/V are in the pool. After each step the newest sampled token is
-    not cached yet: the next decode step computes it (writes its K/V) and samples the one after.
+    ``num_computed_tokens`` (vLLM's name) counts tokens whose K/V are in the pool. After each step the
+    newest sampled token is not computed yet: the next decode step computes it (writes its K/V) and samples
+    the one after.
     """
 
     seq_id: str
     token_ids: list[int]
     prompt_len: int
     generator: torch.Generator | None = None
-    num_cached: int = 0
-    status: str = WAITING
+    num_computed_tokens: int = 0
+    status: SeqStatus = WAITING
     finish_reason: str | None = None
     score: float = 0.0  # beam search: accumulated log-probability
     last_block_table: list[int] = field(default_factory=list)
@@ -59,7 +61,13 @@ class BeamState:
 
 @dataclass
 class Request:
-    """One submitted prompt and its sequences."""
+    """One submitted prompt and its sequences.
+
+    ``max_len``: the most tokens (prompt + generated) a sequence may reach: prompt + max_tokens, capped at
+    the maximum model length and at ``reservation``, the slots the contiguous allocator reserves for it
+    (None on the paged allocator). ``final_len``: its true final length when known in advance (the
+    contiguous "pow2" and "oracle" policies need it).
+    """
 
     request_id: str
     prompt: str | None
@@ -67,11 +75,22 @@ class Request:
     params: SamplingParams
     seed: int
     seqs: list[Sequence] = field(default_factory=list)
-    status: str = WAITING
+    status: SeqStatus = WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
     beam: BeamState | None = None
     finish_step: int = -1
+    max_len: int = 0
+    reservation: int | None = None
+
+    @property
+    def max_num_running_seqs(self) -> int:
+        """Sequences this request may run at once: all ``n`` samples / beams until it produced a token
+        (they are forked after the prompt's prefill), then its live ones (vLLM v0's
+        ``get_max_num_running_seqs``)."""
+        if not any(s.output_token_ids for s in self.seqs) and len(self.seqs) == 1:
+            return self.params.num_seqs
+        return len(self.live_seqs)
 
     @property
     def live_seqs(self) -> list[Sequence]:

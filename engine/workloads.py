@@ -90,8 +90,18 @@ def synthetic_workload(name: str, seed: int, tokenize: Callable[[str], list[int]
     return Workload(name, seed, reqs)
 
 
-def run_workload(engine, workload: Workload, on_step=None, max_steps: int = 1_000_000) -> list:
+def learn_final_lengths(outputs) -> list[int]:
+    """Each request's final length (prompt + generated tokens of its first completion), as a run found
+    it: what the contiguous "pow2" and "oracle" policies must know in advance."""
+    return [len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outputs]
+
+
+def run_workload(engine, workload: Workload, on_step=None, max_steps: int = 1_000_000,
+                 final_lens: list[int] | None = None) -> list:
     """Feed the workload to ``engine`` by arrival step and step until every request finished.
+
+    ``final_lens``: each request's final length known in advance (``learn_final_lengths`` of an earlier
+    run of the same workload), passed to ``add_request``.
 
     Returns the RequestOutputs in workload order. Raises RuntimeError if ``max_steps`` pass first.
     """
@@ -103,7 +113,7 @@ def run_workload(engine, workload: Workload, on_step=None, max_steps: int = 1_00
         while pending and workload.requests[pending[0]].arrival_step <= now:
             i = pending.pop(0)
             r = workload.requests[i]
-            ids[i] = engine.add_request(r.prompt, r.params)
+            ids[i] = engine.add_request(r.prompt, r.params, final_len=final_lens[i] if final_lens else None)
         record = engine.step()
         if on_step is not None:
             on_step(record)

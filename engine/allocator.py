@@ -1,0 +1,70 @@
+"""The allocator protocol: what the scheduler and the engine ask of a KV allocator, whichever it is.
+
+``BlockManager`` (paging: blocks taken as tokens arrive, shared, copied on write, swapped) and
+``ContiguousAllocator`` (the baseline: one reservation per request in a flat region) both implement it;
+the engine and the scheduler only ever call these methods, never ask which allocator they hold.
+Units: ``block_size`` is 1 for the contiguous allocator, whose "blocks" are slots.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from .records import EventLog
+
+
+@runtime_checkable
+class KVAllocator(Protocol):
+    block_size: int
+    num_swap_blocks: int
+    max_seqs_per_request: int | None  # None: any number of samples / beams
+    peak_used_blocks: int
+    log: EventLog
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    def reservation_for(self, prompt_len: int, max_len: int, final_len: int | None = None) -> int | None:
+        """Slots a request reserves at admission (None: none ahead, blocks come as tokens arrive)."""
+
+    def admission_refusal(self, token_lists: list[list[int]], reservation: int | None = None) -> str | None:
+        """Why sequences with these tokens cannot be allocated now (None if they can)."""
+
+    def match_prefix(self, token_ids: list[int]) -> list[int]:
+        """Blocks of the longest cached prefix (empty without a prefix cache)."""
+
+    def allocate_with_prefix(self, seq_id: str, num_tokens: int, token_ids: list[int] | None = None,
+                             reservation: int | None = None, preempted: bool = False) -> tuple[list[int], int]:
+        """Room for a new sequence's first tokens; returns (table, tokens already cached)."""
+
+    def needs_new_block(self, seq_id: str) -> bool:
+        """Whether the next token of ``seq_id`` needs a free block."""
+
+    def append_slot(self, seq_id: str, token_id: int | None = None) -> int:
+        """The slot of ``seq_id``'s next token."""
+
+    def fork(self, parent_id: str, child_id: str) -> list[int]:
+        """``child_id`` shares ``parent_id``'s blocks."""
+
+    def free(self, seq_id: str, final_len: int | None = None) -> list[int]:
+        """Release ``seq_id``'s memory; returns the blocks that became free."""
+
+    def can_swap_out(self, seq_ids: list[str]) -> bool: ...
+
+    def slot_mapping(self, seq_id: str, start: int, end: int) -> list[int]:
+        """Slots of tokens ``start .. end-1``."""
+
+    def attention_view(self, seq_id: str) -> tuple[list[int], int]:
+        """(block table, first slot of a contiguous range) for attention."""
+
+    def table_of(self, seq_id: str) -> tuple[list[int], int] | None:
+        """(table, tokens held), or None if ``seq_id`` holds nothing."""
+
+    def snapshot_fields(self) -> dict:
+        """The allocator's fields of a ``records.Snapshot``."""
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing changed) while blocks are in use."""
+
+    def drain_ops(self) -> list[tuple[str, int, int]]:
+        """Data movement queued for the KV tensors: ("copy" | "swap_out" | "swap_in", src, dst)."""

@@ -1,0 +1,153 @@
+"""The one definition of every count and ratio the lab shows: the CLI's ``--json``, the Playground, Compare,
+the figures, the lessons and the benchmarks all read these functions, and none computes a ratio itself.
+
+Pure Python over step records (no torch), so figures may import it.
+
+Definitions (units in brackets):
+- slots used [tokens]: slots holding K/V of live sequences; paged: the fills of blocks in use; contiguous:
+  written slots of live reservations.
+- slots allocated [slots]: paged: blocks in use x block size; contiguous: the live reservations' slots.
+- slack now [%]: (allocated - used) / allocated: paged, the unfilled tail of last blocks; contiguous,
+  reserved slots not (yet) holding a token.
+- KV utilisation [%]: used / allocated, averaged over the steps where anything was allocated.
+- final length L [tokens]: a completion's prompt + generated tokens (what it needed at its longest).
+- waste at final lengths [%]: paged, sum(ceil(L/B) x B - L) / sum(ceil(L/B) x B); contiguous,
+  sum(R - L) / sum(R) over each request's reservation R.
+- internal fragmentation [slots]: R - L of a finished request's reservation (Kwon et al., SOSP 2023,
+  section 3): the reserved slots it never needed.
+- external fragmentation [slots]: free slots in gaps smaller than one reservation, counted only when the
+  free slots together would hold one (else the region is simply full).
+- prefix-cache hit rate [%]: hit tokens / queried prompt tokens of *first* admissions; re-admissions after
+  a preemption are counted apart (they mostly hit their own freed blocks), as vLLM's PrefixCacheStats does.
+- recompute share [%]: prefill tokens computed again for re-admitted requests / all prefill tokens.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+
+def pct(part: float, whole: float) -> float:
+    """100 x part / whole, 0.0 when whole is 0 (a percentage of nothing is no waste)."""
+    return 100.0 * part / whole if whole else 0.0
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that ``num_tokens`` tokens occupy: ceil(num_tokens / block_size)."""
+    return -(-num_tokens // block_size)
+
+
+# ------------------------------------------------------------------------------------------ one snapshot
+def slots_used(snap) -> int:
+    """Token slots holding K/V of live sequences (tokens)."""
+    if snap.contiguous is not None:
+        return snap.contiguous["used_slots"]
+    return sum(f for f, c in zip(snap.fills, snap.ref_counts) if c > 0)
+
+
+def slots_allocated(snap) -> int:
+    """Slots taken by live sequences: blocks in use x block size (paged), reserved slots (contiguous)."""
+    if snap.contiguous is not None:
+        return snap.contiguous["used_slots"] + snap.contiguous["reserved_unused_slots"]
+    return (snap.num_blocks - snap.num_free_blocks) * snap.block_size
+
+
+def slack_pct(snap) -> float:
+    """Allocated slots not holding a token now, in % of the allocated slots."""
+    allocated = slots_allocated(snap)
+    return pct(allocated - slots_used(snap), allocated)
+
+
+def utilization_pct(snap) -> float:
+    """Slots holding K/V over slots allocated now, in %."""
+    return pct(slots_used(snap), slots_allocated(snap))
+
+
+def internal_fragmentation(reserved: int, final_len: int) -> int:
+    """Slots of a finished request's reservation beyond its final length (slots)."""
+    return max(reserved - final_len, 0)
+
+
+def external_fragmentation(gap_lengths: list[int], free_slots: int, need: int) -> int:
+    """Free slots in gaps smaller than ``need`` slots, counted only when ``free_slots`` >= ``need``."""
+    if free_slots < need:
+        return 0
+    return sum(n for n in gap_lengths if n < need)
+
+
+def prefix_cache_stats(stats: dict) -> dict:
+    """Hit rate of first admissions and the re-admissions' hits apart, from ``BlockManager.stats``."""
+    return {
+        "requests": stats.get("requests", 0),
+        "query_tokens": stats.get("queries", 0),
+        "hit_tokens": stats.get("hits", 0),
+        "hit_rate_pct": round(pct(stats.get("hits", 0), stats.get("queries", 0)), 2),
+        "readmissions": stats.get("preempted_requests", 0),
+        "readmission_query_tokens": stats.get("preempted_queries", 0),
+        "readmission_hit_tokens": stats.get("preempted_hits", 0),
+        "evictions": stats.get("evictions", 0),
+    }
+
+
+# ------------------------------------------------------------------------------------------- a whole run
+def final_lengths(outputs) -> list[int]:
+    """Each completion's final length L = prompt + generated tokens (tokens)."""
+    return [len(o.prompt_token_ids) + len(c.token_ids) for o in outputs for c in o.outputs]
+
+
+def kv_utilization_pct(snapshots) -> float:
+    """Mean over snapshots with anything allocated of ``utilization_pct`` (%)."""
+    live = [s for s in snapshots if slots_allocated(s)]
+    return statistics.fmean(utilization_pct(s) for s in live) if live else 0.0
+
+
+def paged_accounting(lengths: list[int], block_size: int) -> dict:
+    """Blocks and slots the requests hold at their final lengths, and the share of those slots left empty."""
+    blocks = sum(blocks_for(n, block_size) for n in lengths)
+    used = sum(lengths)
+    return {"blocks_allocated": blocks, "slots_allocated": blocks * block_size, "slots_used": used,
+            "waste_pct": round(pct(blocks * block_size - used, blocks * block_size), 2)}
+
+
+def contiguous_accounting(finished: list[tuple[int, int]]) -> dict:
+    """``finished``: (reserved slots, final length) per finished request. Reserved, used, internal
+    fragmentation and the waste share."""
+    reserved = sum(r for r, _ in finished)
+    internal = sum(internal_fragmentation(r, n) for r, n in finished)
+    return {"reserved_slots": reserved, "used_slots": reserved - internal, "internal_frag_slots": internal,
+            "waste_pct": round(pct(internal, reserved), 2)}
+
+
+def preemption_counts(records) -> dict:
+    """Preemptions by mode, requests preempted at least once, and the recompute share of prefill (%)."""
+    preempts = [e for r in records for e in r.events if e.kind == "preempt"]
+    admits = [e for r in records for e in r.events if e.kind == "admit"]
+    prefill = sum(e.data.get("computed", 0) for e in admits)
+    again = sum(e.data.get("computed", 0) for e in admits if e.data.get("readmission"))
+    return {
+        "preemptions": len(preempts),
+        "by_recompute": sum(e.data.get("mode") == "recompute" for e in preempts),
+        "by_swap": sum(e.data.get("mode") == "swap" for e in preempts),
+        "requests_preempted": len({e.request_id for e in preempts}),
+        "prefill_tokens": prefill,
+        "recomputed_tokens": again,
+        "recompute_share_pct": round(pct(again, prefill), 2),
+    }
+
+
+def run_stats(records, outputs) -> dict:
+    """Steps, tokens, time and concurrency of a run, and its mean KV utilisation."""
+    busy = sum(r.elapsed_s for r in records)
+    generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    waited = {e.request_id for r in records for e in r.events if e.kind == "wait"}
+    running = [len(r.snapshot.running) for r in records]
+    return {
+        "steps": len(records),
+        "generated_tokens": generated,
+        "seconds": round(busy, 3),
+        "tokens_per_s": round(generated / busy, 2) if busy else 0.0,
+        "peak_concurrency": max(running, default=0),
+        "mean_concurrency": round(statistics.fmean(running), 2) if running else 0.0,
+        "kv_utilization": round(kv_utilization_pct(r.snapshot for r in records), 2),
+        "queued_at_door": len(waited),
+    }

@@ -31,7 +31,7 @@ sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resol
 import torch  # noqa: E402
 
 from bench.report import write_section  # noqa: E402
-from engine import EngineConfig, LLMEngine  # noqa: E402
+from engine import EngineConfig, LLMEngine, metrics  # noqa: E402
 from engine.scenarios import get_scenario  # noqa: E402
 from engine.workloads import run_workload  # noqa: E402
 
@@ -46,9 +46,8 @@ def run_engine(scenario, seed: int, allocator: str, **overrides) -> dict:
     outputs = run_workload(engine, workload, on_step=records.append)
     wall = time.perf_counter() - t0
     generated = sum(len(o.output_token_ids) for o in outputs)
-    live = [r.snapshot for r in records if r.snapshot.slots_allocated]
     B = engine.block_size
-    lengths = [len(o.prompt_token_ids) + len(o.output_token_ids) for o in outputs]
+    paged = metrics.paged_accounting(metrics.final_lengths(outputs), B)
     return {
         "allocator": allocator,
         "block_size": B,
@@ -58,9 +57,9 @@ def run_engine(scenario, seed: int, allocator: str, **overrides) -> dict:
         "steps": len(records),
         "peak_concurrency": max(len(r.snapshot.running) for r in records),
         "mean_concurrency": statistics.fmean(len(r.snapshot.running) for r in records),
-        "kv_utilization_pct": 100 * statistics.fmean(s.slots_used / s.slots_allocated for s in live),
-        "waste_pct": 100 * (1 - sum(lengths) / (sum(-(-n // B) for n in lengths) * B)),
-        "table_entries": sum(-(-n // B) for n in lengths),
+        "kv_utilization_pct": metrics.kv_utilization_pct(r.snapshot for r in records),
+        "waste_pct": paged["waste_pct"],
+        "table_entries": paged["blocks_allocated"],
         "concurrency_trace": [len(r.snapshot.running) for r in records],
         "workload": workload,
     }

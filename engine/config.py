@@ -139,6 +139,8 @@ class SamplingParams:
         top_k: keep the k most likely tokens; -1 (or 0) keeps all.
         seed: seed of this request's own random stream; None draws one. Sample ``i`` of ``n`` uses seed + i.
         ignore_eos: keep generating past the end-of-sequence token (True or False).
+        stop_token_ids: token ids that end the reply like the end-of-sequence token (vLLM's name); the
+            stop token is the reply's last token, finish reason "stop".
         n: parallel sampling, ``n`` completions of one prompt that share the prompt's KV blocks.
         beam_width: beam search with this many beams (1: off). Deterministic like transformers'
             ``generate(num_beams=w, do_sample=False, early_stopping=False)``: temperature, top_p and top_k
@@ -160,6 +162,7 @@ class SamplingParams:
     n: int = 1
     beam_width: int = 1
     length_penalty: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check_positive_int("max_tokens", self.max_tokens)
@@ -182,6 +185,10 @@ class SamplingParams:
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or any(
+                isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids (integers >= 0), got {self.stop_token_ids!r}")
+        self.stop_token_ids = tuple(self.stop_token_ids)
 
     @property
     def num_seqs(self) -> int:

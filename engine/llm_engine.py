@@ -17,6 +17,7 @@ from __future__ import annotations
 import numbers
 import random
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -37,6 +38,22 @@ from .sequence import FINISHED, RUNNING, BeamState, CompletionOutput, Request, R
 BEAM_NEG = -1.0e9  # transformers' "impossible" beam score
 
 DEFAULT_POOL_REQUESTS = 4  # with neither num_blocks nor a budget, the pool holds 4 x max_model_len tokens
+
+
+@dataclass
+class _BeamCandidates:
+    """One beam-search step's 2w candidates (best first): accumulated ``scores``, the live beam each
+    continues (``parents``), its ``tokens``, whether it ``stops``, ``running_scores`` (stopped ones pushed
+    down), the indices of the w that ``keep`` running, the EOS id in force and the beams' new ``length``."""
+
+    scores: torch.Tensor
+    parents: list[int]
+    tokens: list[int]
+    stops: torch.Tensor
+    running_scores: torch.Tensor
+    keep: list[int]
+    eos: int | None
+    length: int
 
 
 class _StepOutput:
@@ -267,6 +284,9 @@ class LLMEngine:
                 what = f"n={params.n} samples" if params.n > 1 else f"beam_width={params.beam_width} beams"
                 raise ValueError(f"{what} of up to {longest} tokens may need {worst} blocks but the pool has only "
                                  f"{self.num_blocks}; lower max_tokens or use a bigger pool")
+        bad = [t for t in params.stop_token_ids if t >= self.model.config.vocab_size]
+        if bad:
+            raise ValueError(f"stop token id {bad[0]} is not in the vocabulary [0, {self.model.config.vocab_size})")
         seed = params.seed if params.seed is not None else random.randrange(2**62)
         req = Request(rid, text, ids, params, seed, max_len=min(max_len, reservation or max_len),
                       reservation=reservation)
@@ -399,63 +419,81 @@ class LLMEngine:
         when no running beam can beat the worst finished one (early_stopping=False) or every continuation
         stops. Beams that continue from one parent are forks of it (sharing its blocks; the next write copies
         the shared last block); parents nobody continues are freed."""
-        p, beam = req.params, req.beam
-        w = p.beam_width
         live = req.live_seqs
-        prompt_len = len(req.prompt_token_ids)
+        cands = self._beam_candidates(req, live, rows)
+        req.beam.finished = self._beam_hypotheses(req, live, cands)
+        if self._beam_search_done(req, cands):
+            out.finished.extend(s.seq_id for s in live)
+            self._finish(req, req.beam.finished[0][2] or "length")
+            return
+        self._beam_continue(req, live, cands, out)
+
+    def _beam_candidates(self, req: Request, live: list[Sequence], rows: dict) -> "_BeamCandidates":
+        """The top 2w continuations over all live beams by accumulated log-probability, which of them stop
+        (EOS, a stop token, or the length limit), and the w that keep running (transformers' steps a-e)."""
+        w = req.params.beam_width
         log_probs = torch.log_softmax(torch.stack([rows[s.seq_id] for s in live]).float().cpu(), dim=-1)
         vocab = log_probs.shape[-1]
-        acc = (log_probs + torch.tensor([s.score for s in live])[:, None]).reshape(-1)
-        cand_scores, cand_idx = torch.topk(acc, 2 * w)
-        parents = (cand_idx // vocab).tolist()
-        tokens = (cand_idx % vocab).tolist()
-        cur_len = live[0].num_tokens
-        max_length = req.max_len
-        eos = None if p.ignore_eos else self.tokenizer.eos_token_id
-        hits = torch.tensor([t == eos or cur_len + 1 >= max_length for t in tokens])
-        # e. running beams for the next step
-        run_scores = cand_scores + hits.to(torch.float32) * BEAM_NEG
-        keep = torch.topk(run_scores, w)[1].tolist()
-        # f. finished hypotheses
-        just_finished = hits & (torch.arange(2 * w) < w)
-        fin = cand_scores / ((cur_len + 1 - prompt_len) ** p.length_penalty)
+        accumulated = (log_probs + torch.tensor([s.score for s in live])[:, None]).reshape(-1)
+        scores, index = torch.topk(accumulated, 2 * w)
+        tokens = (index % vocab).tolist()
+        eos = None if req.params.ignore_eos else self.tokenizer.eos_token_id
+        length = live[0].num_tokens + 1  # every beam's length after this step
+        stops = torch.tensor([t == eos or t in req.params.stop_token_ids or length >= req.max_len for t in tokens])
+        running_scores = scores + stops.to(torch.float32) * BEAM_NEG
+        return _BeamCandidates(scores, (index // vocab).tolist(), tokens, stops, running_scores,
+                               torch.topk(running_scores, w)[1].tolist(), eos, length)
+
+    def _beam_hypotheses(self, req: Request, live: list[Sequence], c: "_BeamCandidates") -> list:
+        """The w best finished hypotheses so far: the old ones merged with the candidates among the top w
+        that stopped, each scored by score / generated_length ** length_penalty (transformers' step f)."""
+        p, beam = req.params, req.beam
+        w, prompt_len = p.beam_width, len(req.prompt_token_ids)
+        just_finished = c.stops & (torch.arange(2 * w) < w)
+        fin = c.scores / ((c.length - prompt_len) ** p.length_penalty)
         fin = fin + float(not beam.improvable) * BEAM_NEG
         fin = fin + (~just_finished).to(torch.float32) * BEAM_NEG
-        merged_scores = torch.cat([torch.tensor([f[0] for f in beam.finished], dtype=torch.float32), fin])
-        slots = []
-        for k in torch.topk(merged_scores, w)[1].tolist():
+        merged = torch.cat([torch.tensor([f[0] for f in beam.finished], dtype=torch.float32), fin])
+        best = []
+        for k in torch.topk(merged, w)[1].tolist():
             if k < w:
-                slots.append(beam.finished[k])
-            else:
-                j = k - w
-                ids = live[parents[j]].token_ids + [tokens[j]]
-                reason = ("stop" if tokens[j] == eos else "length") if bool(just_finished[j]) else None
-                slots.append((float(merged_scores[k]), ids, reason))
-        beam.finished = slots
-        # g. stopping heuristic, after cur_len += 1
-        best_running = run_scores[keep[0]] / ((cur_len + 1 - prompt_len) ** p.length_penalty)
-        slot_scores = torch.tensor([f[0] for f in slots], dtype=torch.float32)
-        done_flags = torch.tensor([f[2] is not None for f in slots])
-        worst = torch.where(done_flags, slot_scores.min(), torch.tensor(BEAM_NEG))
+                best.append(beam.finished[k])
+                continue
+            j = k - w
+            token = c.tokens[j]
+            reason = None
+            if bool(just_finished[j]):
+                reason = "stop" if token == c.eos or token in p.stop_token_ids else "length"
+            best.append((float(merged[k]), live[c.parents[j]].token_ids + [token], reason))
+        return best
+
+    def _beam_search_done(self, req: Request, c: "_BeamCandidates") -> bool:
+        """transformers' stopping heuristic (step g, early_stopping=False): done when the best running beam
+        cannot beat the worst finished hypothesis, or when every candidate stopped."""
+        p, beam = req.params, req.beam
+        best_running = c.running_scores[c.keep[0]] / ((c.length - len(req.prompt_token_ids)) ** p.length_penalty)
+        scores = torch.tensor([f[0] for f in beam.finished], dtype=torch.float32)
+        done = torch.tensor([f[2] is not None for f in beam.finished])
+        worst = torch.where(done, scores.min(), torch.tensor(BEAM_NEG))
         beam.improvable = beam.improvable and bool(torch.any(best_running > worst))
-        if not beam.improvable or bool(hits.all()):
-            out.finished.extend(s.seq_id for s in live)
-            self._finish(req, slots[0][2] or "length")
-            return
-        # continue: the first beam taking a parent reuses its sequence, the others fork it
+        return not beam.improvable or bool(c.stops.all())
+
+    def _beam_continue(self, req: Request, live: list[Sequence], c: "_BeamCandidates", out: "_StepOutput") -> None:
+        """The w running beams for the next step: the first beam continuing a parent reuses its sequence,
+        the others fork it (sharing its blocks); parents nobody continues are freed."""
         claimed: set[int] = set()
         plan = []
-        for j in keep:
-            parent = live[parents[j]]
-            if parents[j] in claimed:
-                child = Sequence(f"{req.request_id}.b{beam.next_beam}", list(parent.token_ids), prompt_len,
+        for j in c.keep:
+            parent = live[c.parents[j]]
+            if c.parents[j] in claimed:
+                child = Sequence(f"{req.request_id}.b{req.beam.next_beam}", list(parent.token_ids), parent.prompt_len,
                                  num_computed_tokens=parent.num_computed_tokens, status=RUNNING)
-                beam.next_beam += 1
+                req.beam.next_beam += 1
                 self.block_manager.fork(parent.seq_id, child.seq_id)
-                plan.append((child, tokens[j], float(run_scores[j])))
+                plan.append((child, c.tokens[j], float(c.running_scores[j])))
             else:
-                claimed.add(parents[j])
-                plan.append((parent, tokens[j], float(run_scores[j])))
+                claimed.add(c.parents[j])
+                plan.append((parent, c.tokens[j], float(c.running_scores[j])))
         for i, s in enumerate(live):
             if i not in claimed:
                 self.scheduler.finish_seq(req, s, "pruned")
@@ -467,7 +505,7 @@ class LLMEngine:
 
     def _finish_reason(self, req: Request, seq: Sequence, token: int) -> str | None:
         eos = self.tokenizer.eos_token_id
-        if not req.params.ignore_eos and eos is not None and token == eos:
+        if (not req.params.ignore_eos and eos is not None and token == eos) or token in req.params.stop_token_ids:
             return "stop"
         if seq.num_tokens >= req.max_len:  # max_tokens, max_model_len or a contiguous reservation
             return "length"

@@ -21,7 +21,7 @@ LESSON_LENGTHS = [853, 581, 631, 812, 541, 709, 758, 241]
 @dataclass
 class Scenario:
     """``make(seed, tokenize)`` returns the Workload; ``engine_defaults`` are EngineConfig fields the
-    scenario needs (e.g. a small pool), which command-line flags may override; ``compare`` scenarios run
+    scenario needs (e.g. a small pool; the lessons' scenarios set ``watermark`` 0 to keep the exact pool), which command-line flags may override; ``compare`` scenarios run
     the paged engine and the contiguous baseline on the same requests by default."""
 
     name: str
@@ -154,11 +154,26 @@ def _chat_workload(seed: int, tokenize) -> Workload:
     return synthetic_workload("chat-workload", seed, tokenize, n, prompts, outputs)
 
 
+def reply_end_ids(tokenize) -> tuple[int, ...]:
+    """Token ids of the text's question and exclamation marks: where a chat reply of the embedded model
+    (trained on plays) ends, since it almost never writes its end-of-sequence token."""
+    return tuple(sorted({t for mark in ("?", "!", "?--", "!--") for t in tokenize(mark) if len(tokenize(mark)) == 1}))
+
+
+def _chat_arrivals(seed: int, tokenize) -> Workload:
+    rng = np.random.default_rng(seed)
+    n = 32
+    prompts = lognormal_lengths(rng, n, median=48, sigma=0.8, lo=8, hi=300)
+    return synthetic_workload("chat-arrivals", seed, tokenize, n, prompts, [160] * n, arrival="poisson", rate=0.5,
+                              stop_token_ids=reply_end_ids(tokenize))
+
+
 register(Scenario(
     "lesson-lengths",
     "lesson 2's 8 requests (final lengths 853, 581, 631, 812, 541, 709, 758, 241), max length 2,048, B=16: "
     "how much of its memory each allocator leaves empty",
-    _lesson_lengths, {"block_size": 16, "num_blocks": 1024, "max_model_len": 2048, "reservation_tokens": 2048},
+    _lesson_lengths, {"block_size": 16, "num_blocks": 1024, "max_model_len": 2048, "reservation_tokens": 2048,
+                      "watermark": 0.0},
     compare=True,
 ))
 register(Scenario(
@@ -166,6 +181,14 @@ register(Scenario(
     "32 chat-like requests with long-tailed prompt and reply lengths in 128 blocks of 16 (2,048 slots): "
     "the contiguous baseline reserves 512 slots each, so it runs 4 at a time and queues the rest",
     _chat_workload, {"block_size": 16, "num_blocks": 128, "max_model_len": 512, "reservation_tokens": 512},
+    compare=True,
+))
+register(Scenario(
+    "chat-arrivals",
+    "32 chat requests arriving over time (Poisson, 0.5 per step) whose replies end where the model writes "
+    "'?' or '!' (160 tokens at most), in 128 blocks of 16: no one knows a reply's length in advance, so a "
+    "contiguous reservation must guess it",
+    _chat_arrivals, {"block_size": 16, "num_blocks": 128, "max_model_len": 512, "reservation_tokens": 512},
     compare=True,
 ))
 
@@ -202,7 +225,8 @@ register(Scenario(
     "life-of-a-request",
     "one prompt of exactly 40 tokens writes 12 more, greedy, in a pool of 8 blocks of 16: watch prefill fill "
     "whole blocks and decode take a new block only when the last one is full (lesson 3)",
-    _life_of_a_request, {"block_size": 16, "num_blocks": 8, "max_model_len": 52, "enable_prefix_caching": False},
+    _life_of_a_request, {"block_size": 16, "num_blocks": 8, "max_model_len": 52, "enable_prefix_caching": False,
+                         "watermark": 0.0},
 ))
 register(Scenario(
     "memory-pressure",
@@ -210,5 +234,5 @@ register(Scenario(
     "prompt waits at the door, and mid-generation the pool runs out and the newest request is preempted "
     "(lesson 5)",
     _memory_pressure, {"block_size": 16, "num_blocks": 10, "max_model_len": 128, "enable_prefix_caching": False,
-                       "swap_space_blocks": 16},
+                       "swap_space_blocks": 16, "watermark": 0.0},
 ))

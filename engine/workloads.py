@@ -70,9 +70,12 @@ def arrivals(rng: np.random.Generator, n: int, mode: str, rate: float) -> list[i
 
 def synthetic_workload(name: str, seed: int, tokenize: Callable[[str], list[int]], num_requests: int,
                        prompt_lens: list[int], output_lens: list[int], arrival: str = "all", rate: float = 1.0,
-                       system_prompt: str = "", temperature: float = 0.8) -> Workload:
+                       system_prompt: str = "", temperature: float = 0.8,
+                       stop_token_ids: tuple[int, ...] = ()) -> Workload:
     """Requests whose prompts are ``prompt_lens[i]`` tokens of real text (after an optional shared
-    ``system_prompt``) and which generate exactly ``output_lens[i]`` tokens (``ignore_eos``)."""
+    ``system_prompt``). Without ``stop_token_ids`` each generates exactly ``output_lens[i]`` tokens
+    (``ignore_eos``); with them each stops where the model first writes one of them (or at the end-of-sequence
+    token), ``output_lens[i]`` at most, so no one knows its length in advance."""
     for name, lens in (("prompt_lens", prompt_lens), ("output_lens", output_lens)):
         if len(lens) != num_requests or any(int(n) < 1 for n in lens):
             raise ValueError(f"{name} must hold {num_requests} lengths >= 1, got {list(lens)[:8]}...")
@@ -85,7 +88,7 @@ def synthetic_workload(name: str, seed: int, tokenize: Callable[[str], list[int]
         start = int(rng.integers(0, len(source)))
         body = [source[(start + j) % len(source)] for j in range(prompt_lens[i])]
         params = SamplingParams(max_tokens=output_lens[i], temperature=temperature, top_p=0.95,
-                                seed=seed * 10_000 + i, ignore_eos=True)
+                                seed=seed * 10_000 + i, ignore_eos=not stop_token_ids, stop_token_ids=stop_token_ids)
         reqs.append(WorkloadRequest(steps[i], system + body, params))
     return Workload(name, seed, reqs)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine import metrics
 from engine.block_manager import BlockManager
 from engine.contiguous import ContiguousAllocator
 from engine.records import Snapshot
@@ -43,7 +44,7 @@ class WasteRun:
 
     @property
     def contig_pct(self) -> float:
-        return 100 * (self.reserved - self.used) / self.reserved
+        return metrics.pct(self.reserved - self.used, self.reserved)
 
     @property
     def paged_blocks(self) -> int:
@@ -51,7 +52,7 @@ class WasteRun:
 
     @property
     def paged_pct(self) -> float:
-        return 100 * (self.paged_slots - self.used) / self.paged_slots
+        return metrics.pct(self.paged_slots - self.used, self.paged_slots)
 
 
 def waste_run(lengths: list[int], max_len: int, block_size: int, progress: int | None = None) -> WasteRun:

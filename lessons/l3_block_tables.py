@@ -4,6 +4,7 @@ trade-off for one request."""
 
 from __future__ import annotations
 
+from engine import metrics
 from engine.block_manager import BlockManager
 from lessons import kv_math
 from lessons.common import manager_snapshot, scenario_run
@@ -45,7 +46,7 @@ def tradeoff(tokens: int, bytes_per_token: int, sizes=TRADE_SIZES) -> list[dict]
         slots = bm.num_used_blocks * B
         empty = slots - tokens
         rows.append({"block size": B, "blocks": bm.num_used_blocks, "slots": slots, "empty slots": empty,
-                     "empty %": round(100 * empty / slots, 1), "empty bytes": kv_math.human_bytes(empty * bytes_per_token)})
+                     "empty %": round(metrics.pct(empty, slots), 1), "empty bytes": kv_math.human_bytes(empty * bytes_per_token)})
     return rows
 
 

@@ -86,7 +86,15 @@ def test_pool_and_swap_pool_that_fit_together_are_built(loaded, per_block, monke
 
 def test_huge_pool_of_one_token_blocks_is_refused_before_allocation(loaded, monkeypatch, no_allocation):
     host_memory(monkeypatch, 64 * 2**20)
-    with pytest.raises(ValueError, match=r"KV pool of 3000000 blocks x 1 tokens needs [\d.]+ GiB"):
+    with pytest.raises(ValueError, match=r"KV pool of 60000 blocks x 1 tokens needs [\d.]+ GiB"):
+        build(loaded, num_blocks=60_000, block_size=1)
+
+
+def test_pool_too_large_to_record_is_refused_even_when_memory_would_hold_it(loaded, monkeypatch, no_allocation):
+    """3 million one-token blocks fit in 8 GiB, but every step's snapshot would list them all (~250 MB a
+    step): refused before anything is allocated, with the way out (a larger block size)."""
+    host_memory(monkeypatch, 64 * 2**30)
+    with pytest.raises(ValueError, match=r"3,000,000 blocks is more than the 65,536 .* larger block_size than 1"):
         build(loaded, num_blocks=3_000_000, block_size=1)
 
 

@@ -7,7 +7,9 @@ line that names the embedded default model.
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -193,3 +195,29 @@ def _load_model(model: str, device: torch.device, dtype: str):
         raise ModelLoadError(f"cannot load weights of {model!r} (safetensors only): {str(exc).splitlines()[0]}") from exc
     hf_model.to(device).eval()
     return hf_model, tokenizer
+
+
+_SHARED_LOCK = threading.Lock()
+
+
+def load_shared(model: str, device: str = "auto", dtype: str | None = None):
+    """``(model, tokenizer)`` loaded once per process and shared read-only by every caller (the app's
+    sessions, the lessons): weights are never written by the engine, so one copy serves every engine.
+
+    ``device`` ("auto", "cpu", "cuda") and ``dtype`` (None: float32 on the CPU, bfloat16 on CUDA) are
+    resolved before the cache is consulted, so "auto" and the device it names share one copy. A failed
+    load is not cached (the next call tries again).
+
+    Raises:
+        ValueError: a bad device or dtype (``resolve_device`` / ``resolve_dtype``).
+        ModelLoadError: as ``load_model``.
+    """
+    dev = resolve_device(device)
+    resolved = resolve_dtype(dtype, dev)
+    with _SHARED_LOCK:  # two sessions asking at once load the weights once, not twice
+        return _load_cached(model, str(dev), resolved)
+
+
+@functools.cache
+def _load_cached(model: str, device: str, dtype: str):
+    return load_model(model, torch.device(device), dtype)

@@ -19,6 +19,7 @@ PROGRESS = "lesson_progress"  # session_state: "slug:exercise id" -> {"raw": ans
 FIRST = "lesson_first_try"  # session_state: "slug:exercise id" -> the first committed answer was right
 SHOWN = "lesson_shown"  # session_state: slugs of lessons shown whole, without predicting
 KEEP = "keep_"  # widgets whose key starts with this keep their value while the learner is on another page
+OPEN_PRESET = "open_preset"  # session_state: a lesson's playground dict, which the Playground opens and drops
 
 
 def keep(**defaults) -> None:
@@ -46,9 +47,13 @@ def _memo(fn, *args):
 
 
 def context() -> LessonContext:
-    from ui.state import shared_model
+    """The lesson's engine context: the process-wide shared model (``engine.model_loader.load_shared``, the
+    same copy the Playground's sessions use) and the cross-session run cache."""
+    from engine.model_loader import load_shared
 
-    return LessonContext(loaded=shared_model(EMBEDDED_MODEL), memo=_memo)
+    with st.spinner("Loading the model..."):
+        loaded = load_shared(EMBEDDED_MODEL)
+    return LessonContext(loaded=loaded, memo=_memo)
 
 
 def progress() -> dict:
@@ -151,12 +156,10 @@ def gate(slug: str, ex_id: str) -> bool:
 
 # ------------------------------------------------------------------------------------------------ page
 def open_in_playground(lesson: Lesson) -> None:
-    from ui.state import build_lab, preset_settings
-
-    if build_lab(preset_settings(**lesson.playground)):
-        st.session_state["playing"] = False
-        st.switch_page("ui/playground.py")
-    st.error(f"Could not open the Playground: {st.session_state.get('lab_error')}")
+    """Leave the lesson's preset (its ``playground`` dict: a preset name and settings) for the Playground,
+    which builds its lab from it on arrival, and go there. The lessons never import the app's pages."""
+    st.session_state[OPEN_PRESET] = dict(lesson.playground)
+    st.switch_page("ui/playground.py")
 
 
 def render_lesson(page_file: str) -> None:

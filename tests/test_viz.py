@@ -115,3 +115,30 @@ def test_a_full_region_shows_no_external_fragmentation():
               "used_slots": 11, "reserved_unused_slots": 117, "internal_frag_slots": 0, "external_frag_slots": 0}
     assert EXTERNAL not in region_cells(layout, ["R1", "R2"])
     assert region_cells(layout, ["R1", "R2"])[128:] == [FREE] * 32
+
+
+def test_figures_read_engine_metrics_without_torch():
+    """Drawing the strips and the timeline from real (hand-made) records reads engine.metrics, never torch;
+    the titles show metrics' slack and the utilisation line is metrics.utilization_pct."""
+    code = """
+import sys
+from engine import metrics
+from engine.records import Snapshot, StepRecord
+from viz import contiguous_region_figure, paged_slots_figure, timeline_figure
+
+paged = Snapshot(num_blocks=4, block_size=4, num_free_blocks=2, ref_counts=[1, 1, 0, 0], fills=[4, 1, 0, 0],
+                 owners=[["R1"], ["R1"], [], []], sequences=[], waiting=[], running=["R1"])
+layout = {"capacity_slots": 16, "reservation": 8, "regions": [{"seq_id": "R1", "start": 0, "length": 8, "used": 5}],
+          "gaps": [{"start": 8, "length": 8}], "used_slots": 5, "reserved_unused_slots": 3,
+          "internal_frag_slots": 0, "external_frag_slots": 0}
+contiguous = Snapshot(num_blocks=16, block_size=1, num_free_blocks=8, ref_counts=[], fills=[], owners=[],
+                      sequences=[], waiting=[], running=["R1"], allocator="contiguous", contiguous=layout)
+assert f"({metrics.slack_pct(paged):.1f}% last-block slack)" in paged_slots_figure(paged, ["R1"]).layout.title.text
+assert "5 used / 8 reserved (37.5% unused)" in contiguous_region_figure(layout, ["R1"]).layout.title.text
+records = [StepRecord(1, "decode", [], [], {}, {}, [], s) for s in (paged, contiguous)]
+fig = timeline_figure({"paged": records[:1], "contiguous": records[1:]})
+assert [t.y[0] for t in fig.data if t.xaxis == "x"] == [metrics.utilization_pct(paged), metrics.utilization_pct(contiguous)]
+assert "torch" not in sys.modules, "a figure imported torch"
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -8,11 +8,12 @@ import html
 import pandas as pd
 import streamlit as st
 
-from engine import SamplingParams
-from engine.config import PREEMPTION_MODES
+from engine import SamplingParams, metrics
+from engine.config import CONTIGUOUS_POLICIES, PREEMPTION_MODES
 from engine.scenarios import SCENARIOS
+from lessons.render import OPEN_PRESET
+from ui.lab import POLICY_LABELS, POLICY_RESERVES, LabSettings
 from ui.state import build_lab, default_settings, get_lab, preset_settings, shared_model
-from ui.lab import LabSettings
 from viz import (block_pool_figure, block_table_rows, contiguous_region_figure, paged_slots_figure,
                  swap_pool_figure, timeline_figure)
 from viz.colors import colour_key, request_color, request_id_of
@@ -45,20 +46,50 @@ def settings_form(current: LabSettings) -> None:
         swap = st.number_input("Swap pool (blocks, 0 = as big as the pool)", value=current.swap_space_blocks or 0,
                                step=1)
         seed = st.number_input("Seed", value=current.seed, min_value=0, step=1)
+        policy = st.selectbox("Contiguous policy", CONTIGUOUS_POLICIES,
+                              index=CONTIGUOUS_POLICIES.index(current.contiguous_policy),
+                              format_func=POLICY_LABELS.get,
+                              help="How much a request reserves on the contiguous baseline (the vLLM paper's "
+                                   "baselines): " + "; ".join(f"{POLICY_LABELS[p]}: {POLICY_RESERVES[p]}"
+                                                              for p in CONTIGUOUS_POLICIES)
+                                   + ". Pow2 and Oracle learn each preset request's final length from a paged "
+                                     "run first; requests added by hand then run on the paged engine only.")
+        watermark = st.number_input("Watermark (% of the pool kept free at admission)",
+                                    value=round(current.watermark * 100, 2), min_value=0.0, max_value=99.0,
+                                    step=0.5, format="%.1f",
+                                    help="vLLM's watermark: admission leaves this share of the paged pool free, so "
+                                         "a request just admitted is not preempted at once. 0 = use the exact pool.")
         use_preset = st.checkbox("Use the preset's pool settings", value=True,
-                                 help="Take block size, pool and lengths from the preset instead.")
+                                 help="Take block size, pool and lengths from the preset instead, and any setting "
+                                      "the preset fixes itself (e.g. prefix caching off, preemption by swap).")
         if st.form_submit_button("Apply and reset", type="primary"):
             fields = dict(block_size=int(block_size), num_blocks=int(num_blocks), max_model_len=int(max_len),
-                          reservation=int(reservation), preemption_mode=mode, swap_space_blocks=int(swap) or None,
+                          reservation=int(reservation), swap_space_blocks=int(swap) or None,
                           kv_budget_mb=float(budget))
-            common = dict(enable_prefix_caching=caching, seed=int(seed))
+            common = dict(enable_prefix_caching=caching, seed=int(seed), contiguous_policy=policy,
+                          watermark=float(watermark) / 100, preemption_mode=mode)
             if use_preset and preset != "custom":
-                if "preemption_mode" not in SCENARIOS[preset].engine_defaults:
-                    common["preemption_mode"] = mode
-                build_lab(preset_settings(preset, model.strip(), **common))
+                # what the preset fixes (its engine_defaults) wins over the form's values, which may still be
+                # the previous preset's
+                own = {"enable_prefix_caching", "contiguous_policy", "watermark", "preemption_mode"}
+                own &= set(SCENARIOS[preset].engine_defaults)
+                build_lab(preset_settings(preset, model.strip(), **{k: v for k, v in common.items() if k not in own}))
             else:
                 build_lab(LabSettings(model=model.strip(), preset=preset, **common, **fields))
             st.rerun()
+
+
+def prefix_cache_reset(lab) -> None:
+    """vLLM's ``reset_prefix_cache``: the engine refuses it while any request holds blocks."""
+    if not st.sidebar.button("Reset prefix cache", width="stretch",
+                             help="Forget every cached prefix (vLLM's reset_prefix_cache), so later requests compute "
+                                  "their prompts afresh. Only while no request holds blocks."):
+        return
+    if lab.paged.reset_prefix_cache():
+        said = [e.message for e in lab.paged.log.events if e.kind == "reset_prefix_cache"]
+        st.sidebar.success(f"{said[-1] if said else 'prefix cache reset'}. The next step's record carries the event.")
+    else:
+        st.sidebar.warning("Reset refused: requests still hold blocks; reset when the pool is idle.")
 
 
 def request_form(lab) -> None:
@@ -111,7 +142,23 @@ def token_locator(snap, B: int) -> None:
                  f"physical block **{physical}** -> slot {physical} x {B} + {offset} = **{physical * B + offset}**")
 
 
+def open_requested_preset() -> None:
+    """A lesson's "Open this in the Playground" leaves its preset in ``session_state[OPEN_PRESET]`` (the
+    lessons do not import ui); build the lab for it here, once."""
+    request = st.session_state.pop(OPEN_PRESET, None)
+    if request is None:
+        return
+    try:
+        settings = preset_settings(**request)
+    except (TypeError, ValueError) as exc:
+        st.session_state["lab_error"] = f"the lesson's preset {request!r} cannot be opened: {exc}"
+        return
+    if build_lab(settings):
+        st.session_state["playing"] = False
+
+
 def main() -> None:
+    open_requested_preset()
     lab = get_lab()
     if lab is None:
         if not build_lab(default_settings()):
@@ -119,6 +166,7 @@ def main() -> None:
             st.stop()
         lab = get_lab()
     settings_form(lab.settings)
+    prefix_cache_reset(lab)
     request_form(lab)
     if err := st.session_state.pop("lab_error", None):
         st.error(f"Settings not applied: {err}")
@@ -128,7 +176,15 @@ def main() -> None:
         st.success(msg)
 
     st.title("Playground")
-    # ---------------------------------------------------------------------------------------- stepping
+    controls(lab)
+    playing = st.session_state.get("playing", False)
+    speed = st.session_state.get("speed", 2)
+    # Play re-runs only the views below, on a timer (a fragment), one engine step per run.
+    st.fragment(run_every=1.0 / speed if playing else None)(views)(lab)
+
+
+def controls(lab) -> None:
+    """Back / Step (Forward while replaying) / Reset / Play and the speed: the row above the views."""
     c = st.columns([1.6, 1.8, 1.1, 1.1, 3.4], vertical_alignment="center")
     total = lab.step_count
     cursor = st.session_state.get("cursor", -1)
@@ -152,9 +208,7 @@ def main() -> None:
     playing = st.session_state.get("playing", False)
     c[3].button("Pause" if playing else "Play", on_click=_toggle_play, width="stretch", shortcut="P",
                 help="Step automatically at the chosen speed (P)")
-    speed = c[4].select_slider("Speed (steps per second)", [0.5, 1, 2, 4, 8], value=2, key="speed")
-    # Play re-runs only the views below, on a timer (a fragment), one engine step per run.
-    st.fragment(run_every=1.0 / speed if playing else None)(views)(lab)
+    c[4].select_slider("Speed (steps per second)", [0.5, 1, 2, 4, 8], value=2, key="speed")
 
 
 def _toggle_play() -> None:
@@ -168,53 +222,96 @@ def _scrubbed() -> None:
 
 
 def views(lab) -> None:
-    if st.session_state.get("playing"):
-        if lab.has_work():
-            lab.step()
-            st.session_state["cursor"] = -1
-        else:
-            st.session_state["playing"] = False
-            st.rerun()  # the whole page, so the button says Play again
+    """Everything below the controls, for the step under the cursor (re-run on a timer while playing)."""
+    advance_play(lab)
     total = lab.step_count
     if total == 0:
-        st.info("Nothing has run yet. Press **Step** (or PageDown) to run the first engine step"
-                + (f"; {len(lab.pending)} request{' is' if len(lab.pending) == 1 else 's are'} queued by the preset."
-                   if lab.pending else
-                   "; add a request in the sidebar first."))
-        for note in lab.notes:
-            st.caption(note)
+        nothing_yet(lab)
         return
+    index = scrub(total)
+    paged, contiguous = lab.record(index)
+    st.caption(f"step {paged.step} of {total} ({paged.kind}); "
+               f"{'replaying recorded steps' if index < total - 1 else 'latest'}"
+               + ("" if lab.has_work() else "; all requests finished"))
+    metrics_row(lab, paged, contiguous)
+    pools(lab, paged, contiguous)
+    step_in_words(paged, contiguous)
+    tables_and_text(lab, paged.snapshot)
+    timeline(lab, index, paged, contiguous)
+
+
+def advance_play(lab) -> None:
+    """While playing: one engine step per timer tick; when the work is done, stop and redraw the whole page
+    (so the button says Play again)."""
+    if not st.session_state.get("playing"):
+        return
+    if lab.has_work():
+        lab.step()
+        st.session_state["cursor"] = -1
+    else:
+        st.session_state["playing"] = False
+        st.rerun()
+
+
+def nothing_yet(lab) -> None:
+    st.info("Nothing has run yet. Press **Step** (or PageDown) to run the first engine step"
+            + (f"; {len(lab.pending)} request{' is' if len(lab.pending) == 1 else 's are'} queued by the preset."
+               if lab.pending else
+               "; add a request in the sidebar first."))
+    for note in lab.notes:
+        st.caption(note)
+
+
+def scrub(total: int) -> int:
+    """The time-travel slider over the recorded steps; returns the 0-based index of the step to show."""
     cursor = st.session_state.get("cursor", -1)
     index = total - 1 if cursor < 0 else min(cursor, total - 1)
     if total > 1:
         st.session_state["scrub"] = index + 1  # set before the slider exists in this run
         st.slider("Step", 1, total, key="scrub", on_change=_scrubbed,
                   help="Time travel over the recorded steps; the right end follows the latest step.")
-    paged, contiguous = lab.record(index)
-    snap = paged.snapshot
-    decode = shared_model(lab.settings.model)[1].decode
-    order = lab.order
-    B = snap.block_size
+    return index
 
-    st.caption(f"step {paged.step} of {total} ({paged.kind}); "
-               f"{'replaying recorded steps' if index < total - 1 else 'latest'}"
-               + ("" if lab.has_work() else "; all requests finished"))
-    m = st.columns(6)
+
+def _slack(snap) -> str:
+    """``metrics.slack_pct`` of a snapshot, or "-" when nothing is allocated."""
+    return f"{metrics.slack_pct(snap):.1f}%" if metrics.slots_allocated(snap) else "-"
+
+
+def metrics_row(lab, paged, contiguous) -> None:
+    """The numbers of the step shown, each read from its record through ``engine.metrics``."""
+    snap = paged.snapshot
+    m = st.columns(7)
     m[0].metric("paged: running", len(snap.running), help="running requests (a request may hold several "
                                                            "samples or beams)")
     m[1].metric("paged: free", f"{snap.num_free_blocks}/{snap.num_blocks}", help="free blocks / all blocks")
-    used, alloc = snap.slots_used, snap.slots_allocated
-    m[2].metric("paged: slack", f"{100 * (alloc - used) / alloc:.1f}%" if alloc else "-",
-                help="unused slots in allocated blocks (last-block slack)")
+    m[2].metric("paged: slack", _slack(snap), help="unused slots in allocated blocks (last-block slack)")
+    cache = metrics.prefix_cache_stats(snap.prefix_cache)
+    if not lab.settings.enable_prefix_caching:
+        rate = "off"
+    else:
+        rate = f"{cache['hit_rate_pct']:.1f}%" if cache["query_tokens"] else "-"
+    m[3].metric("prefix-cache hit rate", rate,
+                help=f"Prompt tokens found in the prefix cache over prompt tokens looked up, first admissions only: "
+                     f"{cache['hit_tokens']:,} of {cache['query_tokens']:,} tokens in {cache['requests']} admissions. "
+                     f"Re-admissions after a preemption are counted apart (they mostly find their own freed "
+                     f"blocks): {cache['readmission_hit_tokens']:,} hit tokens of "
+                     f"{cache['readmission_query_tokens']:,} in {cache['readmissions']} re-admissions.")
     if contiguous is not None:
         cs = contiguous.snapshot
-        m[3].metric("contig.: running", len(cs.running), help="running requests on the contiguous baseline")
-        m[4].metric("contig.: waiting", len(cs.waiting), help="requests waiting at the door for a large enough gap")
-        cu, ca = cs.slots_used, cs.slots_allocated
-        m[5].metric("contig.: unused", f"{100 * (ca - cu) / ca:.1f}%" if ca else "-",
-                    help="reserved slots not (yet) holding a token")
+        m[4].metric("contig.: running", len(cs.running), help="running requests on the contiguous baseline")
+        m[5].metric("contig.: waiting", len(cs.waiting), help="requests waiting at the door for a large enough gap")
+        m[6].metric("contig.: unused", _slack(cs),
+                    help=f"reserved slots not (yet) holding a token; policy "
+                         f"{POLICY_LABELS[lab.settings.contiguous_policy]}: reserves "
+                         f"{POLICY_RESERVES[lab.settings.contiguous_policy]}")
 
-    # ------------------------------------------------------------------------------------------ pools
+
+def pools(lab, paged, contiguous) -> None:
+    """The paged block pool (left) and both memories slot by slot (right), with the colour key."""
+    snap = paged.snapshot
+    order = lab.order
+    decode = shared_model(lab.settings.model)[1].decode
     left, right = st.columns(2)
     with left:
         st.subheader("Paged block pool")
@@ -242,7 +339,9 @@ def views(lab) -> None:
         st.caption(colour_key(snap, contiguous.snapshot.contiguous if contiguous is not None else None,
                               None if selected == "none" else selected, strips=True))
 
-    # ------------------------------------------------------------------------------------ what happened
+
+def step_in_words(paged, contiguous) -> None:
+    """Each allocator decision of the step as the engine's own sentence; plain appends summed up in one."""
     st.subheader("This step, in words")
     lines = [e.message for e in paged.events if e.kind != "append"]
     appends = [e for e in paged.events if e.kind == "append"]
@@ -255,23 +354,28 @@ def views(lab) -> None:
         lines += [f"contiguous: {e.message}" for e in contiguous.events if e.kind in ("wait", "allocate", "free")]
     st.markdown("\n".join(f"- {html.escape(x)}" for x in lines) or "nothing changed")
 
-    # ------------------------------------------------------------------------------------- block tables
+
+def tables_and_text(lab, snap) -> None:
+    """Block tables, the token locator and each sequence's text tinted by logical block."""
+    decode = shared_model(lab.settings.model)[1].decode
     st.subheader("Block tables")
     rows = block_table_rows(snap, decode)
     if rows:
         st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
-        token_locator(snap, B)
+        token_locator(snap, snap.block_size)
 
     st.subheader("Generated text (tokens tinted by logical block)")
     for seq in snap.sequences:
-        color = request_color(request_id_of(seq.seq_id), order)
+        color = request_color(request_id_of(seq.seq_id), lab.order)
         st.markdown(f"**{seq.seq_id}** ({seq.status}) " + tinted_text(seq, color), unsafe_allow_html=True)
 
+
+def timeline(lab, index: int, paged, contiguous) -> None:
+    """KV utilisation and running requests up to the step shown."""
     st.subheader("Over time")
     series = {"paged": [p for p, _ in lab.history[: index + 1]]}
     if contiguous is not None:
         series["contiguous"] = [c for _, c in lab.history[: index + 1] if c is not None]
     st.plotly_chart(timeline_figure(series, current_step=paged.step), width="stretch", key="timeline")
-
 
 main()

@@ -1,20 +1,21 @@
-"""Streamlit glue: the shared read-only model (``st.cache_resource``) and each session's ``Lab``."""
+"""Streamlit glue: the shared read-only model (``engine.model_loader.load_shared``, behind a spinner) and
+each session's ``Lab``."""
 
 from __future__ import annotations
 
 import streamlit as st
 
 from engine import EMBEDDED_MODEL
-from engine.model_loader import load_model, resolve_device, resolve_dtype
+from engine.model_loader import load_shared
 
-from .lab import Lab, LabSettings
+from .lab import POLICY_LABELS, Lab, LabSettings
 
 
 @st.cache_resource(show_spinner="Loading the model...")
 def shared_model(model: str):
-    """(model, tokenizer), loaded once per process and shared read-only by every session."""
-    device = resolve_device("auto")
-    return load_model(model, device, resolve_dtype(None, device))
+    """(model, tokenizer), loaded once per process and shared read-only by every session and the lessons
+    (``load_shared`` is the process-wide cache; ``st.cache_resource`` adds the spinner on first load)."""
+    return load_shared(model)
 
 
 def get_lab() -> Lab | None:
@@ -24,7 +25,12 @@ def get_lab() -> Lab | None:
 def build_lab(settings: LabSettings) -> bool:
     """Replace the session's lab; on bad settings show the error and keep the previous lab."""
     try:
-        lab = Lab.create(settings, shared_model(settings.model))
+        loaded = shared_model(settings.model)
+        busy = (f"Learning each request's final length with a paged run of {settings.preset} first (the "
+                f"{POLICY_LABELS.get(settings.contiguous_policy, settings.contiguous_policy)} policy reserves by it)..."
+                if Lab.needs_final_lengths(settings) else "Building the engines...")
+        with st.spinner(busy):
+            lab = Lab.create(settings, loaded)
     except ValueError as exc:
         st.session_state["lab_error"] = str(exc)
         return False
@@ -35,8 +41,10 @@ def build_lab(settings: LabSettings) -> bool:
 
 
 def preset_settings(preset: str, model: str = EMBEDDED_MODEL, **overrides) -> LabSettings:
-    """Settings for a preset with the pool settings it needs (block size, pool, lengths, preemption), then
-    ``overrides`` (``LabSettings`` fields). Raises ValueError for an unknown preset or field."""
+    """Settings for a preset with the engine settings it needs (block size, pool, lengths, reservation,
+    preemption, prefix caching, contiguous policy, watermark), then ``overrides`` (``LabSettings`` fields).
+    The one path from a preset to engine settings: the Playground, Compare and the lessons' "Open this in
+    the Playground" all use it. Raises ValueError for an unknown preset or field."""
     from engine.scenarios import get_scenario
 
     d = get_scenario(preset).engine_defaults
@@ -44,7 +52,8 @@ def preset_settings(preset: str, model: str = EMBEDDED_MODEL, **overrides) -> La
                   max_model_len=d.get("max_model_len", 256),
                   reservation=d.get("reservation_tokens", d.get("max_model_len", 256)),
                   preemption_mode=d.get("preemption_mode", "recompute"), swap_space_blocks=d.get("swap_space_blocks"),
-                  enable_prefix_caching=d.get("enable_prefix_caching", True))
+                  enable_prefix_caching=d.get("enable_prefix_caching", True),
+                  contiguous_policy=d.get("contiguous_policy", "max"), watermark=d.get("watermark", 0.01))
     unknown = set(overrides) - set(LabSettings.__dataclass_fields__)
     if unknown:
         raise ValueError(f"unknown Playground setting(s): {', '.join(sorted(unknown))}")

@@ -1,4 +1,5 @@
-"""Plotly figure builders: pure functions of step records and snapshots (no Streamlit, no torch).
+"""Plotly figure builders: pure functions of step records and snapshots (no Streamlit, no torch). Every
+count or ratio a figure shows comes from ``engine.metrics`` (torch-free), never from arithmetic here.
 
 - ``block_pool_figure``: the paged block pool, one heatmap cell per physical block.
 - ``contiguous_region_figure``: the contiguous baseline's region on the same scale.

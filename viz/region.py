@@ -11,8 +11,11 @@ many cells, each cell standing for the same number of slots, compares them fairl
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import plotly.graph_objects as go
+
+from engine.metrics import internal_fragmentation, slack_pct, slots_allocated, slots_used
 
 from .colors import EXTERNAL, FREE, INTERNAL, SHARED, SLACK, request_color
 from .pool import _discrete_scale
@@ -38,11 +41,23 @@ def region_cells(layout: dict, request_order: list[str], final_lengths: dict[str
     for r in layout["regions"]:
         color = request_color(r["seq_id"], request_order)
         start, used, length = r["start"], r["used"], r["length"]
-        final = min(length, max(used, (final_lengths or {}).get(r["seq_id"], length)))
+        final = _final_length(r, final_lengths)
         slots[start:start + used] = [color] * used
         slots[start + used:start + final] = [SLACK] * (final - used)
-        slots[start + final:start + length] = [INTERNAL] * (length - final)
+        slots[start + final:start + length] = [INTERNAL] * internal_fragmentation(length, final)
     return slots
+
+
+def _final_length(region: dict, final_lengths: dict[str, int] | None) -> int:
+    """A live reservation's final length as far as it is known: the given one (never below the slots already
+    written, never past the reservation), else the whole reservation (nothing is called internal yet)."""
+    length = region["length"]
+    return min(length, max(region["used"], (final_lengths or {}).get(region["seq_id"], length)))
+
+
+def _as_snapshot(layout: dict):
+    """A contiguous layout seen as the snapshot ``engine.metrics`` reads (its ``contiguous`` field)."""
+    return SimpleNamespace(contiguous=layout)
 
 
 def paged_slot_cells(snapshot, request_order: list[str]) -> list[str]:
@@ -88,24 +103,29 @@ def _strip(slots: list[str], title: str, hover_unit: str) -> go.Figure:
 
 def contiguous_region_figure(layout: dict, request_order: list[str],
                              final_lengths: dict[str, int] | None = None) -> go.Figure:
-    """The contiguous region as a strip of slots; see ``region_cells`` for ``final_lengths``."""
-    used = layout["used_slots"]
-    reserved = used + layout["reserved_unused_slots"]
-    waste = 100 * (reserved - used) / reserved if reserved else 0.0
+    """The contiguous region as a strip of slots; see ``region_cells`` for ``final_lengths``.
+
+    The title's numbers are ``engine.metrics``'s (slots used and reserved, slack %) and the layout's own
+    fields (external fragmentation, internal fragmentation of released reservations); with
+    ``final_lengths`` the live reservations' slots split into not yet used and internal fragmentation
+    (``metrics.internal_fragmentation`` of each reservation at its final length)."""
+    snap = _as_snapshot(layout)
+    used, reserved = slots_used(snap), slots_allocated(snap)
     if final_lengths is None:
         detail = (f"external fragmentation {layout['external_frag_slots']:,}, internal so far "
                   f"{layout['internal_frag_slots']:,} slots")
     else:
-        cells = region_cells(layout, request_order, final_lengths)
-        detail = (f"not yet used {cells.count(SLACK):,}, internal {cells.count(INTERNAL):,}, "
-                  f"external {cells.count(EXTERNAL):,} slots")
-    title = f"contiguous: {used:,} used / {reserved:,} reserved ({waste:.1f}% unused)<br>{detail}"
+        finals = [(r, _final_length(r, final_lengths)) for r in layout["regions"]]
+        not_yet = sum(final - r["used"] for r, final in finals)
+        internal = sum(internal_fragmentation(r["length"], final) for r, final in finals)
+        detail = (f"not yet used {not_yet:,}, internal {internal:,}, "
+                  f"external {layout['external_frag_slots']:,} slots")
+    title = f"contiguous: {used:,} used / {reserved:,} reserved ({slack_pct(snap):.1f}% unused)<br>{detail}"
     return _strip(region_cells(layout, request_order, final_lengths), title, "slots")
 
 
 def paged_slots_figure(snapshot, request_order: list[str]) -> go.Figure:
-    used = snapshot.slots_used
-    allocated = snapshot.slots_allocated
-    waste = 100 * (allocated - used) / allocated if allocated else 0.0
-    title = f"paged: {used:,} used / {allocated:,} allocated<br>({waste:.1f}% last-block slack)"
+    """The paged pool as a strip of slots; the title's numbers are ``engine.metrics``'s."""
+    title = (f"paged: {slots_used(snapshot):,} used / {slots_allocated(snapshot):,} allocated<br>"
+             f"({slack_pct(snapshot):.1f}% last-block slack)")
     return _strip(paged_slot_cells(snapshot, request_order), title, "slots")

@@ -1,25 +1,23 @@
-"""KV utilisation and running requests over steps, paged vs contiguous."""
+"""KV utilisation and running requests over steps, paged vs contiguous (utilisation is
+``engine.metrics.utilization_pct``: slots holding K/V over slots allocated or reserved, in %)."""
 
 from __future__ import annotations
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-
-def utilization(snapshot) -> float:
-    """Slots holding real K/V over slots allocated (paged) or reserved (contiguous), in %."""
-    allocated = snapshot.slots_allocated
-    return 100 * snapshot.slots_used / allocated if allocated else 0.0
+from engine.metrics import utilization_pct
 
 
 def timeline_figure(series: dict[str, list], current_step: int | None = None) -> go.Figure:
-    """``series``: label ("paged", "contiguous") -> list of StepRecords. Two panels sharing the x axis."""
+    """``series``: label ("paged", "contiguous", or any other name) -> list of StepRecords. Two panels sharing
+    the x axis."""
     fig = make_subplots(rows=1, cols=2, subplot_titles=("KV utilisation: tokens / allocated slots (%)", "running requests"))
     palette = {"paged": "#0072B2", "contiguous": "#D55E00"}
     for label, records in series.items():
         steps = [r.step for r in records]
         color = palette.get(label, "#555555")
-        fig.add_trace(go.Scatter(x=steps, y=[utilization(r.snapshot) for r in records], name=label,
+        fig.add_trace(go.Scatter(x=steps, y=[utilization_pct(r.snapshot) for r in records], name=label,
                                  line={"color": color}), row=1, col=1)
         fig.add_trace(go.Scatter(x=steps, y=[len(r.snapshot.running) for r in records], name=label,
                                  line={"color": color}, showlegend=False), row=1, col=2)

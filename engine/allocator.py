@@ -37,8 +37,8 @@ class KVAllocator(Protocol):
                              reservation: int | None = None, preempted: bool = False) -> tuple[list[int], int]:
         """Room for a new sequence's first tokens; returns (table, tokens already cached)."""
 
-    def needs_new_block(self, seq_id: str) -> bool:
-        """Whether the next token of ``seq_id`` needs a free block."""
+    def append_blocks_needed(self, seq_ids: list[str]) -> int:
+        """Free blocks one more token for each of these sequences takes."""
 
     def append_slot(self, seq_id: str, token_id: int | None = None) -> int:
         """The slot of ``seq_id``'s next token."""

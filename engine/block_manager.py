@@ -190,6 +190,19 @@ class BlockManager:
             return True
         return self.ref_counts[table[-1]] > 1
 
+    def append_blocks_needed(self, seq_ids: list[str]) -> int:
+        """Free blocks that one more token for each of these sequences takes: one for each full last block,
+        and for a partly filled last block shared by k of them, k copies if others share it too, else k - 1
+        (the last of them to write finds it no longer shared and writes in place)."""
+        need, sharers = 0, {}
+        for s in seq_ids:
+            last = self._table(s)[-1]
+            if self.num_tokens[s] % self.block_size == 0:
+                need += 1
+            elif self.ref_counts[last] > 1:
+                sharers[last] = sharers.get(last, 0) + 1
+        return need + sum(k if self.ref_counts[b] > k else k - 1 for b, k in sharers.items())
+
     def can_append(self, seq_id: str) -> bool:
         return not self.needs_new_block(seq_id) or self.num_free_blocks > 0
 
@@ -487,7 +500,9 @@ class BlockManager:
         """Room to swap these sequences back in and let each write its next token, keeping the watermark
         free (vLLM v0's ``can_swap_in``: the held blocks + one per sequence + the watermark)."""
         distinct = {c for s in seq_ids for c in self.swap_tables[s]}
-        return len(distinct) + len(seq_ids) + self._watermark() <= self.num_free_blocks
+        # into an empty pool a request always fits: it fits the pool on its own at its longest
+        headroom = len(seq_ids) + self._watermark() if self.num_used_blocks else 0
+        return len(distinct) + headroom <= self.num_free_blocks
 
     def swap_in(self, seq_ids: list[str], request_id: str | None = None) -> list[tuple[int, int]]:
         """Bring swapped sequences back into fresh GPU blocks. Returns the (cpu, gpu) pairs, also queued as

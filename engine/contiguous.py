@@ -156,9 +156,9 @@ class ContiguousAllocator:
             return None
         return f"refused: largest gap {self.largest_gap:,} < {need:,} needed, {self.free_slots:,} free in total"
 
-    def needs_new_block(self, seq_id: str) -> bool:
-        """Never: every slot was reserved at admission."""
-        return False
+    def append_blocks_needed(self, seq_ids: list[str]) -> int:
+        """None: every slot was reserved at admission."""
+        return 0
 
     def can_swap_out(self, seq_ids: list[str]) -> bool:
         """Never: there is no swap pool."""

@@ -1,9 +1,11 @@
 """Continuous batching with preemption by recompute or swap (vLLM v0's scheduling policy, simplified).
 
 Each step is either a prefill step or a decode step:
-- swapped requests come back first: while the head of the swapped queue fits in the free pool with room
-  for each sequence's next token and the watermark (vLLM v0's ``can_swap_in``), its blocks are swapped in,
-  and no new request is admitted until the swapped queue is empty;
+- while requests are swapped out, no new request is admitted: each step is a decode step, and once the
+  running requests have taken their slots without preempting anyone, the head of the swapped queue comes
+  back if its blocks fit in the free pool with room for each sequence's next token and the watermark
+  (vLLM v0's ``_schedule_swapped`` and ``can_swap_in``); it takes its next slots at once and decodes in
+  the same step, so nothing can take those blocks and swap it straight back out;
 - prefill: admit waiting requests in arrival order (first come, first served) while their blocks fit in
   the free pool above the watermark, the running sequences stay within ``max_num_seqs`` (always) and the
   step's token budget (``max_num_batched_tokens``) allows; only the budget is waived for the first request
@@ -12,7 +14,8 @@ Each step is either a prefill step or a decode step:
   request's cached prefix is not computed again.
 - decode: when nobody can be admitted, every live sequence of every running request computes one token.
   Before a request's sequences append, the scheduler makes sure enough blocks are free for all of them
-  (a new block when the last is full, or a copy when it is shared); if not, it preempts the most recently
+  (``append_blocks_needed``: a new block when the last is full, a copy for each writer of a shared last
+  block but its last writer); if not, it preempts the most recently
   admitted running request (the victim may be the requester itself), by swap (copy its blocks to the CPU
   swap pool, resume later without recomputing) when the swap pool has room, else by recompute (free its
   blocks, requeue it at the *front* of the waiting queue, prefill prompt + generated tokens again later;
@@ -41,6 +44,7 @@ class Batch:
     seqs: list[Sequence] = field(default_factory=list)
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    num_preempted: int = 0
 
 
 FINISH_WORDS = {"stop": "it produced the end-of-sequence token",
@@ -68,17 +72,22 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> Batch:
-        self._swap_in()
         if not self.swapped:
             batch = self._schedule_prefill()
             if batch.seqs:
                 return batch
-        return self._schedule_decode()
+        batch = self._schedule_decode()
+        if self.swapped and not batch.num_preempted:
+            self._swap_in(batch)
+        batch.kind = "decode" if batch.seqs else "idle"
+        return batch
 
     def _num_running_seqs(self) -> int:
         return sum(r.max_num_running_seqs for r in self.running)
 
-    def _swap_in(self) -> None:
+    def _swap_in(self, batch: Batch) -> None:
+        """Bring swapped requests back, oldest first, while they fit; each appends its next slots and joins
+        this step's decode batch."""
         bm = self.block_manager
         while self.swapped:
             req = self.swapped[0]
@@ -91,6 +100,7 @@ class Scheduler:
                 s.status = RUNNING
             req.status = RUNNING
             self.running.append(req)
+            self._append(req, batch)
 
     def _schedule_prefill(self) -> Batch:
         batch = Batch("prefill")
@@ -144,22 +154,25 @@ class Scheduler:
         for req in list(self.running):
             if req.status != RUNNING:  # preempted earlier in this loop
                 continue
-            seqs = req.live_seqs
-            # every sequence may need a block (a new one, or a copy of a shared last block)
-            need = sum(bm.needs_new_block(s.seq_id) for s in seqs)  # always 0 for contiguous reservations
+            # blocks the sequences' next tokens take (new ones, copies of a shared last block)
+            need = bm.append_blocks_needed([s.seq_id for s in req.live_seqs])  # 0 for contiguous reservations
             while need and bm.num_free_blocks < need and req.status == RUNNING:
+                batch.num_preempted += 1
                 self.preempt(self.running[-1], reason=f"{req.request_id} needs {need} free "
                                                       f"block{'s' * (need != 1)}, {bm.num_free_blocks} "
                                                       f"{'is' if bm.num_free_blocks == 1 else 'are'} free")
-            if req.status != RUNNING:
-                continue
-            for s in seqs:
-                bm.append_slot(s.seq_id, s.token_ids[s.num_computed_tokens])
-                s.num_computed_tokens += 1
-                batch.seqs.append(s)
-                batch.num_new_tokens.append(1)
-            batch.requests.append(req)
+            if req.status == RUNNING:
+                self._append(req, batch)
         return batch
+
+    def _append(self, req: Request, batch: Batch) -> None:
+        """Each live sequence of ``req`` takes the slot of its next token and joins the decode batch."""
+        for s in req.live_seqs:
+            self.block_manager.append_slot(s.seq_id, s.token_ids[s.num_computed_tokens])
+            s.num_computed_tokens += 1
+            batch.seqs.append(s)
+            batch.num_new_tokens.append(1)
+        batch.requests.append(req)
 
     def preempt(self, req: Request, reason: str) -> None:
         """Evict ``req`` from the batch: swap when enabled and the swap pool has room, else recompute."""

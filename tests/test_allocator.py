@@ -69,18 +69,29 @@ def test_preemption_frees_the_newest_request_and_everything_finishes(make_engine
     ids = [engine.add_request(text_ids[:6], SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True))
            for _ in range(3)]
     preempt_events = []
+    admitted: list[str] = []  # the running requests, oldest admission first (replayed from the events)
     steps = 0
     while engine.has_unfinished():
+        running_before = list(engine.scheduler.running)
         rec = engine.step()
         steps += 1
         assert steps < 500, "the scheduler must never deadlock"
+        assert [r.request_id for r in running_before] == admitted
         for e in rec.events:
-            if e.kind == "preempt":
+            if e.kind in ("admit", "swap_in"):
+                admitted.append(e.request_id)
+            elif e.kind == "preempt":
                 preempt_events.append(e)
-                running_before = [s.request_id for s in rec.scheduled]
                 assert e.data["mode"] == "recompute"
-                assert e.request_id not in running_before or e.request_id == running_before[-1]
+                # the victim is the most recently admitted running request, whoever needed the block
+                assert e.request_id == admitted[-1], (rec.step, e.request_id, admitted)
+                admitted.remove(e.request_id)
+            elif e.kind == "finish":
+                admitted.remove(e.request_id)
     assert preempt_events
+    # R3, admitted last, goes, though R1 (the oldest) is the one that needs a block
+    pairs = [(e.request_id, e.data["reason"].split()[0]) for e in preempt_events]
+    assert (ids[2], ids[0]) in pairs, pairs
     assert all(engine.get_output(r).finish_reason == "length" for r in ids)
     assert all(len(engine.get_output(r).output_token_ids) == 14 for r in ids)
     assert engine.block_manager.num_free_blocks == 6

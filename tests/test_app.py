@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 from pathlib import Path
 
 import pytest
@@ -56,14 +58,17 @@ def test_back_then_forward_shows_the_identical_snapshot():
     for _ in range(3):
         button(at, "Step").click().run()
     lab = at.session_state["lab"]
-    latest = lab.history[-1][0].snapshot
+    latest = copy.deepcopy(lab.history[-1][0].snapshot)  # a copy: the recorded one must not change
     shown_before = metrics(at)
     button(at, "Back").click().run()
     assert at.session_state["cursor"] == 1 and lab.step_count == 3  # nothing re-ran
+    assert metrics(at) != shown_before  # the page shows step 2
     button(at, "Forward").click().run()  # replays the recorded step
-    assert lab.step_count == 3
+    assert lab.step_count == 3 and len(lab.history) == 3
     assert metrics(at) == shown_before
-    assert lab.history[-1][0].snapshot == latest
+    shown = lab.history[at.session_state["cursor"]][0].snapshot if at.session_state["cursor"] >= 0 \
+        else lab.history[-1][0].snapshot
+    assert shown == latest
 
 
 def test_a_preset_runs_to_completion_by_repeated_step():

@@ -31,11 +31,7 @@ def test_batch_json_through_the_real_entry_point():
         assert r["output_text"] and r["output_token_ids"] and r["block_table"]
         assert r["finish_reason"] in ("stop", "length")
     paged = out["paged"]
-    assert PAGED_KEYS <= paged.keys()
-    B = out["block_size"]
-    lengths = [len(r["prompt_token_ids"]) + len(r["output_token_ids"]) for r in out["requests"]]
-    assert paged["slots_used"] == sum(lengths)  # at each request's final length
-    assert paged["slots_allocated"] == sum(-(-n // B) for n in lengths) * B
+    assert PAGED_KEYS <= paged.keys()  # their values: test_accounting_gives_the_scenario_s_known_figures
     assert 0 < paged["peak_blocks_used"] <= out["num_blocks"]
     assert out["events"]["preemptions"] > 0  # the batch scenario's pool is too small on purpose
     assert out["tokens_per_s"] > 0
@@ -153,3 +149,90 @@ def test_memory_pressure_with_either_preemption_mode_gives_the_same_text(capsys)
     # prompts given as token ids are shown as text too
     assert [len(r["prompt_token_ids"]) for r in swap["requests"]] == [20, 20, 20, 20, 100]
     assert swap["requests"][0]["prompt"] is None and swap["requests"][0]["prompt_text"].startswith("ROMEO.")
+
+
+def test_accounting_gives_the_scenario_s_known_figures(capsys, tmp_path):
+    """memory-pressure (lesson 5) by construction: four 20-token prompts writing 30 tokens and one of 100
+    writing 10, all ignore_eos, in blocks of 16. Final lengths 50, 50, 50, 50, 110: paged they hold
+    4 x 4 + 7 = 23 blocks = 368 slots for 310 tokens (15.76% empty); the contiguous oracle reserves exactly
+    50, 50, 50, 50 and 110 slots (no waste). (lesson-lengths gives the lesson's own figures, 325 blocks =
+    5,200 slots / 1.4% and 16,384 reserved / 5,126 used / 68.7%, but takes minutes on a CPU.)"""
+    trace = tmp_path / "run.jsonl"
+    out = run_json(capsys, "--scenario", "memory-pressure", "--allocator", "both", "--contiguous-policy", "oracle",
+                   "--trace", str(trace))
+    paged, cont = out["paged"], out["contiguous"]
+    assert (paged["blocks_allocated"], paged["slots_allocated"], paged["slots_used"], paged["waste_pct"]) == \
+        (23, 368, 310, 15.76)
+    assert cont["policy"] == "oracle"
+    assert (cont["reserved_slots"], cont["used_slots"], cont["internal_frag_slots"], cont["waste_pct"]) == \
+        (310, 310, 0, 0.0)
+    # the contiguous run's own trace: each reservation is the request's final length
+    records = list(read_trace(tmp_path / "run.contiguous.jsonl"))
+    reserved = [e.data["length"] for r in records for e in r.events if e.kind == "allocate"]
+    assert reserved == [50, 50, 50, 50, 110]
+    finals = [e.data["final_len"] for r in records for e in r.events if e.kind == "free"]
+    assert sorted(finals) == [50, 50, 50, 50, 110]
+
+
+def test_watermark_flag_keeps_blocks_free_at_admission(capsys, tmp_path):
+    """batch: 12 blocks. With --watermark 0.5, admission keeps 6 blocks free (except for the first request
+    into an empty pool): after a prefill step that admitted into a pool in use, at least 6 are free."""
+    runs = {}
+    for w in ("0", "0.5"):
+        trace = tmp_path / f"w{w}.jsonl"
+        out = run_json(capsys, "--scenario", "batch", "--watermark", w, "--trace", str(trace))
+        runs[w] = list(read_trace(trace))
+        assert all(r["finish_reason"] is not None for r in out["requests"])
+    used_before = 0
+    checked = 0
+    for rec in runs["0.5"]:
+        admits = sum(e.kind == "admit" for e in rec.events)
+        if rec.kind == "prefill" and (used_before or admits > 1):
+            assert rec.snapshot.num_free_blocks >= 6, rec.step
+            checked += 1
+        used_before = rec.snapshot.num_used_blocks
+    assert checked
+    waits = [e.data["reason"] for r in runs["0.5"] for e in r.events if e.kind == "wait"]
+    assert any("+ 6 kept free (watermark)" in w for w in waits)
+    first_admits = {w: sum(e.kind == "admit" for e in recs[0].events) for w, recs in runs.items()}
+    assert first_admits["0.5"] < first_admits["0"]
+    assert main(["run", "--scenario", "batch", "--device", "cpu", "--watermark", "1"]) == 2
+    assert capsys.readouterr().err.strip() == "error: watermark must be a number in [0, 1), got 1.0"
+
+
+def _hits_by_pass(trace, num_requests: int) -> list[int]:
+    """Prefix-cache hit tokens of first admissions, per pass (requests R1..Rn, then Rn+1..R2n)."""
+    hits = [0, 0]
+    for r in read_trace(trace):
+        for e in r.events:
+            if e.kind == "prefix_hit" and not e.data["readmission"]:
+                hits[(int(e.request_id[1:]) - 1) // num_requests] += e.data["num_tokens"]
+    return hits
+
+
+def test_passes_hit_the_cache_unless_it_is_reset_between_them(capsys, tmp_path):
+    """shared-prefix twice on one engine: the second pass finds the first pass's blocks cached; with
+    --reset-prefix-cache it hits only what it shares within itself, exactly as the first pass did."""
+    kept = tmp_path / "kept.jsonl"
+    out = run_json(capsys, "--scenario", "shared-prefix", "--passes", "2", "--trace", str(kept))
+    assert len(out["requests"]) == 16
+    first, second = _hits_by_pass(kept, 8)
+    B = out["block_size"]
+    prompts = [r["prompt_token_ids"] for r in out["requests"][:8]]
+    assert first > 0
+    assert second == sum((len(p) - 1) // B * B for p in prompts) > first  # every full prompt block hits
+    reset = tmp_path / "reset.jsonl"
+    out = run_json(capsys, "--scenario", "shared-prefix", "--passes", "2", "--reset-prefix-cache", "--trace",
+                   str(reset))
+    assert _hits_by_pass(reset, 8) == [first, first]
+    assert out["events"]["prefix_cache_hit_tokens"] == 2 * first
+    resets = [(r.step, e.data["num_blocks"]) for r in read_trace(reset) for e in r.events
+              if e.kind == "reset_prefix_cache"]
+    assert len(resets) == 1 and resets[0][1] > 0
+
+
+def test_zero_passes_is_a_one_line_error(capsys):
+    assert main(["run", "--scenario", "single", "--device", "cpu", "--passes", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "error: --passes must be an integer in [1, 100], got 0"
+    assert len(err.strip().splitlines()) == 1

@@ -60,6 +60,11 @@ class LabSettings:
                             contiguous_policy=self.contiguous_policy, watermark=self.watermark)
 
 
+def _count_only_tokenizer(text: str) -> list[int]:
+    """Stands in for the tokenizer when only a workload's sampling parameters are needed."""
+    return [0] * max(1, len(text.split()))
+
+
 @dataclass
 class Lab:
     settings: LabSettings
@@ -73,8 +78,13 @@ class Lab:
 
     @staticmethod
     def needs_final_lengths(settings: LabSettings) -> bool:
-        """Whether ``create`` first runs the preset on a headless paged engine to learn final lengths."""
-        return settings.preset != "custom" and settings.contiguous_policy in NEEDS_FINAL_LENGTH
+        """Whether ``create`` first runs the preset on a headless paged engine to learn final lengths: under
+        "pow2" / "oracle", unless every request's length is known anyway (``ignore_eos``, no stop tokens:
+        prompt + max_tokens, which the engine derives itself)."""
+        if settings.preset == "custom" or settings.contiguous_policy not in NEEDS_FINAL_LENGTH:
+            return False
+        workload = get_scenario(settings.preset).make(settings.seed, _count_only_tokenizer)
+        return not all(r.params.ignore_eos and not r.params.stop_token_ids for r in workload.requests)
 
     @classmethod
     def create(cls, settings: LabSettings, loaded=None) -> "Lab":
@@ -98,7 +108,7 @@ class Lab:
             for r in workload.requests:
                 lab.check(r.prompt, r.params)
             finals: list[int | None] = [None] * len(workload.requests)
-            if contiguous is not None and cls.needs_final_lengths(settings):
+            if contiguous is not None and cls.needs_final_lengths(settings):  # else the engine derives them
                 headless = LLMEngine(settings.config("paged"), (paged.model, paged.tokenizer))
                 finals = learn_final_lengths(run_workload(headless, workload))
             lab.pending = sorted(zip(workload.requests, finals), key=lambda rf: rf[0].arrival_step)

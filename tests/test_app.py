@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-
 from pathlib import Path
 
 import pytest
@@ -13,8 +12,8 @@ APP = str(Path(__file__).resolve().parent.parent / "app.py")
 PAGES = ["ui/playground.py", "ui/compare.py", "ui/lessons.py", "ui/model_info.py"]
 
 
-def new_app() -> AppTest:
-    at = AppTest.from_file(APP, default_timeout=180)
+def new_app(timeout: float = 180) -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=timeout)
     at.run()
     assert not at.exception
     return at

@@ -17,19 +17,14 @@ from engine import EMBEDDED_MODEL, SamplingParams, metrics
 from engine.config import CONTIGUOUS_POLICIES
 from engine.model_loader import load_shared
 
-APP = str(Path(__file__).resolve().parent.parent / "app.py")
+from test_app import button
+from test_app import new_app as _new_app
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def new_app() -> AppTest:
-    at = AppTest.from_file(APP, default_timeout=300)
-    at.run()
-    assert not at.exception
-    return at
-
-
-def button(at, label):
-    return next(b for b in at.button if b.label == label)
+    return _new_app(timeout=300)  # Compare runs five whole workloads
 
 
 def run_compare(at, name: str) -> None:

@@ -53,7 +53,8 @@ def measure(name: str, seed: int, loaded) -> str:
         if w == 0.01:
             final_lens = learn_final_lengths(outputs)
         pc, pre = p["prefix_cache"], p["preemption"]
-        lines.append(f"| {w:.0%} ({engine.block_manager.watermark_blocks} blocks) | {p['steps']} | "
+        kept = engine.block_manager.watermark_blocks
+        lines.append(f"| {w:.0%} ({kept} block{'s' * (kept != 1)}) | {p['steps']} | "
                      f"{p['peak_concurrency']} | {pre['preemptions']} | {pre['recompute_share_pct']:.1f}% | "
                      f"{p['queued_at_door']} | {pc['hit_rate_pct']:.1f}% | {pc['readmission_hit_tokens']:,} |")
     lines += ["", "| contiguous policy | steps | peak concurrency | slots reserved | waste at final lengths | "

@@ -47,7 +47,7 @@ def run_engine(scenario, seed: int, allocator: str, **overrides) -> dict:
     wall = time.perf_counter() - t0
     generated = sum(len(o.output_token_ids) for o in outputs)
     B = engine.block_size
-    paged = metrics.paged_accounting(metrics.final_lengths(outputs), B)
+    paged = metrics.paged_accounting(outputs, B, metrics.first_admission_hits(records))
     return {
         "allocator": allocator,
         "block_size": B,

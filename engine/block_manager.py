@@ -537,13 +537,16 @@ class BlockManager:
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash, as vLLM's ``reset_prefix_cache``: refused (returns False, changes nothing)
         while any block is in use, since running sequences' blocks would lose their hashes under them.
-        Afterwards no free block has a hash or holds tokens, and no earlier prefix can hit."""
+        Afterwards no free block has a hash or holds tokens, and no earlier prefix can hit. The hit-rate
+        counters start again too, as vLLM's ``PrefixCacheStats.reset`` restarts its hit rate (evictions
+        are kept: they happened)."""
         if self.num_used_blocks:
             return False
         dropped = sum(h is not None for h in self.block_hashes)
         self.block_hashes = [None] * self.num_blocks
         self.cached_blocks = {}
         self.fills = [0] * self.num_blocks
+        self.stats.update({k: 0 for k in self.stats if k != "evictions"})
         self.log.emit(EventKind.RESET_PREFIX_CACHE, None, [],
                       f"prefix cache reset: {_n(dropped, 'cached block')} forgotten", num_blocks=dropped)
         return True

@@ -92,7 +92,7 @@ def paged_summary(engine, records: list[StepRecord], outputs) -> dict:
     peak, the prefix cache (hit rate of first admissions; re-admissions apart), preemptions, run stats."""
     return {
         "peak_blocks_used": engine.block_manager.peak_used_blocks,
-        **metrics.paged_accounting(metrics.final_lengths(outputs), engine.block_size),
+        **metrics.paged_accounting(outputs, engine.block_size, metrics.first_admission_hits(records)),
         "prefix_cache": metrics.prefix_cache_stats(engine.block_manager.stats),
         "preemption": metrics.preemption_counts(records),
         **metrics.run_stats(records, outputs),
@@ -106,7 +106,7 @@ def contiguous_summary(engine, records: list[StepRecord], outputs) -> dict:
     alloc = engine.block_manager
     return {
         "policy": alloc.policy,
-        "reservation": alloc.reservation,
+        "reservation": alloc.reservation if alloc.policy == "max" else None,  # per request under "max" only
         "capacity_slots": alloc.capacity,
         **metrics.contiguous_accounting(alloc.finished),
         "external_frag_slots": max((r.snapshot.contiguous["external_frag_slots"] for r in records), default=0),
@@ -214,7 +214,9 @@ def print_text(summary: dict, records: list[StepRecord], out) -> None:
           f"peak concurrency {p['peak_concurrency']}, KV utilisation {p['kv_utilization']}%\n")
     if "contiguous" in summary:
         c = summary["contiguous"]
-        w(f"contiguous: {c['reserved_slots']:,} slots reserved ({c['reservation']:,} per request) for "
+        each = (f"{c['reservation']:,} per request" if c["reservation"] is not None
+                else f"{c['policy']} policy: {c['mean_reservation']:,.0f} per request on average")
+        w(f"contiguous: {c['reserved_slots']:,} slots reserved ({each}) for "
           f"{c['used_slots']:,} tokens ({c['waste_pct']}% waste: {c['internal_frag_slots']:,} never used); "
           f"external fragmentation up to {c['external_frag_slots']:,} slots; {c['queued_at_door']} requests "
           f"waited at the door; peak concurrency {c['peak_concurrency']}, KV utilisation {c['kv_utilization']}%, "
@@ -275,6 +277,8 @@ def run(args) -> int:
             raise ValueError(f"--trace {args.trace!r} is not a writable file path")
     if isinstance(args.passes, bool) or not 1 <= args.passes <= 100:
         raise ValueError(f"--passes must be an integer in [1, 100], got {args.passes}")
+    if args.reset_prefix_cache and args.passes < 2:
+        raise ValueError("--reset-prefix-cache resets between passes: give --passes 2 or more")
     choice = args.allocator or ("both" if scenario.compare else "paged")
     wanted = ["paged", "contiguous"] if choice == "both" else [choice]
     configs = {a: engine_config(args, scenario, a) for a in ("paged", "contiguous")}  # bad flags fail first

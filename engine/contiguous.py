@@ -39,6 +39,8 @@ class ContiguousAllocator:
         capacity_tokens: slots in the region (tokens).
         reservation: slots a request reserves under the "max" policy (tokens), 1..capacity_tokens.
         policy: one of ``CONTIGUOUS_POLICIES`` (see the module docstring).
+        max_model_len: the longest a request may be (tokens), the cap of a "pow2" reservation; default
+            the region.
         event_log: where decisions are logged (the engine's); default a log of the allocator's own.
 
     Raises:
@@ -51,7 +53,7 @@ class ContiguousAllocator:
     max_seqs_per_request = 1  # no sharing, so one sequence per request (no n > 1, no beams)
 
     def __init__(self, capacity_tokens: int, reservation: int, policy: str = "max",
-                 event_log: EventLog | None = None) -> None:
+                 event_log: EventLog | None = None, max_model_len: int | None = None) -> None:
         for name, value in (("capacity_tokens", capacity_tokens), ("reservation_tokens", reservation)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -63,6 +65,10 @@ class ContiguousAllocator:
         self.capacity = capacity_tokens
         self.reservation = reservation
         self.policy = policy
+        self.max_model_len = min(max_model_len or capacity_tokens, capacity_tokens)
+        # what the request waiting at the door needs (slots), set when it is refused, cleared on admission:
+        # external fragmentation is measured against it
+        self.door_need: int | None = None
         self.regions: dict[str, tuple[int, int]] = {}  # seq -> (start, length)
         self.num_tokens: dict[str, int] = {}  # slots written (holding K/V)
         # (reserved slots, final length) of every released reservation, for the accounting
@@ -99,8 +105,8 @@ class ContiguousAllocator:
                              f"(learn it from a paged run of the same requests)")
         elif self.policy == "oracle":
             size = final_len
-        else:  # pow2: the next power of two of the true length, never past the "max" reservation
-            size = min(1 << (final_len - 1).bit_length(), max(self.reservation, final_len))
+        else:  # pow2: the next power of two of the true length, never past the maximum length
+            size = min(1 << (final_len - 1).bit_length(), max(self.max_model_len, final_len))
         if size > self.capacity:
             raise ValueError(f"a reservation of {size:,} slots ({self.policy}) is larger than the region of "
                              f"{self.capacity:,} slots")
@@ -135,17 +141,21 @@ class ContiguousAllocator:
         return sum(length for _, length in self.regions.values())
 
     def external_frag(self, need: int | None = None) -> int:
-        """Free slots in gaps smaller than ``need`` slots (default: one reservation), counted only when the
-        free slots together would hold ``need``: then the gaps, not a lack of memory, keep a request out.
-        (A region with fewer free slots than ``need`` in total is simply full.)"""
+        """Free slots in gaps smaller than ``need`` slots, counted only when the free slots together would
+        hold ``need``: then the gaps, not a lack of memory, keep a request out. (A region with fewer free
+        slots than ``need`` in total is simply full.) Default ``need``: what the request waiting at the door
+        needs, or, with nobody waiting, one "max" reservation under the "max" policy (every request reserves
+        that) and nothing under the others (no request is kept out, and the next one's size is unknown)."""
         if need is not None and (isinstance(need, bool) or not isinstance(need, int) or need <= 0):
             raise ValueError(f"need must be a positive integer, got {need!r}")
-        need = need or self.reservation
+        need = need or self.door_need or (self.reservation if self.policy == "max" else None)
+        if need is None:
+            return 0
         return external_fragmentation([length for _, length in self.gaps()], self.free_slots, need)
 
     @property
     def external_frag_slots(self) -> int:
-        """Free slots in gaps too small for one "max" reservation (``metrics.external_fragmentation``)."""
+        """``external_frag()`` with its default need (``metrics.external_fragmentation``)."""
         return self.external_frag()
 
     def admission_refusal(self, token_lists: list[list[int]], reservation: int | None = None) -> str | None:
@@ -154,6 +164,7 @@ class ContiguousAllocator:
         need = reservation or self.reservation
         if self.largest_gap >= need:
             return None
+        self.door_need = need
         return f"refused: largest gap {self.largest_gap:,} < {need:,} needed, {self.free_slots:,} free in total"
 
     def append_blocks_needed(self, seq_ids: list[str]) -> int:
@@ -222,6 +233,7 @@ class ContiguousAllocator:
             raise RuntimeError(self.admission_refusal([[0] * num_tokens], size))
         self.regions[seq_id] = (fit, size)
         self.num_tokens[seq_id] = num_tokens
+        self.door_need = None  # the request at the door got in; the next one is measured when refused
         self.peak_used_blocks = max(self.peak_used_blocks, self.reserved_slots)
         self.log.emit(EventKind.ALLOCATE, seq_id, [],
                       f"{seq_id}: reserves slots {fit:,}..{fit + size - 1:,} ({size:,}) for {num_tokens} tokens now",
@@ -281,6 +293,8 @@ class ContiguousAllocator:
             "reserved_unused_slots": self.reserved_slots - self.used_slots,
             "internal_frag_slots": self.internal_frag_slots,
             "external_frag_slots": self.external_frag_slots,
+            # the reservation external fragmentation was measured against (None: nobody is kept out)
+            "external_frag_need": self.door_need or (self.reservation if self.policy == "max" else None),
             "free_slots": self.free_slots,
             "largest_gap": self.largest_gap,
         }

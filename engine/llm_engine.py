@@ -180,7 +180,8 @@ class LLMEngine:
         if config.allocator == "contiguous":
             capacity = self.num_blocks * self.block_size
             allocator = ContiguousAllocator(capacity, config.reservation_tokens or self.max_model_len,
-                                            config.contiguous_policy, event_log=self.log)
+                                            config.contiguous_policy, event_log=self.log,
+                                            max_model_len=self.max_model_len)
             kv_cache = KVCache(self.geometry, capacity, 1, self.device, dtype)
             return allocator, kv_cache, ModelRunner(self.model, kv_cache, self.backend, contiguous=True)
         allocator = BlockManager(self.num_blocks, self.block_size, enable_prefix_caching=config.enable_prefix_caching,

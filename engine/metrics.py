@@ -11,8 +11,10 @@ Definitions (units in brackets):
   reserved slots not (yet) holding a token.
 - KV utilisation [%]: used / allocated, averaged over the steps where anything was allocated.
 - final length L [tokens]: a completion's prompt + generated tokens (what it needed at its longest).
-- waste at final lengths [%]: paged, sum(ceil(L/B) x B - L) / sum(ceil(L/B) x B); contiguous,
-  sum(R - L) / sum(R) over each request's reservation R.
+- waste at final lengths [%]: paged, the empty share of the blocks every request holds at its final
+  length, counting a block once however many hold it: a request's samples or beams share its prompt's
+  full blocks (fork), and the prompt blocks a first admission found in the prefix cache were not
+  allocated again; contiguous, sum(R - L) / sum(R) over each request's reservation R.
 - internal fragmentation [slots]: R - L of a finished request's reservation (Kwon et al., SOSP 2023,
   section 3): the reserved slots it never needed.
 - external fragmentation [slots]: free slots in gaps smaller than one reservation, counted only when the
@@ -101,12 +103,39 @@ def kv_utilization_pct(snapshots) -> float:
     return statistics.fmean(utilization_pct(s) for s in live) if live else 0.0
 
 
-def paged_accounting(lengths: list[int], block_size: int) -> dict:
-    """Blocks and slots the requests hold at their final lengths, and the share of those slots left empty."""
-    blocks = sum(blocks_for(n, block_size) for n in lengths)
-    used = sum(lengths)
+def request_blocks(prompt_len: int, output_lens: list[int], block_size: int, hit_tokens: int = 0) -> tuple[int, int]:
+    """(blocks, tokens) one request holds at its final lengths, each block and token counted once: its
+    completions (``output_lens``, generated tokens each) share the prompt's full blocks when there are
+    several (fork; the partly filled last prompt block is copied on write), and ``hit_tokens`` of its prompt
+    were found in the prefix cache at its first admission (those blocks existed already)."""
+    shared = prompt_len // block_size if len(output_lens) > 1 else 0
+    blocks = shared + sum(blocks_for(prompt_len + n - shared * block_size, block_size) for n in output_lens)
+    tokens = prompt_len + sum(output_lens)
+    return blocks - hit_tokens // block_size, tokens - hit_tokens
+
+
+def paged_accounting(outputs, block_size: int, hit_tokens: dict[str, int] | None = None) -> dict:
+    """Blocks and slots the requests hold at their final lengths (``request_blocks``), and the share of
+    those slots left empty. ``hit_tokens``: request id -> prefix-cache hit tokens of its first admission
+    (``first_admission_hits``)."""
+    hits = hit_tokens or {}
+    per_request = [request_blocks(len(o.prompt_token_ids), [len(c.token_ids) for c in o.outputs], block_size,
+                                  hits.get(o.request_id, 0)) for o in outputs]
+    blocks = sum(b for b, _ in per_request)
+    used = sum(t for _, t in per_request)
     return {"blocks_allocated": blocks, "slots_allocated": blocks * block_size, "slots_used": used,
             "waste_pct": round(pct(blocks * block_size - used, blocks * block_size), 2)}
+
+
+def first_admission_hits(records) -> dict[str, int]:
+    """Request id -> prefix-cache hit tokens at its first admission (re-admissions left out)."""
+    hits: dict[str, int] = {}
+    for r in records:
+        for e in r.events:
+            if e.kind == "prefix_hit" and not e.data.get("readmission"):
+                rid = e.request_id.split(".")[0]  # a sample's sequence id "R3.0" belongs to request R3
+                hits[rid] = hits.get(rid, 0) + e.data["num_tokens"]
+    return hits
 
 
 def contiguous_accounting(finished: list[tuple[int, int]]) -> dict:
@@ -115,7 +144,8 @@ def contiguous_accounting(finished: list[tuple[int, int]]) -> dict:
     reserved = sum(r for r, _ in finished)
     internal = sum(internal_fragmentation(r, n) for r, n in finished)
     return {"reserved_slots": reserved, "used_slots": reserved - internal, "internal_frag_slots": internal,
-            "waste_pct": round(pct(internal, reserved), 2)}
+            "waste_pct": round(pct(internal, reserved), 2),
+            "mean_reservation": round(reserved / len(finished), 1) if finished else 0.0}
 
 
 def preemption_counts(records) -> dict:
@@ -141,12 +171,14 @@ def run_stats(records, outputs) -> dict:
     generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     waited = {e.request_id for r in records for e in r.events if e.kind == "wait"}
     running = [len(r.snapshot.running) for r in records]
+    seqs = [sum(s.status == "running" for s in r.snapshot.sequences) for r in records]
     return {
         "steps": len(records),
         "generated_tokens": generated,
         "seconds": round(busy, 3),
         "tokens_per_s": round(generated / busy, 2) if busy else 0.0,
-        "peak_concurrency": max(running, default=0),
+        "peak_concurrency": max(running, default=0),  # running requests
+        "peak_running_seqs": max(seqs, default=0),  # their samples / beams, what max_num_seqs caps
         "mean_concurrency": round(statistics.fmean(running), 2) if running else 0.0,
         "kv_utilization": round(kv_utilization_pct(r.snapshot for r in records), 2),
         "queued_at_door": len(waited),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -289,6 +290,11 @@ def _check_record(rec: "StepRecord") -> None:
             raise ValueError(f"snapshot.{name}: {len(values)} entries for {snap.num_blocks} blocks")
     if any(v < 0 for v in snap.ref_counts) or any(not 0 <= v <= snap.block_size for v in snap.fills):
         raise ValueError("snapshot: a reference count is negative or a fill is outside 0..block_size")
+    if snap.ref_counts and snap.ref_counts.count(0) != snap.num_free_blocks:
+        raise ValueError(f"snapshot.num_free_blocks: {snap.num_free_blocks}, but {snap.ref_counts.count(0)} blocks "
+                         f"have reference count 0")
+    if not (math.isfinite(rec.elapsed_s) and rec.elapsed_s >= 0):
+        raise ValueError(f"elapsed_s: {rec.elapsed_s!r} is not a duration in seconds")
     for i, e in enumerate(rec.events):
         schema = EVENT_DATA[e.kind]
         for key, value in e.data.items():
@@ -309,21 +315,32 @@ def write_trace(records: Iterable[StepRecord], path: str | Path) -> int:
 
 
 def read_trace(path: str | Path) -> Iterator[StepRecord]:
-    """Read a JSON-lines trace written by ``write_trace``, checking every record (``StepRecord.from_dict``).
+    """Read a JSON-lines trace written by ``write_trace``, checking every record (``StepRecord.from_dict``)
+    and that step numbers increase. An iterator: records come (and errors are raised) as it is consumed;
+    ``list(read_trace(path))`` reads the whole trace.
 
     Raises:
-        ValueError: a line is not JSON or not a valid record (names the line number and the field).
+        ValueError: a line is not JSON (NaN and Infinity included) or not a valid record, or its step does
+            not follow the previous one (names the line number and the field).
     """
+    last_step = 0
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                data = json.loads(line)
-            except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: absurdly deep JSON
+                data = json.loads(line, parse_constant=_no_constant)
+            except (ValueError, RecursionError) as exc:  # JSON errors, NaN; RecursionError: absurdly deep JSON
                 raise ValueError(f"{path}:{lineno}: not JSON ({type(exc).__name__})") from None
             try:
                 record = StepRecord.from_dict(data)
             except (ValueError, TypeError, RecursionError) as exc:
                 raise ValueError(f"{path}:{lineno}: not a step record ({exc})") from None
+            if record.step <= last_step:
+                raise ValueError(f"{path}:{lineno}: step {record.step} does not follow step {last_step}")
+            last_step = record.step
             yield record
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")

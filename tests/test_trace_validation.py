@@ -48,6 +48,21 @@ def test_bad_fields_are_refused_by_name(sample_record, tmp_path, change, field):
     assert ":1:" in str(info.value)
 
 
+def test_self_contradicting_records_are_refused(sample_record, tmp_path):
+    """Free blocks that disagree with the reference counts, impossible durations, NaN, steps out of order."""
+    for change, field in [(lambda d: d["snapshot"].update(num_free_blocks=0), "num_free_blocks"),
+                          (lambda d: d.update(elapsed_s=-3.0), "elapsed_s")]:
+        bad = copy.deepcopy(sample_record)
+        change(bad)
+        with pytest.raises(ValueError, match=field):
+            list(read_trace(_write(tmp_path, bad)))
+    with pytest.raises(ValueError, match=":1: not JSON"):
+        list(read_trace(_write(tmp_path, json.dumps(sample_record).replace('"elapsed_s": ', '"elapsed_s": NaN, "x": ') + "\n")))
+    line = json.dumps(sample_record)
+    with pytest.raises(ValueError, match=":2: step 1 does not follow step 1"):
+        list(read_trace(_write(tmp_path, line + "\n" + line + "\n")))
+
+
 def test_deep_json_is_refused_not_a_recursion_error(tmp_path):
     path = _write(tmp_path, "[" * 100_000 + "]" * 100_000 + "\n")
     with pytest.raises(ValueError, match=":1: not JSON"):

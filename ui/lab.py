@@ -14,6 +14,7 @@ sets ``ignore_eos``, which fixes its length), and ``notes`` says so.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 from engine import EngineConfig, LLMEngine, SamplingParams, StepRecord
@@ -75,6 +76,7 @@ class Lab:
     history: list[tuple[StepRecord, StepRecord | None]] = field(default_factory=list)
     order: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
     @staticmethod
     def needs_final_lengths(settings: LabSettings) -> bool:
@@ -84,7 +86,9 @@ class Lab:
         if settings.preset == "custom" or settings.contiguous_policy not in NEEDS_FINAL_LENGTH:
             return False
         workload = get_scenario(settings.preset).make(settings.seed, _count_only_tokenizer)
-        return not all(r.params.ignore_eos and not r.params.stop_token_ids for r in workload.requests)
+        # the contiguous side refuses requests with several samples or beams: nothing to learn for them
+        return not all(r.params.ignore_eos and not r.params.stop_token_ids for r in workload.requests
+                       if r.params.num_seqs == 1)
 
     @classmethod
     def create(cls, settings: LabSettings, loaded=None) -> "Lab":
@@ -125,6 +129,10 @@ class Lab:
         ``final_len``: its final length known in advance (the "pow2" and "oracle" policies need it; without
         it such a request runs on the paged engine only and ``notes`` says why).
         Raises ValueError and adds nothing if the paged engine refuses it."""
+        with self._lock:
+            return self._add_request(prompt, params, final_len)
+
+    def _add_request(self, prompt, params: SamplingParams, final_len: int | None) -> str:
         rid = self.paged.add_request(prompt, params)
         self.order.append(rid)
         if self.contiguous is not None:
@@ -144,7 +152,15 @@ class Lab:
             self.contiguous is not None and self.contiguous.has_unfinished())
 
     def step(self) -> tuple[StepRecord, StepRecord | None]:
-        """Admit arrivals due now, then one step of each engine (an engine with nothing to do idles)."""
+        """Admit arrivals due now, then one step of each engine (an engine with nothing to do idles).
+
+        One step at a time: Streamlit may start a new script run (a second click, a key repeat) while the
+        last one is still inside this method, and two runs stepping the same engines at once corrupt them
+        (IndexError in the scheduler, "step 5 of 3"). The lock makes the second wait for the first (``add_request`` takes it too)."""
+        with self._lock:
+            return self._step()
+
+    def _step(self) -> tuple[StepRecord, StepRecord | None]:
         while self.pending and self.pending[0][0].arrival_step <= self.step_count:
             r, final_len = self.pending.pop(0)
             self.add_request(r.prompt, r.params, final_len)

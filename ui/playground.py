@@ -87,7 +87,9 @@ def prefix_cache_reset(lab) -> None:
         return
     if lab.paged.reset_prefix_cache():
         said = [e.message for e in lab.paged.log.events if e.kind == "reset_prefix_cache"]
-        st.sidebar.success(f"{said[-1] if said else 'prefix cache reset'}. The next step's record carries the event.")
+        after = ("The next step's record carries the event, and the hit rate starts again there (as vLLM's)."
+                 if lab.has_work() else "Add a request to see it compute its prompt afresh.")
+        st.sidebar.success(f"{said[-1] if said else 'prefix cache reset'}. {after}")
     else:
         st.sidebar.warning("Reset refused: requests still hold blocks; reset when the pool is idle.")
 

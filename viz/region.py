@@ -35,8 +35,9 @@ def region_cells(layout: dict, request_order: list[str], final_lengths: dict[str
     # gaps too small for a reservation are external fragmentation only when the free slots together would
     # hold one (the allocator's external_frag_slots); otherwise the region is simply full
     if layout.get("external_frag_slots", 0):
+        need = layout.get("external_frag_need") or layout["reservation"]
         for g in layout["gaps"]:
-            if g["length"] < layout["reservation"]:
+            if g["length"] < need:
                 slots[g["start"]:g["start"] + g["length"]] = [EXTERNAL] * g["length"]
     for r in layout["regions"]:
         color = request_color(r["seq_id"], request_order)

@@ -182,14 +182,6 @@ class BlockManager:
         also = f" + {keep} kept free (watermark)" if keep else ""
         return f"needs {need} free block{'s' * (need != 1)}{also}, {self.num_free_blocks} free"
 
-    def needs_new_block(self, seq_id: str) -> bool:
-        """True if appending one token to ``seq_id`` needs a fresh block (last block full, or shared: CoW)."""
-        table = self._table(seq_id)
-        n = self.num_tokens[seq_id]
-        if n % self.block_size == 0:
-            return True
-        return self.ref_counts[table[-1]] > 1
-
     def append_blocks_needed(self, seq_ids: list[str]) -> int:
         """Free blocks that one more token for each of these sequences takes: one for each full last block,
         and for a partly filled last block shared by k of them, k copies if others share it too, else k - 1
@@ -202,9 +194,6 @@ class BlockManager:
             elif self.ref_counts[last] > 1:
                 sharers[last] = sharers.get(last, 0) + 1
         return need + sum(k if self.ref_counts[b] > k else k - 1 for b, k in sharers.items())
-
-    def can_append(self, seq_id: str) -> bool:
-        return not self.needs_new_block(seq_id) or self.num_free_blocks > 0
 
     def slot(self, seq_id: str, position: int) -> int:
         """Slot id of token ``position`` of ``seq_id``.

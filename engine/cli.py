@@ -92,7 +92,8 @@ def paged_summary(engine, records: list[StepRecord], outputs) -> dict:
     peak, the prefix cache (hit rate of first admissions; re-admissions apart), preemptions, run stats."""
     return {
         "peak_blocks_used": engine.block_manager.peak_used_blocks,
-        **metrics.paged_accounting(outputs, engine.block_size, metrics.first_admission_hits(records)),
+        **metrics.paged_accounting(outputs, engine.block_size, metrics.first_admission_hits(records),
+                                   {rid for rid, r in engine.requests.items() if r.is_beam_search}),
         "prefix_cache": metrics.prefix_cache_stats(engine.block_manager.stats),
         "preemption": metrics.preemption_counts(records),
         **metrics.run_stats(records, outputs),

@@ -103,24 +103,40 @@ def kv_utilization_pct(snapshots) -> float:
     return statistics.fmean(utilization_pct(s) for s in live) if live else 0.0
 
 
-def request_blocks(prompt_len: int, output_lens: list[int], block_size: int, hit_tokens: int = 0) -> tuple[int, int]:
-    """(blocks, tokens) one request holds at its final lengths, each block and token counted once: its
-    completions (``output_lens``, generated tokens each) share the prompt's full blocks when there are
-    several (fork; the partly filled last prompt block is copied on write), and ``hit_tokens`` of its prompt
-    were found in the prefix cache at its first admission (those blocks existed already)."""
-    shared = prompt_len // block_size if len(output_lens) > 1 else 0
-    blocks = shared + sum(blocks_for(prompt_len + n - shared * block_size, block_size) for n in output_lens)
-    tokens = prompt_len + sum(output_lens)
-    return blocks - hit_tokens // block_size, tokens - hit_tokens
+def request_blocks(prompt: list[int], completions: list[list[int]], block_size: int, hit_tokens: int = 0,
+                   beams: bool = False) -> tuple[int, int]:
+    """(blocks, tokens) one request holds at its final lengths, each block and token counted once.
+
+    Its ``completions`` (generated token ids each) share what fork shares: samples the prompt's full blocks
+    (each then writes its own, and the partly filled last prompt block is copied on write); beams every
+    full block of the prefix they have in common (a beam forks from its parent with all its blocks).
+    ``hit_tokens`` of the prompt were found in the prefix cache at its first admission (those blocks
+    existed already). Tokens count each shared token once too.
+    """
+    full: set = set()  # a full block, named by the tokens it closes (a prefix) when shared, else its owner
+    partial = 0
+    tokens: set = set()
+    for k, out in enumerate(completions):
+        seq = list(prompt) + list(out)
+        for t in range(len(seq)):
+            tokens.add(tuple(seq[:t + 1]) if beams or t < len(prompt) else (k, t))
+        for i in range(len(seq) // block_size):
+            end = (i + 1) * block_size
+            full.add(tuple(seq[:end]) if beams or end <= len(prompt) else (k, i))
+        partial += bool(len(seq) % block_size)
+    if not completions:
+        return 0, 0
+    return len(full) + partial - hit_tokens // block_size, len(tokens) - hit_tokens
 
 
-def paged_accounting(outputs, block_size: int, hit_tokens: dict[str, int] | None = None) -> dict:
+def paged_accounting(outputs, block_size: int, hit_tokens: dict[str, int] | None = None,
+                     beam_requests: set[str] = frozenset()) -> dict:
     """Blocks and slots the requests hold at their final lengths (``request_blocks``), and the share of
     those slots left empty. ``hit_tokens``: request id -> prefix-cache hit tokens of its first admission
-    (``first_admission_hits``)."""
+    (``first_admission_hits``); ``beam_requests``: ids of beam-search requests."""
     hits = hit_tokens or {}
-    per_request = [request_blocks(len(o.prompt_token_ids), [len(c.token_ids) for c in o.outputs], block_size,
-                                  hits.get(o.request_id, 0)) for o in outputs]
+    per_request = [request_blocks(o.prompt_token_ids, [c.token_ids for c in o.outputs], block_size,
+                                  hits.get(o.request_id, 0), o.request_id in beam_requests) for o in outputs]
     blocks = sum(b for b, _ in per_request)
     used = sum(t for _, t in per_request)
     return {"blocks_allocated": blocks, "slots_allocated": blocks * block_size, "slots_used": used,
@@ -169,7 +185,16 @@ def run_stats(records, outputs) -> dict:
     """Steps, tokens, time and concurrency of a run, and its mean KV utilisation."""
     busy = sum(r.elapsed_s for r in records)
     generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    waited = {e.request_id for r in records for e in r.events if e.kind == "wait"}
+    # requests kept waiting before their first admission (a preempted request waiting to come back is not
+    # "queued at the door": the contiguous baseline never preempts, so only this compares like with like)
+    admitted: set = set()
+    waited: set = set()
+    for r in records:
+        for e in r.events:
+            if e.kind == "wait" and e.request_id not in admitted:
+                waited.add(e.request_id)
+            elif e.kind == "admit":
+                admitted.add(e.request_id)
     running = [len(r.snapshot.running) for r in records]
     seqs = [sum(s.status == "running" for s in r.snapshot.sequences) for r in records]
     return {

@@ -104,23 +104,26 @@ def _swap(seed: int, tokenize=None) -> list[tuple[str, SamplingParams]]:
             for i, p in enumerate(BATCH_PROMPTS)]
 
 
-register(Scenario("single", "one prompt, greedy, 48 tokens, roomy pool", _single))
+# Every scenario names its max_model_len, so the CLI, the Playground and Compare run the same thing (the
+# contiguous "max" reservation is that length).
+register(Scenario("single", "one prompt, greedy, 48 tokens, roomy pool", _single,
+                  {"block_size": 16, "num_blocks": 64, "max_model_len": 256}))
 register(Scenario(
     "parallel-sampling",
     "one prompt, n=4 samples: the samples share the prompt's blocks; the partly filled last block is "
     "copied on write by every sample but the last",
-    _parallel_sampling, {"block_size": 16, "num_blocks": 32},
+    _parallel_sampling, {"block_size": 16, "num_blocks": 32, "max_model_len": 256},
 ))
 register(Scenario(
     "beam-search",
     "one prompt, beam search with 4 beams: beams fork from their parents and share their prefix blocks",
-    _beam_search, {"block_size": 8, "num_blocks": 64},
+    _beam_search, {"block_size": 8, "num_blocks": 64, "max_model_len": 256},
 ))
 register(Scenario(
     "shared-prefix",
     "eight chat requests with one long common system prompt: automatic prefix caching stores its full "
     "blocks once",
-    _shared_prefix, {"block_size": 16, "num_blocks": 64},
+    _shared_prefix, {"block_size": 16, "num_blocks": 64, "max_model_len": 256},
 ))
 register(Scenario(
     "swap",

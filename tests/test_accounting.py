@@ -14,10 +14,20 @@ from engine.contiguous import ContiguousAllocator
 def test_samples_share_their_prompts_full_blocks_at_final_lengths():
     # prompt 20 tokens, B=16, 4 samples of 10: block 0 (16 prompt tokens) once, then each sample's own block
     # holding 4 prompt tokens (copied on write) + 10 of its own; 5 blocks, not 4 x ceil(30/16) = 8
-    assert metrics.request_blocks(20, [10, 10, 10, 10], 16) == (5, 60)
-    assert metrics.request_blocks(20, [10], 16) == (2, 30)  # one completion: nothing shared
+    prompt, same = list(range(20)), [7] * 10  # greedy samples may write the same tokens: still their own blocks
+    assert metrics.request_blocks(prompt, [same, same, same, same], 16) == (5, 60)
+    assert metrics.request_blocks(prompt, [same], 16) == (2, 30)  # one completion: nothing shared
     # 16 of its 20 prompt tokens found in the prefix cache: that block existed already
-    assert metrics.request_blocks(20, [10], 16, hit_tokens=16) == (1, 14)
+    assert metrics.request_blocks(prompt, [same], 16, hit_tokens=16) == (1, 14)
+
+
+def test_beams_share_every_full_block_of_their_common_prefix():
+    # B=4, prompt 4 tokens; beams agree on 5 generated tokens then split: blocks [p][g0..g3] shared, then
+    # each beam's own partly filled block (5th generated token on)
+    prompt, common = [1, 2, 3, 4], [5, 6, 7, 8, 9]
+    beams = [common + [10, 11], common + [12], common + [13, 14]]
+    assert metrics.request_blocks(prompt, beams, 4, beams=True) == (2 + 3, 9 + 5)
+    assert metrics.request_blocks(prompt, beams, 4) == (1 + 3 * 2, 4 + 3 * 5 + 5)  # as samples: prompt only
 
 
 def test_shared_prefix_scenario_counts_the_system_prompt_once(capsys):

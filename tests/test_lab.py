@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 from engine import EMBEDDED_MODEL
@@ -33,3 +34,20 @@ def test_concurrent_steps_stay_consistent():
     assert [p.step for p, _ in lab.history] == list(range(1, 25))
     assert [c.step for _, c in lab.history] == list(range(1, 25))
     assert lab.paged.block_manager.invariant_violations() == []
+
+
+def test_every_preset_is_the_same_run_in_the_cli_and_the_app():
+    """A scenario's engine settings are the same whether the CLI, the Playground or Compare builds it (the
+    app used to default max_model_len to 256 where the CLI derived it from the pool)."""
+    from engine.cli import build_parser, engine_config
+    from engine.scenarios import SCENARIOS
+    from ui.state import preset_settings
+
+    for name, scenario in SCENARIOS.items():
+        args = build_parser().parse_args(["run", "--scenario", name])
+        for allocator in ("paged", "contiguous"):
+            cli = engine_config(args, scenario, allocator)
+            app = preset_settings(name).config(allocator)
+            # reservation_tokens None means max_model_len: the same reservation
+            cli = dataclasses.replace(cli, reservation_tokens=cli.reservation_tokens or cli.max_model_len)
+            assert app == cli, (name, allocator)

@@ -155,6 +155,17 @@ def test_playground_policy_and_watermark_reach_the_engines():
     assert lab.paged.config.watermark == 0 and lab.paged.config.enable_prefix_caching is False
 
 
+def test_the_form_shows_the_settings_in_effect_after_a_preset_overrides_them():
+    """memory-pressure fixes its watermark at 0: a typed 30 does not apply, and the form must not keep
+    showing it (a teacher would believe 30% is in effect)."""
+    at = new_app()
+    label = "Watermark (% of the pool kept free at admission)"
+    apply_preset(at, "memory-pressure", **{label: 30.0})
+    assert at.session_state["lab"].paged.config.watermark == 0
+    assert next(w for w in at.sidebar.number_input if w.label == label).value == 0
+    assert any("watermark 0.0%" in c.value and "memory-pressure" in c.value for c in at.sidebar.caption)
+
+
 def test_oracle_lab_learns_final_lengths_and_notes_hand_added_requests():
     from ui.lab import POLICY_LABELS, POLICY_RESERVES, Lab
     from ui.state import preset_settings

@@ -127,6 +127,8 @@ def show(result: dict) -> None:
                + ". Pow2 and Oracle learn each request's final length from the paged run. Paged internal "
                  "fragmentation is the unfilled tail of last blocks (a block shared by samples or found in the "
                  "prefix cache counts once); it has no external fragmentation (any free block serves any request). "
+                 "Slots used count each stored token: a contiguous reservation stores a shared prefix again for "
+                 "every request, paging once. "
                  "Contiguous external fragmentation is measured against the reservation of the request waiting at "
                  "the door. Engine steps, not tokens/s, compare the allocators' throughput here: on this CPU the "
                  "wall clock mostly measures the reference attention code (the CLI reports it). The hit rate counts "

@@ -25,27 +25,30 @@ PRESET_DEFAULTS = {"block_size": 16, "num_blocks": 64, "max_model_len": 256}
 def settings_form(current: LabSettings) -> None:
     with st.sidebar.form("engine"):
         st.subheader("Engine")
+        # keys change with every rebuilt lab, so the form always opens on the settings in effect (a value
+        # typed but overridden by the preset does not linger)
+        gen = st.session_state.get("lab_generation", 0)
         presets = ["custom"] + list(SCENARIOS)
         preset = st.selectbox("Preset", presets, index=presets.index(current.preset),
-                              help="A scenario's requests, or 'custom' to add your own.")
+                              help="A scenario's requests, or 'custom' to add your own.", key=f"set_preset_{gen}")
         if current.preset != "custom":
             st.caption(f"Current preset **{current.preset}**: {SCENARIOS[current.preset].description}")
-        model = st.text_input("Model (embedded default, local path or hub id)", current.model)
+        model = st.text_input("Model (embedded default, local path or hub id)", current.model, key=f"set_model_{gen}")
         c1, c2 = st.columns(2)
-        block_size = c1.number_input("Block size", value=current.block_size, step=1)
-        num_blocks = c2.number_input("Pool (blocks)", value=current.num_blocks, step=1)
+        block_size = c1.number_input("Block size", value=current.block_size, step=1, key=f"set_block_size_{gen}")
+        num_blocks = c2.number_input("Pool (blocks)", value=current.num_blocks, step=1, key=f"set_num_blocks_{gen}")
         budget = st.number_input("or KV budget (MiB, 0 = use blocks)", value=float(current.kv_budget_mb),
-                                 min_value=0.0, step=0.25, format="%.2f")
+                                 min_value=0.0, step=0.25, format="%.2f", key=f"set_kv_budget_{gen}")
         c3, c4 = st.columns(2)
-        max_len = c3.number_input("Max model length", value=current.max_model_len, step=1)
+        max_len = c3.number_input("Max model length", value=current.max_model_len, step=1, key=f"set_max_len_{gen}")
         reservation = c4.number_input("Contiguous reservation", value=current.reservation or current.max_model_len,
-                                      step=1)
-        caching = st.checkbox("Prefix caching", value=current.enable_prefix_caching)
+                                      step=1, key=f"set_reservation_{gen}")
+        caching = st.checkbox("Prefix caching", value=current.enable_prefix_caching, key=f"set_caching_{gen}")
         mode = st.radio("Preemption", PREEMPTION_MODES, index=PREEMPTION_MODES.index(current.preemption_mode),
-                        horizontal=True)
+                        horizontal=True, key=f"set_preemption_{gen}")
         swap = st.number_input("Swap pool (blocks, 0 = as big as the pool)", value=current.swap_space_blocks or 0,
-                               step=1)
-        seed = st.number_input("Seed", value=current.seed, min_value=0, step=1)
+                               step=1, key=f"set_swap_{gen}")
+        seed = st.number_input("Seed", value=current.seed, min_value=0, step=1, key=f"set_seed_{gen}")
         policy = st.selectbox("Contiguous policy", CONTIGUOUS_POLICIES,
                               index=CONTIGUOUS_POLICIES.index(current.contiguous_policy),
                               format_func=POLICY_LABELS.get,
@@ -53,15 +56,15 @@ def settings_form(current: LabSettings) -> None:
                                    "baselines): " + "; ".join(f"{POLICY_LABELS[p]}: {POLICY_RESERVES[p]}"
                                                               for p in CONTIGUOUS_POLICIES)
                                    + ". Pow2 and Oracle learn each preset request's final length from a paged "
-                                     "run first; requests added by hand then run on the paged engine only.")
+                                     "run first; requests added by hand then run on the paged engine only.", key=f"set_policy_{gen}")
         watermark = st.number_input("Watermark (% of the pool kept free at admission)",
                                     value=round(current.watermark * 100, 2), min_value=0.0, max_value=99.0,
                                     step=0.5, format="%.1f",
                                     help="vLLM's watermark: admission leaves this share of the paged pool free, so "
-                                         "a request just admitted is not preempted at once. 0 = use the exact pool.")
+                                         "a request just admitted is not preempted at once. 0 = use the exact pool.", key=f"set_watermark_{gen}")
         use_preset = st.checkbox("Use the preset's pool settings", value=True,
                                  help="Take block size, pool and lengths from the preset instead, and any setting "
-                                      "the preset fixes itself (e.g. prefix caching off, preemption by swap).")
+                                      "the preset fixes itself (e.g. prefix caching off, preemption by swap).", key=f"set_use_preset_{gen}")
         if st.form_submit_button("Apply and reset", type="primary"):
             fields = dict(block_size=int(block_size), num_blocks=int(num_blocks), max_model_len=int(max_len),
                           reservation=int(reservation), swap_space_blocks=int(swap) or None,
@@ -77,6 +80,15 @@ def settings_form(current: LabSettings) -> None:
             else:
                 build_lab(LabSettings(model=model.strip(), preset=preset, **common, **fields))
             st.rerun()
+    st.sidebar.caption(in_effect(current))
+
+
+def in_effect(settings: LabSettings) -> str:
+    """The settings the engines run with, in one line (the form may show values not applied yet)."""
+    return (f"In effect: **{settings.preset}**, blocks of {settings.block_size}, max length {settings.max_model_len}, "
+            f"prefix caching {'on' if settings.enable_prefix_caching else 'off'}, preemption by "
+            f"{settings.preemption_mode}, watermark {settings.watermark:.1%}, contiguous "
+            f"{POLICY_LABELS[settings.contiguous_policy]}.")
 
 
 def prefix_cache_reset(lab) -> None:

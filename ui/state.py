@@ -35,6 +35,7 @@ def build_lab(settings: LabSettings) -> bool:
         st.session_state["lab_error"] = str(exc)
         return False
     st.session_state["lab"] = lab
+    st.session_state["lab_generation"] = st.session_state.get("lab_generation", 0) + 1  # a fresh settings form
     st.session_state["cursor"] = -1  # -1: follow the latest step
     st.session_state.pop("lab_error", None)
     return True

@@ -23,13 +23,14 @@ import torch
 
 import kernels
 
+from . import memory
+from .allocator import KVAllocator
 from .block_manager import BlockManager
 from .contiguous import ContiguousAllocator
 from .config import EngineConfig, SamplingParams
 from .kv_cache import KVCache, num_blocks_for_budget
 from .model_loader import geometry_from_config, load_model, resolve_device, resolve_dtype
 from .model_runner import ModelRunner, SeqInput
-from .allocator import KVAllocator
 from .records import EventLog, ScheduledSequence, SequenceState, Snapshot, StepRecord
 from .sampler import sample_batch
 from .scheduler import Scheduler
@@ -146,10 +147,8 @@ class LLMEngine:
             ValueError: the pool or the swap pool (naming ``swap_space_blocks``) does not fit, with the
                 sizes in GiB.
         """
-        from .memory import available_host_memory_bytes
-
         gib = 2**30
-        host = available_host_memory_bytes()
+        host = memory.available_host_memory_bytes()
         free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else host
         if free is not None and nbytes > free:
             raise ValueError(

@@ -147,9 +147,10 @@ def first_admission_hits(records) -> dict[str, int]:
     """Request id -> prefix-cache hit tokens at its first admission (re-admissions left out)."""
     hits: dict[str, int] = {}
     for r in records:
+        owner = {s.seq_id: s.request_id for s in r.snapshot.sequences}  # a sample "R3.0" belongs to R3
         for e in r.events:
             if e.kind == "prefix_hit" and not e.data.get("readmission"):
-                rid = e.request_id.split(".")[0]  # a sample's sequence id "R3.0" belongs to request R3
+                rid = owner.get(e.request_id, e.request_id)
                 hits[rid] = hits.get(rid, 0) + e.data["num_tokens"]
     return hits
 

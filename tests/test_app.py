@@ -45,8 +45,8 @@ def test_step_changes_state_and_numbers():
         assert lab.step_count == step
         snap = lab.history[-1][0].snapshot
         shown = metrics(at)
-        assert shown["paged: running"] == str(len(snap.running))
-        assert shown["paged: free"] == f"{snap.num_free_blocks}/{snap.num_blocks}"
+        assert shown["running"] == str(len(snap.running))
+        assert shown["free blocks"] == f"{snap.num_free_blocks}/{snap.num_blocks}"
         assert at.caption[0].value.startswith(f"step {step} of {step}")
     first, second = lab.history[0][0].snapshot, lab.history[1][0].snapshot
     assert [s.token_ids for s in first.sequences] != [s.token_ids for s in second.sequences]

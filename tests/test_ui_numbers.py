@@ -141,7 +141,7 @@ def test_playground_hit_rate_is_first_admissions_with_readmissions_apart():
     records = [p for p, _ in lab.history]
     first, both, readmission_hits = first_admission_rate(records)
     assert readmission_hits > 0 and f"{first:.1f}%" != f"{both:.1f}%"
-    shown = next(m for m in at.metric if m.label == "prefix-cache hit rate")
+    shown = next(m for m in at.metric if m.label == "hit rate")
     assert shown.value == f"{first:.1f}%"
     assert "first admissions only" in shown.help and f"{readmission_hits:,} hit tokens" in shown.help
 

@@ -295,27 +295,34 @@ def _slack(snap) -> str:
 def metrics_row(lab, paged, contiguous) -> None:
     """The numbers of the step shown, each read from its record through ``engine.metrics``."""
     snap = paged.snapshot
-    m = st.columns(7)
-    m[0].metric("paged: running", len(snap.running), help="running requests (a request may hold several "
-                                                           "samples or beams)")
-    m[1].metric("paged: free", f"{snap.num_free_blocks}/{snap.num_blocks}", help="free blocks / all blocks")
-    m[2].metric("paged: slack", _slack(snap), help="unused slots in allocated blocks (last-block slack)")
+    # two labelled groups, so each label stays short enough to read at 1280 px (seven long labels were cut)
+    left, right = st.columns([4, 3])
+    left.caption("**Paged** block pool")
+    if contiguous is not None:
+        right.caption(f"**Contiguous** baseline, {POLICY_LABELS[lab.settings.contiguous_policy]}")
+    m = list(left.columns(4)) + list(right.columns(3))
+    m[0].metric("running", len(snap.running), help="running requests on the paged engine (a request may hold "
+                                                   "several samples or beams)")
+    m[1].metric("free blocks", f"{snap.num_free_blocks}/{snap.num_blocks}", help="free blocks / all blocks")
+    m[2].metric("slack", _slack(snap), help="unused slots in allocated blocks (last-block slack)")
     cache = metrics.prefix_cache_stats(snap.prefix_cache)
     if not lab.settings.enable_prefix_caching:
         rate = "off"
     else:
         rate = f"{cache['hit_rate_pct']:.1f}%" if cache["query_tokens"] else "-"
-    m[3].metric("prefix-cache hit rate", rate,
-                help=f"Prompt tokens found in the prefix cache over prompt tokens looked up, first admissions only: "
+    m[3].metric("hit rate", rate,
+                help=f"Prefix-cache hit rate: prompt tokens found in the prefix cache over prompt tokens looked up, "
+                     f"first admissions only: "
                      f"{cache['hit_tokens']:,} of {cache['query_tokens']:,} tokens in {cache['requests']} admissions. "
                      f"Re-admissions after a preemption are counted apart (they mostly find their own freed "
                      f"blocks): {cache['readmission_hit_tokens']:,} hit tokens of "
                      f"{cache['readmission_query_tokens']:,} in {cache['readmissions']} re-admissions.")
     if contiguous is not None:
         cs = contiguous.snapshot
-        m[4].metric("contig.: running", len(cs.running), help="running requests on the contiguous baseline")
-        m[5].metric("contig.: waiting", len(cs.waiting), help="requests waiting at the door for a large enough gap")
-        m[6].metric("contig.: unused", _slack(cs),
+        m[4].metric("admitted", len(cs.running), help="running requests on the contiguous baseline (it never "
+                                                      "preempts: admitted is running)")
+        m[5].metric("waiting", len(cs.waiting), help="requests waiting at the door for a large enough gap")
+        m[6].metric("unused", _slack(cs),
                     help=f"reserved slots not (yet) holding a token; policy "
                          f"{POLICY_LABELS[lab.settings.contiguous_policy]}: reserves "
                          f"{POLICY_RESERVES[lab.settings.contiguous_policy]}")

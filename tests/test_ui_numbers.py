@@ -166,6 +166,14 @@ def test_the_form_shows_the_settings_in_effect_after_a_preset_overrides_them():
     assert any("watermark 0.0%" in c.value and "memory-pressure" in c.value for c in at.sidebar.caption)
 
 
+def test_applying_settings_pauses_play():
+    at = new_app()
+    button(at, "Play").click().run()
+    assert at.session_state["playing"]
+    apply_preset(at, "single")
+    assert not at.session_state["playing"] and at.session_state["lab"].step_count == 0
+
+
 def test_oracle_lab_learns_final_lengths_and_notes_hand_added_requests():
     from ui.lab import POLICY_LABELS, POLICY_RESERVES, Lab
     from ui.state import preset_settings

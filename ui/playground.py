@@ -167,8 +167,7 @@ def open_requested_preset() -> None:
     except (TypeError, ValueError) as exc:
         st.session_state["lab_error"] = f"the lesson's preset {request!r} cannot be opened: {exc}"
         return
-    if build_lab(settings):
-        st.session_state["playing"] = False
+    build_lab(settings)  # starts paused
 
 
 def main() -> None:

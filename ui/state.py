@@ -37,6 +37,7 @@ def build_lab(settings: LabSettings) -> bool:
     st.session_state["lab"] = lab
     st.session_state["lab_generation"] = st.session_state.get("lab_generation", 0) + 1  # a fresh settings form
     st.session_state["cursor"] = -1  # -1: follow the latest step
+    st.session_state["playing"] = False  # a new run starts paused: Play on a preset nobody has seen yet surprises
     st.session_state.pop("lab_error", None)
     return True
 

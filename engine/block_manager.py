@@ -180,7 +180,7 @@ class BlockManager:
         if need + keep <= self.num_free_blocks:
             return None
         also = f" + {keep} kept free (watermark)" if keep else ""
-        return f"needs {need} free block{'s' * (need != 1)}{also}, {self.num_free_blocks} free"
+        return f"needs {_n(need, 'free block')}{also}, {self.num_free_blocks} free"
 
     def append_blocks_needed(self, seq_ids: list[str]) -> int:
         """Free blocks that one more token for each of these sequences takes: one for each full last block,

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from . import metrics
-from .config import CONTIGUOUS_POLICIES, EMBEDDED_MODEL, EngineConfig
+from .config import CONTIGUOUS_POLICIES, EMBEDDED_MODEL, FINAL_LENGTH_POLICIES, EngineConfig
 from .records import StepRecord, write_trace
 from .scenarios import SCENARIOS, get_scenario
 from .workloads import learn_final_lengths, run_workload
@@ -241,7 +241,7 @@ def _build_engines(engine_cls, configs: dict, allocators: list[str], scenario, s
         engine = engine_cls(configs[alloc], (first.model, first.tokenizer) if first else None)
         for i, r in enumerate(scenario.make(seed, _tokenizer(engine)).requests):
             try:
-                if alloc == "contiguous" and engine.config.contiguous_policy in ("pow2", "oracle"):
+                if alloc == "contiguous" and engine.config.contiguous_policy in FINAL_LENGTH_POLICIES:
                     # the longest final length the request may reach stands in for the one learned later
                     ids = engines["paged"].check_request(r.prompt, r.params)
                     engine.check_request(r.prompt, r.params,
@@ -285,7 +285,7 @@ def run(args) -> int:
     configs = {a: engine_config(args, scenario, a) for a in ("paged", "contiguous")}  # bad flags fail first
     # "pow2" and "oracle" reserve by each request's true final length: a paged run of the same requests
     # learns them (the same seeds give the same tokens on both allocators)
-    oracle = "contiguous" in wanted and configs["contiguous"].contiguous_policy in ("pow2", "oracle")
+    oracle = "contiguous" in wanted and configs["contiguous"].contiguous_policy in FINAL_LENGTH_POLICIES
     allocators = ["paged", "contiguous"] if oracle else wanted
     engines = _build_engines(LLMEngine, configs, allocators, scenario, args.seed)
     cont = engines.get("contiguous")

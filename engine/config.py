@@ -20,6 +20,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 MAX_SEED = 2**62  # sample i of n uses seed + i; torch generators take 64-bit seeds
 ALLOCATORS = ("paged", "contiguous")
 CONTIGUOUS_POLICIES = ("max", "max_tokens", "pow2", "oracle")  # engine.contiguous explains each
+FINAL_LENGTH_POLICIES = ("pow2", "oracle")  # the policies that must know each request's final length
 
 
 def _check_positive_int(name: str, value, allow_none: bool = False) -> None:
@@ -194,6 +195,12 @@ class SamplingParams:
     def num_seqs(self) -> int:
         """Sequences this request may hold at once."""
         return max(self.n, self.beam_width)
+
+    @property
+    def length_known(self) -> bool:
+        """Whether the final length is known before generating: prompt + max_tokens (capped at the maximum
+        length), since neither the end-of-sequence token nor a stop token can end the reply early."""
+        return self.ignore_eos and not self.stop_token_ids
 
     @property
     def greedy(self) -> bool:

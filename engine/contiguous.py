@@ -148,10 +148,16 @@ class ContiguousAllocator:
         that) and nothing under the others (no request is kept out, and the next one's size is unknown)."""
         if need is not None and (isinstance(need, bool) or not isinstance(need, int) or need <= 0):
             raise ValueError(f"need must be a positive integer, got {need!r}")
-        need = need or self.door_need or (self.reservation if self.policy == "max" else None)
+        need = need or self.default_need
         if need is None:
             return 0
         return external_fragmentation([length for _, length in self.gaps()], self.free_slots, need)
+
+    @property
+    def default_need(self) -> int | None:
+        """The reservation external fragmentation is measured against: the request waiting at the door's,
+        or with nobody waiting the "max" reservation under "max" (None under the others)."""
+        return self.door_need or (self.reservation if self.policy == "max" else None)
 
     @property
     def external_frag_slots(self) -> int:
@@ -294,7 +300,7 @@ class ContiguousAllocator:
             "internal_frag_slots": self.internal_frag_slots,
             "external_frag_slots": self.external_frag_slots,
             # the reservation external fragmentation was measured against (None: nobody is kept out)
-            "external_frag_need": self.door_need or (self.reservation if self.policy == "max" else None),
+            "external_frag_need": self.default_need,
             "free_slots": self.free_slots,
             "largest_gap": self.largest_gap,
         }

@@ -49,7 +49,7 @@ MAX_RECORDED_BLOCKS = 65_536
 class _BeamCandidates:
     """One beam-search step's 2w candidates (best first): accumulated ``scores``, the live beam each
     continues (``parents``), its ``tokens``, whether it ``stops``, ``running_scores`` (stopped ones pushed
-    down), the indices of the w that ``keep`` running, the EOS id in force and the beams' new ``length``."""
+    down), the indices of the w that ``keep`` running and the beams' new ``length``."""
 
     scores: torch.Tensor
     parents: list[int]
@@ -57,7 +57,6 @@ class _BeamCandidates:
     stops: torch.Tensor
     running_scores: torch.Tensor
     keep: list[int]
-    eos: int | None
     length: int
 
 
@@ -277,7 +276,7 @@ class LLMEngine:
                      and self.config.allocator == "contiguous" else f"max_model_len {self.max_model_len}")
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate within {limit}")
         max_len = min(len(ids) + params.max_tokens, self.max_model_len)
-        if final_len is None and params.ignore_eos:
+        if final_len is None and params.length_known:
             final_len = max_len
         if final_len is not None and (isinstance(final_len, bool) or not isinstance(final_len, int)
                                       or not len(ids) < final_len <= max_len):
@@ -445,12 +444,11 @@ class LLMEngine:
         accumulated = (log_probs + torch.tensor([s.score for s in live])[:, None]).reshape(-1)
         scores, index = torch.topk(accumulated, 2 * w)
         tokens = (index % vocab).tolist()
-        eos = None if req.params.ignore_eos else self.tokenizer.eos_token_id
         length = live[0].num_tokens + 1  # every beam's length after this step
-        stops = torch.tensor([t == eos or t in req.params.stop_token_ids or length >= req.max_len for t in tokens])
+        stops = torch.tensor([self._is_stop(req.params, t) or length >= req.max_len for t in tokens])
         running_scores = scores + stops.to(torch.float32) * BEAM_NEG
         return _BeamCandidates(scores, (index // vocab).tolist(), tokens, stops, running_scores,
-                               torch.topk(running_scores, w)[1].tolist(), eos, length)
+                               torch.topk(running_scores, w)[1].tolist(), length)
 
     def _beam_hypotheses(self, req: Request, live: list[Sequence], c: "_BeamCandidates") -> list:
         """The w best finished hypotheses so far: the old ones merged with the candidates among the top w
@@ -471,7 +469,7 @@ class LLMEngine:
             token = c.tokens[j]
             reason = None
             if bool(just_finished[j]):
-                reason = "stop" if token == c.eos or token in p.stop_token_ids else "length"
+                reason = "stop" if self._is_stop(p, token) else "length"
             best.append((float(merged[k]), live[c.parents[j]].token_ids + [token], reason))
         return best
 
@@ -511,9 +509,13 @@ class LLMEngine:
             self._emit(out, seq, token)
         req.seqs = [seq for seq, _, _ in plan]  # beam order = score order, as transformers keeps it
 
+    def _is_stop(self, params: SamplingParams, token: int) -> bool:
+        """Whether ``token`` ends the reply: the end-of-sequence token (unless ``ignore_eos``) or a stop token."""
+        eos = None if params.ignore_eos else self.tokenizer.eos_token_id
+        return (eos is not None and token == eos) or token in params.stop_token_ids
+
     def _finish_reason(self, req: Request, seq: Sequence, token: int) -> str | None:
-        eos = self.tokenizer.eos_token_id
-        if (not req.params.ignore_eos and eos is not None and token == eos) or token in req.params.stop_token_ids:
+        if self._is_stop(req.params, token):
             return "stop"
         if seq.num_tokens >= req.max_len:  # max_tokens, max_model_len or a contiguous reservation
             return "length"

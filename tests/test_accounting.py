@@ -86,3 +86,17 @@ def test_reset_prefix_cache_restarts_the_hit_rate():
 def test_reset_without_passes_is_a_clear_error(capsys):
     assert cli_main(["run", "--scenario", "single", "--reset-prefix-cache"]) == 2
     assert "give --passes 2 or more" in capsys.readouterr().err
+
+
+def test_a_reply_with_stop_tokens_has_no_length_known_in_advance(make_engine, text_ids):
+    """ignore_eos alone fixes the final length (prompt + max_tokens); stop tokens can still end it early, so
+    the oracle must be told the length rather than assume the longest."""
+    from engine import SamplingParams
+
+    assert SamplingParams(ignore_eos=True).length_known
+    assert not SamplingParams(ignore_eos=True, stop_token_ids=[5]).length_known
+    engine = make_engine(block_size=4, num_blocks=32, max_model_len=64, allocator="contiguous",
+                         contiguous_policy="oracle")
+    engine.add_request(text_ids[:5], SamplingParams(max_tokens=6, ignore_eos=True))  # 11, derived
+    with pytest.raises(ValueError, match="needs each request's final length"):
+        engine.add_request(text_ids[:5], SamplingParams(max_tokens=6, ignore_eos=True, stop_token_ids=[5]))

@@ -16,10 +16,10 @@ import streamlit as st
 
 from engine import LLMEngine, metrics
 from engine.cli import contiguous_summary, paged_summary
-from engine.config import CONTIGUOUS_POLICIES
+from engine.config import CONTIGUOUS_POLICIES, FINAL_LENGTH_POLICIES
 from engine.scenarios import SCENARIOS
 from engine.workloads import learn_final_lengths, run_workload
-from ui.lab import NEEDS_FINAL_LENGTH, POLICY_LABELS, POLICY_RESERVES, LabSettings
+from ui.lab import POLICY_LABELS, POLICY_RESERVES, LabSettings
 from ui.state import preset_settings, shared_model
 from viz import contiguous_region_figure, paged_slots_figure, timeline_figure
 
@@ -74,7 +74,7 @@ def run_all(name: str, seed: int) -> dict:
                 config = dataclasses.replace(settings, contiguous_policy=policy).config("contiguous")
                 engine = LLMEngine(config, loaded)
                 outputs = run_workload(engine, workload, on_step=records.append,
-                                       final_lens=finals if policy in NEEDS_FINAL_LENGTH else None)
+                                       final_lens=finals if policy in FINAL_LENGTH_POLICIES else None)
         except ValueError as exc:
             result["skipped"][policy] = str(exc)
             continue

@@ -18,6 +18,7 @@ import threading
 from dataclasses import dataclass, field
 
 from engine import EngineConfig, LLMEngine, SamplingParams, StepRecord
+from engine.config import FINAL_LENGTH_POLICIES
 from engine.scenarios import get_scenario
 from engine.workloads import WorkloadRequest, learn_final_lengths, run_workload
 
@@ -29,7 +30,6 @@ POLICY_RESERVES = {"max": "the maximum length R for every request",
                    "max_tokens": "prompt + max_tokens, what a server knows at admission",
                    "pow2": "the next power of two of the true final length (up to 2x too much)",
                    "oracle": "exactly the true final length"}
-NEEDS_FINAL_LENGTH = ("pow2", "oracle")  # policies that must know each request's final length in advance
 
 
 @dataclass
@@ -83,12 +83,11 @@ class Lab:
         """Whether ``create`` first runs the preset on a headless paged engine to learn final lengths: under
         "pow2" / "oracle", unless every request's length is known anyway (``ignore_eos``, no stop tokens:
         prompt + max_tokens, which the engine derives itself)."""
-        if settings.preset == "custom" or settings.contiguous_policy not in NEEDS_FINAL_LENGTH:
+        if settings.preset == "custom" or settings.contiguous_policy not in FINAL_LENGTH_POLICIES:
             return False
         workload = get_scenario(settings.preset).make(settings.seed, _count_only_tokenizer)
         # the contiguous side refuses requests with several samples or beams: nothing to learn for them
-        return not all(r.params.ignore_eos and not r.params.stop_token_ids for r in workload.requests
-                       if r.params.num_seqs == 1)
+        return not all(r.params.length_known for r in workload.requests if r.params.num_seqs == 1)
 
     @classmethod
     def create(cls, settings: LabSettings, loaded=None) -> "Lab":

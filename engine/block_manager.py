@@ -118,6 +118,10 @@ class BlockManager:
         self.swap_tables: dict[str, list[int]] = {}
         self.swap_num_tokens: dict[str, int] = {}
         self.pending_ops: list[tuple[str, int, int]] = []
+        # vLLM's KV cache events (vllm/distributed/kv_events.py) in its schema, drained each step:
+        # {"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids", "block_size"},
+        # {"type": "BlockRemoved", "block_hashes"}, {"type": "AllBlocksCleared"}
+        self.kv_events: list[dict] = []
         self.log = event_log if event_log is not None else EventLog()
         self.peak_used_blocks = 0  # most blocks in use at any moment, also within a step
 
@@ -276,14 +280,16 @@ class BlockManager:
         return self.allocate_with_prefix(seq_id, num_tokens, token_ids)[0]
 
     def allocate_with_prefix(self, seq_id: str, num_tokens: int, token_ids: list[int] | None = None,
-                             reservation: int | None = None, preempted: bool = False) -> tuple[list[int], int]:
+                             reservation: int | None = None, preempted: bool = False,
+                             query_tokens: int | None = None) -> tuple[list[int], int]:
         """Give a new sequence the blocks for its first ``num_tokens`` tokens (prefill).
 
         With prefix caching and ``token_ids``, the longest cached prefix is reused (reference counts rise,
         free cached blocks leave the free queue); the rest takes fresh blocks from the free queue. Full
         fresh blocks are registered in the cache at once (their K/V are computed in this same step).
         ``preempted``: a re-admission after a preemption; its query and hits are counted apart in ``stats``.
-        ``reservation`` is ignored (the contiguous allocator's).
+        ``query_tokens``: the tokens the prefix-cache query counts (default ``num_tokens``; V1 allocates
+        a first prefill chunk but queries the whole sequence). ``reservation`` is ignored (the contiguous allocator's).
 
         Returns:
             (block table, number of leading tokens whose K/V are already cached and need no compute).
@@ -307,7 +313,7 @@ class BlockManager:
         if self.enable_prefix_caching and token_ids is not None:
             prefix = "preempted_" if preempted else ""
             self.stats[prefix + "requests"] += 1
-            self.stats[prefix + "queries"] += num_tokens
+            self.stats[prefix + "queries"] += num_tokens if query_tokens is None else query_tokens
             self.stats[prefix + "hits"] += len(hits) * self.block_size
         for b in hits:
             if self.ref_counts[b] == 0:
@@ -536,9 +542,82 @@ class BlockManager:
         self.cached_blocks = {}
         self.fills = [0] * self.num_blocks
         self.stats.update({k: 0 for k in self.stats if k != "evictions"})
+        self.kv_events.append({"type": "AllBlocksCleared"})
         self.log.emit(EventKind.RESET_PREFIX_CACHE, None, [],
                       f"prefix cache reset: {_n(dropped, 'cached block')} forgotten", num_blocks=dropped)
         return True
+
+    # ------------------------------------------------------------------------------- vLLM V1 allocation
+    def blocks_to_allocate(self, seq_id: str, token_ids: list[int], num_tokens: int) -> int:
+        """Free-queue blocks that holding the first ``num_tokens`` tokens of ``seq_id`` would take (vLLM V1's
+        ``get_num_blocks_to_allocate``): new blocks beyond those it holds, or for a sequence holding none,
+        beyond its prefix-cache hit on ``token_ids``, plus the hit blocks that sit free (ref count 0) and
+        would leave the free queue. Changes nothing."""
+        if seq_id in self.block_tables:
+            return max(self.blocks_needed(num_tokens) - len(self.block_tables[seq_id]), 0)
+        hits = self.match_prefix(token_ids)
+        fresh = max(self.blocks_needed(num_tokens) - len(hits), 0)
+        return fresh + sum(self.ref_counts[b] == 0 for b in hits)
+
+    def allocate_slots(self, seq_id: str, token_ids: list[int], num_new_tokens: int,
+                       preempted: bool = False) -> int:
+        """vLLM V1's ``KVCacheManager.allocate_slots`` for one sequence: hold slots for ``num_new_tokens``
+        more tokens of ``token_ids`` (all the sequence's tokens, prompt + generated). A sequence holding no
+        blocks first takes its longest cached prefix (``get_computed_blocks``: never the last token's
+        block), recorded in ``stats`` (``preempted``: a re-admission, counted apart), and its
+        ``num_new_tokens`` start after the hit. Full blocks among the held tokens enter the prefix cache
+        at once (``cache_blocks``), each with a "BlockStored" KV event; a block taken from the free queue
+        that carried a hash is evicted first ("BlockRemoved").
+
+        Returns:
+            the tokens found in the prefix cache (0 for a sequence that already held blocks).
+
+        Raises:
+            ValueError: ``num_new_tokens`` < 1, or the held tokens would exceed ``token_ids``.
+            NoFreeBlocksError: fewer free blocks than needed (nothing is changed).
+        """
+        if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens < 1:
+            raise ValueError(f"num_new_tokens must be a positive integer, got {num_new_tokens!r}")
+        if seq_id not in self.block_tables:
+            hits = self.match_prefix(token_ids)
+            total = len(hits) * self.block_size + num_new_tokens
+            if total > len(token_ids):
+                raise ValueError(f"{seq_id}: {total} tokens to hold but only {len(token_ids)} token ids")
+            self._check_free(seq_id, self.blocks_to_allocate(seq_id, token_ids, total), total)
+            return self.allocate_with_prefix(seq_id, total, list(token_ids[:total]), preempted=preempted,
+                                             query_tokens=len(token_ids))[1]
+        held = self.num_tokens[seq_id]
+        total = held + num_new_tokens
+        if total > len(token_ids):
+            raise ValueError(f"{seq_id}: {total} tokens to hold but only {len(token_ids)} token ids")
+        if num_new_tokens == 1:  # a decode token: the paper's append path (no block is shared partly filled)
+            self.append_slot(seq_id, token_ids[held])
+            return 0
+        self._check_free(seq_id, self.blocks_to_allocate(seq_id, token_ids, total), total)
+        table = self.block_tables[seq_id]
+        fresh = [self._take_block() for _ in range(self.blocks_needed(total) - len(table))]
+        table.extend(fresh)
+        for i in range(held // self.block_size, len(table)):
+            self.fills[table[i]] = min(self.block_size, total - i * self.block_size)
+        self.num_tokens[seq_id] = total
+        self.token_ids[seq_id] = list(token_ids[:total])
+        for i in range(held // self.block_size, total // self.block_size):
+            self._register_full_block(seq_id, i)
+        took = f"takes {_n(len(fresh), 'new block')} {fresh}" if fresh else "fits in its blocks"
+        self.log.emit(EventKind.ALLOCATE, seq_id, fresh,
+                      f"{seq_id}: prefill chunk of {num_new_tokens} tokens (positions {held}..{total - 1}) {took}",
+                      num_tokens=total, cached_tokens=0)
+        return 0
+
+    def _check_free(self, seq_id: str, need: int, num_tokens: int) -> None:
+        if need > self.num_free_blocks:
+            raise NoFreeBlocksError(f"sequence {seq_id!r} needs {need} free blocks to hold {num_tokens} tokens, "
+                                    f"{self.num_free_blocks} free")
+
+    def drain_kv_events(self) -> list[dict]:
+        """vLLM-schema KV cache events since the last drain, in order (one engine step's batch)."""
+        events, self.kv_events = self.kv_events, []
+        return events
 
     # ------------------------------------------------------------------------------------------- drains
     def drain_events(self) -> list:
@@ -578,6 +657,7 @@ class BlockManager:
                 del self.cached_blocks[old]
             self.block_hashes[b] = None
             self.stats["evictions"] += 1
+            self.kv_events.append({"type": "BlockRemoved", "block_hashes": [old]})
             also = f"; {_n(len(copies), 'other block')} with the same prefix stay cached" if copies else ""
             self.log.emit(EventKind.EVICT, None, [b],
                           f"block {b} evicted from the prefix cache (hash {old}) to be reused{also}",
@@ -613,6 +693,9 @@ class BlockManager:
         h = block_hash(parent, tokens)
         self.block_hashes[b] = h
         self.cached_blocks.setdefault(h, {})[b] = None
+        self.kv_events.append({"type": "BlockStored", "block_hashes": [h],
+                               "parent_block_hash": parent if index > 0 else None,
+                               "token_ids": list(tokens), "block_size": self.block_size})
 
     def _distinct_blocks(self, seq_ids: list[str]) -> list[int]:
         return list(dict.fromkeys(b for s in seq_ids for b in self._table(s)))

@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 
 from . import metrics
-from .config import CONTIGUOUS_POLICIES, EMBEDDED_MODEL, FINAL_LENGTH_POLICIES, EngineConfig
+from .config import (CONTIGUOUS_POLICIES, EMBEDDED_MODEL, FINAL_LENGTH_POLICIES, SCHEDULING_POLICIES, SEMANTICS,
+                     EngineConfig)
 from .records import StepRecord, write_trace
 from .scenarios import SCENARIOS, get_scenario
 from .workloads import learn_final_lengths, run_workload
@@ -50,8 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
                      help="contiguous baseline: how much a request reserves (default: the scenario's, or max): "
                           "max, max_tokens (prompt + max_tokens), pow2 or oracle (its true final length, "
                           "learned from the paged run)")
+    run.add_argument("--semantics", choices=SEMANTICS, default="paper",
+                     help="the paged engine's scheduler: paper (vLLM V0 as the PagedAttention paper describes it: "
+                          "prefill or decode steps, fork and copy-on-write, swap) or v1 (vLLM V1: one token budget "
+                          "per step with chunked prefill, n as child requests over the prefix cache, recompute "
+                          "only). The contiguous baseline always runs the paper's scheduler")
+    run.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES,
+                     help="v1: fcfs (default) or priority (requests' priorities come from the scenario)")
+    run.add_argument("--max-num-batched-tokens", type=int,
+                     help="tokens one step may compute (v1: the budget shared by decode and prefill chunks, "
+                          "default 2048; paper: a prefill step's budget)")
     run.add_argument("--watermark", type=float,
-                     help="share of the paged pool that admission keeps free (default: the scenario's, or 0.01)")
+                     help="share of the paged pool that admission keeps free (default: the scenario's, or "
+                          "0.01 in paper semantics and 0 in v1, as vLLM V0 / V1)")
     run.add_argument("--passes", type=int, default=1,
                      help="run the scenario's requests this many times in a row on the same engine (later "
                           "passes can hit the prefix cache the earlier ones filled)")
@@ -81,9 +93,15 @@ def engine_config(args, scenario, allocator: str = "paged") -> EngineConfig:
         fields.pop("num_blocks", None)
     if args.max_model_len is not None:
         fields["max_model_len"] = args.max_model_len
-    for flag in ("preemption_mode", "contiguous_policy", "watermark"):
+    for flag in ("preemption_mode", "contiguous_policy", "watermark", "scheduling_policy", "max_num_batched_tokens"):
         if getattr(args, flag, None) is not None:
             fields[flag] = getattr(args, flag)
+    if allocator == "paged":
+        fields["semantics"] = getattr(args, "semantics", "paper")
+    else:  # the baseline is the paper's contiguous allocator under the paper's scheduler
+        fields.pop("scheduling_policy", None)
+        if getattr(args, "semantics", "paper") == "v1":
+            fields.pop("max_num_batched_tokens", None)  # V1's chunking budget; the paper's must hold a prompt
     return EngineConfig(model=args.model, device=args.device, **fields)
 
 
@@ -134,6 +152,7 @@ def summarize(runs: dict) -> dict:
         "dtype": engine.dtype,
         "attention_backend": engine.backend,
         "allocators": list(runs),
+        "semantics": engine.semantics,
         "block_size": engine.block_size,
         "num_blocks": engine.num_blocks,
         "max_model_len": engine.max_model_len,

@@ -21,6 +21,14 @@ MAX_SEED = 2**62  # sample i of n uses seed + i; torch generators take 64-bit se
 ALLOCATORS = ("paged", "contiguous")
 CONTIGUOUS_POLICIES = ("max", "max_tokens", "pow2", "oracle")  # engine.contiguous explains each
 FINAL_LENGTH_POLICIES = ("pow2", "oracle")  # the policies that must know each request's final length
+# "paper": vLLM V0 as the PagedAttention paper describes it (a step is prefill or decode; fork and
+# copy-on-write for parallel samples and beams; preemption by recompute or swap).
+# "v1": vLLM V1 (vllm/v1/core/sched/scheduler.py): one token budget per step shared by decode tokens and
+# prefill chunks, n samples as child requests over the prefix cache, preemption by recompute only.
+SEMANTICS = ("paper", "v1")
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's SchedulerConfig.policy
+DEFAULT_WATERMARK = {"paper": 0.01, "v1": 0.0}  # vLLM v0's BlockSpaceManager / vLLM V1's SchedulerConfig
+DEFAULT_MAX_NUM_BATCHED_TOKENS_V1 = 2048  # V1's token budget when none is given
 
 
 def _check_positive_int(name: str, value, allow_none: bool = False) -> None:
@@ -45,7 +53,9 @@ class EngineConfig:
             ``max_position_embeddings``, capped to what the pool can hold. Must not exceed the pool,
             so a lone request can always finish (the scheduler never deadlocks).
         max_num_seqs: most sequences in one batch.
-        max_num_batched_tokens: most tokens one prefill step may compute (at least ``max_model_len``).
+        max_num_batched_tokens: most tokens one step may compute. Paper semantics: a prefill step's budget, at
+            least ``max_model_len``; V1 semantics: the budget decode tokens and prefill chunks share (a
+            longer prompt is prefilled in chunks), default 2,048.
         device: "auto" (CUDA when present, else CPU), "cpu" or "cuda".
         dtype: None (float32 on CPU, bfloat16 on CUDA) or one of "float32", "float16", "bfloat16".
         attention_backend: "auto" (Triton on CUDA, PyTorch reference elsewhere), "torch" or "triton".
@@ -64,9 +74,16 @@ class EngineConfig:
             "max" (``reservation_tokens``), "max_tokens" (prompt + max_tokens), "pow2" (the next power of
             two of its true final length) or "oracle" (exactly its true final length); the last two need
             the final length in advance (``LLMEngine.add_request(final_len=...)``).
-        watermark: share of the paged pool that admission and swap-in keep free, in [0, 1) (vLLM v0's
-            ``watermark``, default 0.01: ``int(0.01 x num_blocks)`` blocks), so a request just admitted is
-            not preempted at once. 0 keeps the exact pool (the lessons).
+        watermark: share of the paged pool that admission and swap-in keep free, in [0, 1), so a request
+            just admitted is not preempted at once; None takes the semantics' default: 0.01 in "paper"
+            (vLLM v0's ``int(0.01 x num_blocks)`` blocks), 0 in "v1" (vLLM V1's ``SchedulerConfig.watermark``).
+            0 keeps the exact pool (the lessons).
+        semantics: "paper" (vLLM V0 as the PagedAttention paper describes it: prefill or decode steps, fork
+            and copy-on-write, beam search, swap) or "v1" (vLLM V1: token budget with chunked prefill and
+            mixed steps, ``n`` as child requests over the prefix cache, preemption by recompute only).
+        scheduling_policy: V1's waiting-queue order and preemption victim: "fcfs" (arrival order; the
+            victim is the last admitted) or "priority" (lowest ``priority`` value first, then arrival; the
+            victim is the highest (priority, arrival)). Paper semantics: "fcfs" only.
 
     Raises:
         ValueError: a field is out of range, naming the field and the value.
@@ -88,9 +105,17 @@ class EngineConfig:
     allocator: str = "paged"
     reservation_tokens: int | None = None
     contiguous_policy: str = "max"
-    watermark: float = 0.01
+    watermark: float | None = None
+    semantics: str = "paper"
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.semantics not in SEMANTICS:
+            raise ValueError(f"semantics must be one of {SEMANTICS}, got {self.semantics!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        if self.watermark is None:
+            self.watermark = DEFAULT_WATERMARK[self.semantics]
         if not isinstance(self.model, str) or not self.model.strip():
             raise ValueError(f"model must be a local path or hub id, got {self.model!r}")
         _check_positive_int("block_size", self.block_size)
@@ -125,6 +150,23 @@ class EngineConfig:
             raise ValueError(f"watermark must be a number in [0, 1), got {self.watermark!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        self._check_semantics()
+
+    def _check_semantics(self) -> None:
+        """What one semantics has and the other lacks, refused by name."""
+        if self.semantics == "v1":
+            if self.preemption_mode != "recompute":
+                raise ValueError(f"preemption_mode {self.preemption_mode!r}: vLLM V1 preempts by recompute only "
+                                 f"(semantics='v1'); swap is the paper's (semantics='paper')")
+            if self.swap_space_blocks:
+                raise ValueError(f"swap_space_blocks {self.swap_space_blocks}: vLLM V1 has no swap pool "
+                                 f"(semantics='v1')")
+            if self.allocator != "paged":
+                raise ValueError(f"allocator {self.allocator!r}: the contiguous baseline runs the paper's "
+                                 f"scheduler (semantics='paper')")
+        elif self.scheduling_policy != "fcfs":
+            raise ValueError(f"scheduling_policy {self.scheduling_policy!r} needs semantics='v1'; the paper's "
+                             f"scheduler is first come, first served")
 
 
 @dataclass

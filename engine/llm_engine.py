@@ -14,6 +14,7 @@ in the paged pool, each request samples its next token, finished requests free t
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import random
 import time
@@ -27,13 +28,14 @@ from . import memory
 from .allocator import KVAllocator
 from .block_manager import BlockManager
 from .contiguous import ContiguousAllocator
-from .config import EngineConfig, SamplingParams
+from .config import DEFAULT_MAX_NUM_BATCHED_TOKENS_V1, EngineConfig, SamplingParams
 from .kv_cache import KVCache, num_blocks_for_budget
 from .model_loader import geometry_from_config, load_model, resolve_device, resolve_dtype
 from .model_runner import ModelRunner, SeqInput
 from .records import EventLog, ScheduledSequence, SequenceState, Snapshot, StepRecord
 from .sampler import sample_batch
 from .scheduler import Scheduler
+from .scheduler_v1 import SchedulerV1
 from .sequence import FINISHED, RUNNING, BeamState, CompletionOutput, Request, RequestOutput, Sequence
 
 BEAM_NEG = -1.0e9  # transformers' "impossible" beam score
@@ -119,8 +121,13 @@ class LLMEngine:
                 raise ValueError(f"reservation_tokens {reservation} is larger than the region of {capacity} slots "
                                  f"({self.num_blocks} blocks x {self.block_size}); no request could be admitted")
             self.max_model_len = min(self.max_model_len, reservation)  # a request stops at its reservation
-        max_batched = config.max_num_batched_tokens or max(self.max_model_len, 2048)
-        if max_batched < self.max_model_len:
+        self.semantics = config.semantics
+        if self.semantics == "v1":  # V1 prefills a longer prompt in chunks: any budget works
+            max_batched = config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS_V1
+        else:
+            max_batched = config.max_num_batched_tokens or max(self.max_model_len, 2048)
+        self.max_num_batched_tokens = max_batched
+        if self.semantics == "paper" and max_batched < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens {max_batched} is below max_model_len {self.max_model_len}; "
                 f"a long request could never be prefilled"
@@ -128,9 +135,16 @@ class LLMEngine:
 
         self.log = EventLog()  # the engine's: allocator and scheduler write into it, each step drains it
         self.block_manager, self.kv_cache, self.runner = self._build_memory(config, self._swap_pool_blocks(config))
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, max_batched, config.preemption_mode,
-                                   log=self.log)
+        if self.semantics == "v1":
+            self.scheduler = SchedulerV1(self.block_manager, config.max_num_seqs, max_batched, self.max_model_len,
+                                         policy=config.scheduling_policy,
+                                         watermark_blocks=int(config.watermark * self.num_blocks), log=self.log)
+        else:
+            self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, max_batched,
+                                       config.preemption_mode, log=self.log)
         self.requests: dict[str, Request] = {}
+        self.parents: dict[str, list[str]] = {}  # V1: a request with n > 1 -> its child requests' ids
+        self._arrivals = 0
         self.step_count = 0
         self._next_id = 1
 
@@ -204,12 +218,15 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, final_len: int | None = None) -> str:
+                    request_id: str | None = None, final_len: int | None = None, priority: int = 0) -> str:
         """Queue a request; returns its id ("R1", "R2", ... unless given).
 
         ``final_len``: its true final length (prompt + generated tokens) when known in advance, for the
         contiguous "pow2" and "oracle" policies (with ``ignore_eos`` it is known: prompt + max_tokens,
-        capped at max_model_len).
+        capped at max_model_len). ``priority``: V1's priority policy runs lower values first (vLLM's
+        ``add_request(priority=...)``); ignored by FCFS. In V1 semantics a request with ``n > 1`` enters
+        the scheduler as ``n`` child requests "<id>.0" .. "<id>.<n-1>" (vLLM's ``ParentRequest``) that
+        share the prompt's full blocks through the prefix cache; ``get_output(id)`` gathers them.
 
         Raises:
             ValueError: empty prompt, a token id outside the vocabulary, a duplicate id, a prompt that can
@@ -217,43 +234,72 @@ class LLMEngine:
                 unchanged.
         """
         rid = request_id if request_id is not None else self._auto_ids(1)[0]
-        request = self._make_request(prompt, params or SamplingParams(), rid, final_len)
-        self._enqueue(request)
+        for request in self._make_requests(prompt, params or SamplingParams(), rid, final_len, priority):
+            self._enqueue(request)
         return rid
 
-    def check_request(self, prompt, params: SamplingParams | None = None, final_len: int | None = None) -> list[int]:
+    def _make_requests(self, prompt, params: SamplingParams, rid: str, final_len: int | None = None,
+                       priority: int = 0) -> list[Request]:
+        """The request, or in V1 semantics with ``n > 1`` its child requests (validated; nothing added)."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if self.semantics != "v1":
+            return [self._make_request(prompt, params, rid, final_len, priority)]
+        if params.beam_width > 1:
+            raise ValueError(f"beam_width {params.beam_width}: vLLM V1 runs beam search outside its scheduler "
+                             f"(semantics='v1'); the paper's beam search needs semantics='paper'")
+        if params.n == 1:
+            return [self._make_request(prompt, params, rid, final_len, priority)]
+        if rid in self.parents:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        # each child must fit the pool on its own; together they just queue (vLLM refuses no n)
+        parent = self._make_request(prompt, dataclasses.replace(params, n=1), rid, final_len, priority)
+        children = []
+        for i in range(params.n):
+            child = dataclasses.replace(params, n=1, seed=parent.seed + i)
+            children.append(self._make_request(parent.prompt_token_ids, child, f"{rid}.{i}", final_len, priority))
+            children[-1].prompt, children[-1].parent_id = parent.prompt, rid
+        return children
+
+    def check_request(self, prompt, params: SamplingParams | None = None, final_len: int | None = None,
+                      priority: int = 0) -> list[int]:
         """Validate a request without adding it; returns its prompt token ids.
 
         Raises:
             ValueError: whatever ``add_request`` would refuse, with the same message.
         """
         # an id that is free now, so a caller's own ids never make the check fail
-        return self._make_request(prompt, params or SamplingParams(), self._auto_ids(1)[0],
-                                  final_len).prompt_token_ids
+        return self._make_requests(prompt, params or SamplingParams(), self._auto_ids(1)[0],
+                                   final_len, priority)[0].prompt_token_ids
 
     def _auto_ids(self, count: int) -> list[str]:
         """The next ``count`` free ids "R<k>", skipping ids a caller chose."""
         ids, k = [], self._next_id
         while len(ids) < count:
-            if f"R{k}" not in self.requests:
+            if f"R{k}" not in self.requests and f"R{k}" not in self.parents:
                 ids.append(f"R{k}")
             k += 1
         return ids
 
     def _enqueue(self, request: Request) -> None:
+        self._arrivals += 1
+        request.arrival = self._arrivals
         self.requests[request.request_id] = request
+        if request.parent_id is not None:
+            self.parents.setdefault(request.parent_id, []).append(request.request_id)
         self.scheduler.add(request)
         rid = request.request_id
         if rid.startswith("R") and rid[1:].isdigit():
             self._next_id = max(self._next_id, int(rid[1:]) + 1)
 
-    def _make_request(self, prompt, params: SamplingParams, rid: str, final_len: int | None = None) -> Request:
+    def _make_request(self, prompt, params: SamplingParams, rid: str, final_len: int | None = None,
+                      priority: int = 0) -> Request:
         """Validate and tokenize; raises ValueError and changes nothing on bad input."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if not isinstance(rid, str) or not rid:
             raise ValueError(f"request_id must be a non-empty string, got {rid!r}")
-        if rid in self.requests:
+        if rid in self.requests or rid in self.parents:
             raise ValueError(f"request_id {rid!r} is already in use")
         text, ids = self._tokenize(prompt)
         if params.num_seqs > self.config.max_num_seqs:
@@ -296,7 +342,7 @@ class LLMEngine:
             raise ValueError(f"stop token id {bad[0]} is not in the vocabulary [0, {self.model.config.vocab_size})")
         seed = params.seed if params.seed is not None else random.randrange(2**62)
         req = Request(rid, text, ids, params, seed, max_len=min(max_len, reservation or max_len),
-                      reservation=reservation)
+                      reservation=reservation, priority=priority)
         first_id = rid if params.num_seqs == 1 else (f"{rid}.b0" if params.beam_width > 1 else f"{rid}.0")
         req.seqs.append(Sequence(first_id, list(ids), len(ids), self._generator(seed, 0)))
         if params.beam_width > 1:
@@ -359,7 +405,10 @@ class LLMEngine:
                                        block_table=table, region_start=region_start))
                 scheduled.append(ScheduledSequence(seq.seq_id, owner[seq.seq_id], n, start))
             logits = self.runner.execute(inputs)
-            rows = {seq.seq_id: logits[i] for i, seq in enumerate(batch.seqs)}
+            # a sequence samples once all its tokens are computed: a prefill chunk short of the prompt's
+            # end (V1's chunked prefill) discards its logits, as vLLM does
+            rows = {seq.seq_id: logits[i] for i, seq in enumerate(batch.seqs)
+                    if seq.num_computed_tokens == seq.num_tokens}
             sampled = [r for r in batch.requests if not r.is_beam_search]
             for req in sampled:
                 self._fork_samples(req, rows)
@@ -368,10 +417,11 @@ class LLMEngine:
                 if req.is_beam_search:
                     self._beam_step(req, rows, out)
         events = self.log.drain()
+        kv_events = self.block_manager.drain_kv_events() if hasattr(self.block_manager, "drain_kv_events") else []
         return StepRecord(
             step=self.step_count, kind=batch.kind, scheduled=scheduled, events=events,
             new_tokens=out.tokens, new_text=out.text, finished=out.finished, snapshot=self.snapshot(),
-            elapsed_s=time.perf_counter() - t0,
+            elapsed_s=time.perf_counter() - t0, kv_events=kv_events, semantics=self.semantics,
         )
 
     def _emit(self, out: "_StepOutput", seq: Sequence, token: int) -> None:
@@ -549,6 +599,8 @@ class LLMEngine:
 
         ``outputs``: one entry per sample in sample order, or per beam hypothesis best first (while a beam
         search runs: its live beams)."""
+        if request_id in self.parents:
+            return self._parent_output(request_id)
         req = self.requests[request_id]
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         prompt_len = len(req.prompt_token_ids)
@@ -570,6 +622,23 @@ class LLMEngine:
             output_token_ids=list(best.token_ids), output_text=best.text,
             finish_reason=req.finish_reason if req.status == FINISHED else None, block_table=list(table),
             num_preemptions=req.num_preemptions, outputs=outputs,
+            num_cached_tokens=req.num_cached_tokens if self.semantics == "v1" and req.num_cached_tokens >= 0 else None,
+        )
+
+    def _parent_output(self, request_id: str) -> RequestOutput:
+        """V1: the output of a request with n > 1, gathered from its child requests (sample i = child i).
+        Finished when every child is; ``num_cached_tokens`` is the first child's, as vLLM reports it."""
+        kids = [self.get_output(c) for c in self.parents[request_id]]
+        outputs = [dataclasses.replace(k.outputs[0], index=i, finish_reason=k.finish_reason)
+                   for i, k in enumerate(kids)]
+        first = kids[0]
+        done = all(k.finished for k in kids)
+        return RequestOutput(
+            request_id=request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
+            output_token_ids=list(first.output_token_ids), output_text=first.output_text,
+            finish_reason=first.finish_reason if done else None, block_table=first.block_table,
+            num_preemptions=sum(k.num_preemptions for k in kids), outputs=outputs,
+            num_cached_tokens=first.num_cached_tokens,
         )
 
     def generate(self, prompts: str | list, params: SamplingParams | list[SamplingParams] | None = None,
@@ -587,12 +656,11 @@ class LLMEngine:
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
-        made = [self._make_request(p, sp, rid)
-                for rid, p, sp in zip(self._auto_ids(len(prompts)), prompts, params_list)]
-        for req in made:  # all valid: only now is anything added
+        ids = self._auto_ids(len(prompts))
+        made = [self._make_requests(p, sp, rid) for rid, p, sp in zip(ids, prompts, params_list)]
+        for req in (r for group in made for r in group):  # all valid: only now is anything added
             self._enqueue(req)
-        ids = [req.request_id for req in made]
-        while any(self.requests[r].status != FINISHED for r in ids):
+        while any(r.status != FINISHED for group in made for r in group):
             record = self.step()
             if on_step is not None:
                 on_step(record)

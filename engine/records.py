@@ -41,6 +41,7 @@ class EventKind(StrEnum):
 
 
 EVENT_KINDS = tuple(k.value for k in EventKind)
+STEP_KINDS = ("prefill", "decode", "mixed", "idle")
 
 
 class SeqStatus(StrEnum):
@@ -224,7 +225,8 @@ class StepRecord:
 
     Attributes:
         step: 1-based step number.
-        kind: "prefill", "decode" or "idle" (nothing could run).
+        kind: "prefill", "decode", "mixed" (V1: decode tokens and prefill chunks in one step) or "idle"
+            (nothing could run).
         scheduled: sequences that ran and how many tokens each computed.
         events: allocator and scheduler events, in the order they happened.
         new_tokens: sequence id -> token id sampled this step.
@@ -232,6 +234,10 @@ class StepRecord:
         finished: sequence ids that finished this step.
         snapshot: pool and block tables after the step.
         elapsed_s: wall time of the step, seconds.
+        kv_events: the step's KV cache events in vLLM's schema (``vllm/distributed/kv_events.py``), in
+            order: ``{"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids",
+            "block_size"}``, ``{"type": "BlockRemoved", "block_hashes"}``, ``{"type": "AllBlocksCleared"}``.
+        semantics: "paper" (vLLM V0 as the paper describes it) or "v1" (vLLM V1), the engine's.
     """
 
     step: int
@@ -243,6 +249,8 @@ class StepRecord:
     finished: list[str]
     snapshot: Snapshot
     elapsed_s: float = 0.0
+    kv_events: list[dict] = field(default_factory=list)
+    semantics: str = "paper"
 
     @property
     def num_tokens(self) -> int:
@@ -277,8 +285,10 @@ def _record_adapter():
 def _check_record(rec: "StepRecord") -> None:
     """What types alone do not say: counts >= 0, free <= total, per-block lists sized to the pool."""
     snap = rec.snapshot
-    if rec.step < 1 or rec.kind not in ("prefill", "decode", "idle"):
-        raise ValueError(f"step {rec.step} / kind {rec.kind!r}: a step is >= 1 and prefill, decode or idle")
+    if rec.step < 1 or rec.kind not in STEP_KINDS:
+        raise ValueError(f"step {rec.step} / kind {rec.kind!r}: a step is >= 1 and one of {', '.join(STEP_KINDS)}")
+    if rec.semantics not in ("paper", "v1"):
+        raise ValueError(f"semantics: {rec.semantics!r} is not 'paper' or 'v1'")
     for name in ("num_blocks", "block_size", "num_free_blocks", "num_swap_blocks", "num_free_swap_blocks"):
         if getattr(snap, name) < 0:
             raise ValueError(f"snapshot.{name}: {getattr(snap, name)} is negative")

@@ -82,6 +82,10 @@ class Request:
     finish_step: int = -1
     max_len: int = 0
     reservation: int | None = None
+    priority: int = 0  # V1's priority policy: lower runs first (vLLM's SamplingParams-level priority)
+    arrival: int = 0  # order of arrival (vLLM's arrival_time): the tie-break of the priority policy
+    parent_id: str | None = None  # V1: the request whose n samples this child request is one of
+    num_cached_tokens: int = -1  # V1: prefix-cache hit of its first admission, tokens (vLLM's RequestOutput)
 
     @property
     def max_num_running_seqs(self) -> int:
@@ -132,6 +136,7 @@ class RequestOutput:
     block_table: list[int]
     num_preemptions: int = 0
     outputs: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int | None = None  # V1: prompt tokens its first admission found in the prefix cache
 
     @property
     def finished(self) -> bool:

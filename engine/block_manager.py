@@ -81,13 +81,17 @@ class BlockManager:
         num_swap_blocks: blocks in the CPU swap pool (0: no swapping).
         watermark: share of the pool that admission and swap-in keep free, in [0, 1) (vLLM v0: 0.01).
         event_log: where decisions are logged (the engine's); default a log of the manager's own.
+        evict_uncached_first: freed blocks without a prefix-cache hash go to the front of the free queue
+            (reused first), cached ones to the back (vLLM V1's ``BlockPool.free_blocks``); False puts all at
+            the back in the order freed (the paper's engine).
 
     Raises:
         ValueError: a size is not a positive integer (``num_swap_blocks`` may be 0), or a bad watermark.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 num_swap_blocks: int = 0, watermark: float = 0.0, event_log: EventLog | None = None) -> None:
+                 num_swap_blocks: int = 0, watermark: float = 0.0, event_log: EventLog | None = None,
+                 evict_uncached_first: bool = False) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -98,6 +102,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.evict_uncached_first = evict_uncached_first
         self.free_block_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.ref_counts = [0] * num_blocks
         self.fills = [0] * num_blocks
@@ -437,10 +442,8 @@ class BlockManager:
             self.token_ids.pop(seq_id, None)
             return []
         table = self._table(seq_id)
-        freed = []
-        for b in reversed(table):  # tail first, as vLLM does, so a cached prefix stays cached longest
-            if self._release_block(b):
-                freed.append(b)
+        freed = [b for b in reversed(table) if self._release_block(b, enqueue=False)]
+        self._enqueue_free(freed)
         del self.block_tables[seq_id]
         del self.num_tokens[seq_id]
         self.token_ids.pop(seq_id, None)
@@ -667,16 +670,34 @@ class BlockManager:
         self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
         return b
 
-    def _release_block(self, b: int) -> bool:
-        """Drop one reference to block ``b``; at zero it joins the free queue (a cached block keeps its hash
-        and content until evicted). Returns whether it became free."""
+    def _release_block(self, b: int, enqueue: bool = True) -> bool:
+        """Drop one reference to block ``b``; at zero it is free (a cached block keeps its hash and content
+        until evicted) and, with ``enqueue``, joins the back of the free queue. Returns whether it became
+        free."""
         self.ref_counts[b] -= 1
         if self.ref_counts[b]:
             return False
         if self.block_hashes[b] is None:
             self.fills[b] = 0
-        self.free_block_queue[b] = None
+        if enqueue:
+            self.free_block_queue[b] = None
         return True
+
+    def _enqueue_free(self, blocks: list[int]) -> None:
+        """Put blocks that just became free in the free queue, in eviction order (first = evicted first):
+        all at the back, or with ``evict_uncached_first`` (vLLM V1's ``BlockPool.free_blocks``) the
+        uncached ones at the front, so they are reused before any cached prefix is evicted."""
+        if not self.evict_uncached_first:
+            for b in blocks:
+                self.free_block_queue[b] = None
+            return
+        uncached = [b for b in blocks if self.block_hashes[b] is None]
+        for b in reversed(uncached):
+            self.free_block_queue[b] = None
+            self.free_block_queue.move_to_end(b, last=False)
+        for b in blocks:
+            if self.block_hashes[b] is not None:
+                self.free_block_queue[b] = None
 
     def _register_full_block(self, seq_id: str, index: int) -> None:
         """Give logical block ``index`` of ``seq_id`` (full) its chained hash and cache it."""

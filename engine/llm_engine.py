@@ -197,7 +197,8 @@ class LLMEngine:
             kv_cache = KVCache(self.geometry, capacity, 1, self.device, dtype)
             return allocator, kv_cache, ModelRunner(self.model, kv_cache, self.backend, contiguous=True)
         allocator = BlockManager(self.num_blocks, self.block_size, enable_prefix_caching=config.enable_prefix_caching,
-                                 num_swap_blocks=swap_blocks, watermark=config.watermark, event_log=self.log)
+                                 num_swap_blocks=swap_blocks, watermark=config.watermark, event_log=self.log,
+                                 evict_uncached_first=config.semantics == "v1")
         kv_cache = KVCache(self.geometry, self.num_blocks, self.block_size, self.device, dtype,
                            num_swap_blocks=swap_blocks)
         return allocator, kv_cache, ModelRunner(self.model, kv_cache, self.backend)
@@ -627,8 +628,10 @@ class LLMEngine:
 
     def _parent_output(self, request_id: str) -> RequestOutput:
         """V1: the output of a request with n > 1, gathered from its child requests (sample i = child i).
-        Finished when every child is; ``num_cached_tokens`` is the first child's, as vLLM reports it."""
+        Finished when every child is. ``num_cached_tokens`` is that of the child that finished last (the
+        later one of a step), as vLLM's ``ParentRequest`` reports it; each child's own is on its output."""
         kids = [self.get_output(c) for c in self.parents[request_id]]
+        last = max(range(len(kids)), key=lambda i: (self.requests[self.parents[request_id][i]].finish_step, i))
         outputs = [dataclasses.replace(k.outputs[0], index=i, finish_reason=k.finish_reason)
                    for i, k in enumerate(kids)]
         first = kids[0]
@@ -638,7 +641,7 @@ class LLMEngine:
             output_token_ids=list(first.output_token_ids), output_text=first.output_text,
             finish_reason=first.finish_reason if done else None, block_table=first.block_table,
             num_preemptions=sum(k.num_preemptions for k in kids), outputs=outputs,
-            num_cached_tokens=first.num_cached_tokens,
+            num_cached_tokens=kids[last].num_cached_tokens,
         )
 
     def generate(self, prompts: str | list, params: SamplingParams | list[SamplingParams] | None = None,

@@ -65,6 +65,14 @@ def utilization_pct(snap) -> float:
     return pct(slots_used(snap), slots_allocated(snap))
 
 
+def kv_cache_usage_pct(snap) -> float:
+    """vLLM's "KV cache usage" (``BlockPool.get_usage``, the ``vllm:kv_cache_usage_perc`` gauge): blocks
+    not in the free queue over the pool's blocks, in %. Free blocks that still hold a cached prefix count
+    as free (they can be evicted at once), so it can be well below the slots that hold tokens would
+    suggest. vLLM's pool has one more block, its reserved null block, which it leaves out of both counts."""
+    return pct(snap.num_blocks - snap.num_free_blocks, snap.num_blocks)
+
+
 def internal_fragmentation(reserved: int, final_len: int) -> int:
     """Slots of a finished request's reservation beyond its final length (slots)."""
     return max(reserved - final_len, 0)

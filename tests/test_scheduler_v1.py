@@ -151,6 +151,7 @@ def test_random_workloads_keep_v1_invariants(lengths, num_blocks, budget, max_nu
     eng = FakeEngine(num_blocks=num_blocks, block_size=4, budget=budget, max_num_seqs=max_num_seqs,
                      policy=policy)
     for i, (plen, gen, prio) in enumerate(lengths):
+        gen = min(gen, num_blocks * 4 - plen)  # a lone request fits the pool (the engine refuses others)
         prompt = ([7] * plen) if shared else [i * 100 + t for t in range(plen)]
         eng.add(make_request(f"R{i}", prompt, max_tokens=gen, priority=prio))
     while eng.sched.has_unfinished():
@@ -170,3 +171,19 @@ def test_random_workloads_keep_v1_invariants(lengths, num_blocks, budget, max_nu
     assert all(r.status == FINISHED and len(r.seqs[0].output_token_ids) == r.params.max_tokens
                for r in eng.requests)
     assert eng.bm.num_free_blocks == num_blocks
+
+
+def test_v1_reuses_freed_uncached_blocks_before_evicting_a_cached_prefix():
+    """vLLM V1's BlockPool.free_blocks: a freed block with no prefix-cache hash goes to the front of the
+    free queue, a cached one to the back, so the next allocation evicts no cached prefix while uncached
+    blocks are free. The paper's engine puts both at the back, in the order freed."""
+    for v1, first_evicts in ((True, False), (False, True)):
+        bm = BlockManager(4, 4, enable_prefix_caching=True, evict_uncached_first=v1)
+        bm.allocate("A", 6, [1, 2, 3, 4, 5, 6])  # block 0 full (cached), block 1 partly filled (uncached)
+        bm.allocate("B", 8, [9, 9, 9, 9, 8, 8, 8, 8])  # blocks 2, 3: both full, cached
+        bm.free("B")  # paper: free queue [3, 2] then A's tail first [1, 0] -> [3, 2, 1, 0]
+        bm.free("A")  # V1: A's uncached block 1 goes to the front -> [1, 3, 2, 0]
+        bm.drain_kv_events()
+        bm.allocate("C", 4, [7, 7, 7, 7])
+        evicted = [e for e in bm.drain_kv_events() if e["type"] == "BlockRemoved"]
+        assert bool(evicted) == first_evicts

@@ -51,7 +51,7 @@ def test_n_samples_are_child_requests_that_hit_the_prompt_blocks(make_engine, te
     while eng.has_unfinished():
         eng.step()
     out = eng.get_output(rid)
-    assert out.finished and len(out.outputs) == 4 and out.num_cached_tokens == 0
+    assert out.finished and len(out.outputs) == 4 and out.num_cached_tokens == 96  # the last child's, as vLLM
     assert len({tuple(o.token_ids) for o in out.outputs}) == 1  # greedy: four equal samples
 
 

@@ -1,0 +1,125 @@
+"""The conformance cases: the same requests and settings run through vLLM and through the lab in V1 mode.
+
+Plain data (no torch, no vLLM), so both sides read the same cases: ``build_cases(tokenize)`` returns
+the spec ``peer/vllm_driver.py`` takes (``{"name", "block_size", "num_gpu_blocks", ..., "requests"}``),
+with prompts as token ids of the embedded model's tokenizer. ``num_gpu_blocks`` is vLLM's pool, which
+includes its reserved null block (``BlockPool.null_block``, block 0); the lab's pool is one block smaller,
+so both have the same usable blocks.
+
+Each case names what it checks and, where vLLM and the lab differ on purpose, why (``known_difference``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+# Public-domain text (Hamlet, III.1; Julius Caesar, III.2) cut into prompts of exact token lengths.
+TEXT = (
+    "To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer The slings and "
+    "arrows of outrageous fortune, Or to take arms against a sea of troubles And by opposing end them. To "
+    "die, to sleep; No more; and by a sleep to say we end The heart-ache and the thousand natural shocks "
+    "That flesh is heir to: 'tis a consummation Devoutly to be wish'd. To die, to sleep; To sleep, perchance "
+    "to dream, ay, there's the rub: For in that sleep of death what dreams may come, When we have shuffled "
+    "off this mortal coil, Must give us pause. Friends, Romans, countrymen, lend me your ears; I come to "
+    "bury Caesar, not to praise him. The evil that men do lives after them; The good is oft interred with "
+    "their bones; So let it be with Caesar. The noble Brutus Hath told you Caesar was ambitious: If it were "
+    "so, it was a grievous fault, And grievously hath Caesar answer'd it. Here, under leave of Brutus and "
+    "the rest, For Brutus is an honourable man; So are they all, all honourable men, Come I to speak in "
+    "Caesar's funeral. He was my friend, faithful and just to me: But Brutus says he was ambitious; And "
+    "Brutus is an honourable man. He hath brought many captives home to Rome Whose ransoms did the general "
+    "coffers fill: Did this in Caesar seem ambitious? When that the poor have cried, Caesar hath wept: "
+    "Ambition should be made of sterner stuff: Yet Brutus says he was ambitious; And Brutus is an "
+    "honourable man. You all did see that on the Lupercal I thrice presented him a kingly crown, Which he "
+    "did thrice refuse: was this ambition?"
+)
+
+
+@dataclass
+class CaseRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    ignore_eos: bool = True
+    n: int = 1
+    priority: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    arrival_step: int = 0  # added after this many engine steps ran (0: before the first)
+
+
+@dataclass
+class Case:
+    name: str
+    what: str  # the one behaviour this case checks
+    block_size: int
+    num_gpu_blocks: int  # vLLM's pool, null block included; the lab gets num_gpu_blocks - 1
+    requests: list[CaseRequest]
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 512
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+    known_difference: str = ""
+
+    @property
+    def lab_num_blocks(self) -> int:
+        return self.num_gpu_blocks - 1
+
+    def spec(self) -> dict:
+        """The case as ``peer/vllm_driver.py`` reads it."""
+        d = asdict(self)
+        for key in ("what", "known_difference"):
+            d.pop(key)
+        return d
+
+
+def build_cases(tokenize) -> list[Case]:
+    """Every case at block sizes 32 and 64. ``tokenize(text) -> list[int]`` is the model's tokenizer."""
+    ids = tokenize(TEXT)
+    assert len(ids) >= 480, f"the case text encodes to {len(ids)} tokens, fewer than the 480 the cases cut"
+    cases = []
+    for B in (32, 64):
+        cases += _cases_at(B, ids)
+    return cases
+
+
+def _cases_at(B: int, ids: list[int]) -> list[Case]:
+    system = ids[: 2 * B + B // 4]  # a system prompt of 2.25 blocks
+    tails = [ids[300 + 13 * i: 300 + 13 * i + 5 + 7 * i] for i in range(6)]
+    k_blocks = ids[: 3 * B]  # exactly 3 blocks
+    long_prompt = ids[: 9 * B // 2 + 7]  # 4.5 blocks + 7 tokens: longer than the 2-block budget below
+    s = f"B{B}"
+    return [
+        Case(f"shared-system-prompt-{s}", "6 requests sharing a 2.25-block system prompt, admitted together",
+             B, 40, [CaseRequest(f"r{i}", system + t, max_tokens=8) for i, t in enumerate(tails)]),
+        Case(f"exact-k-blocks-repeated-{s}",
+             "a prompt of exactly 3 blocks, sent again after the first finished and a third time while the "
+             "second runs: the last-token rule caps the hit at 2 blocks",
+             B, 40, [CaseRequest("first", k_blocks, max_tokens=4),
+                     CaseRequest("again", k_blocks, max_tokens=4, arrival_step=6),
+                     CaseRequest("third", k_blocks, max_tokens=4, arrival_step=7)]),
+        Case(f"identical-prompts-one-step-{s}", "4 identical prompts added before the same step",
+             B, 40, [CaseRequest(f"same{i}", system + tails[0], max_tokens=6) for i in range(4)]),
+        Case(f"preemption-{s}", "a pool too small for 4 growing requests: recompute preemption of the last "
+             "admitted, and re-admission hitting its own freed blocks",
+             B, 9, [CaseRequest(f"p{i}", ids[40 * i: 40 * i + B + 5], max_tokens=2 * B) for i in range(4)],
+             max_model_len=4 * B),
+        Case(f"parallel-n4-{s}", "n = 4 at temperature 0: four child requests over the prefix cache",
+             B, 40, [CaseRequest("par", system + tails[1], max_tokens=6, n=4)],
+             known_difference="vLLM 0.32 refuses n > 1 at temperature 0 ('n must be 1 when using greedy "
+                              "sampling'); the driver sends temperature 1 with top_k 1, which is greedy"),
+        Case(f"priority-{s}", "priority policy under memory pressure: a late high-priority request and the "
+             "victim chosen by (priority, arrival)",
+             B, 9, [CaseRequest("low0", ids[0: B + 3], max_tokens=2 * B, priority=2),
+                    CaseRequest("low1", ids[50: 50 + B + 3], max_tokens=2 * B, priority=1),
+                    CaseRequest("mid", ids[100: 100 + B + 3], max_tokens=2 * B, priority=1),
+                    CaseRequest("high", ids[150: 150 + B + 3], max_tokens=B, priority=0, arrival_step=3)],
+             scheduling_policy="priority", max_model_len=4 * B),
+        Case(f"chunked-prefill-{s}", "prompts longer than the token budget (2 blocks) prefilled in chunks, "
+             "mixed with decode tokens of a running request",
+             B, 40, [CaseRequest("short", ids[450: 470], max_tokens=12),
+                     CaseRequest("long", long_prompt, max_tokens=6, arrival_step=1),
+                     CaseRequest("long2", long_prompt[: 3 * B + 1], max_tokens=4, arrival_step=2)],
+             max_num_batched_tokens=2 * B),
+    ]

@@ -1,0 +1,125 @@
+"""Compare what vLLM did with what the lab did on one conformance case, check by check.
+
+Both results have ``peer/vllm_driver.py``'s shape (``peer.lab_runner`` writes the lab's). Blocks are
+compared by content, not by hash: the two hash functions differ, so a stored block is identified by the
+token ids of the whole prefix it ends, rebuilt by chaining each ``BlockStored``'s ``parent_block_hash``
+(``prefix_events``). Child requests of ``n > 1`` are named differently on the two sides and are compared
+as "<parent>#<index>".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str = ""
+
+
+def prefix_events(steps: list[dict]) -> list[list[tuple]]:
+    """Per step, its KV events by content: ("stored", prefix token ids), ("removed", prefix token ids) or
+    ("cleared",), in order. A hash never seen stored (not possible in a complete run) reads as its hash."""
+    prefix: dict[str, tuple[int, ...]] = {}
+    out = []
+    for step in steps:
+        events = []
+        for e in step["kv_events"]:
+            if e["type"] == "BlockStored":
+                parent = e.get("parent_block_hash")
+                head = prefix.get(str(parent), ()) if parent is not None else ()
+                size = e["block_size"]
+                for i, h in enumerate(e["block_hashes"]):
+                    head = head + tuple(e["token_ids"][i * size:(i + 1) * size])
+                    prefix[str(h)] = head
+                    events.append(("stored", head))
+            elif e["type"] == "BlockRemoved":
+                events += [("removed", prefix.get(str(h), ("unknown hash", str(h)))) for h in e["block_hashes"]]
+            else:
+                events.append(("cleared",))
+        out.append(events)
+    return out
+
+
+def _canonical(result: dict) -> dict[str, str]:
+    """Request id -> comparable name: a child of ``n > 1`` becomes "<parent>#<index>"."""
+    names = {}
+    for parent, kids in result.get("child_ids", {}).items():
+        for i, kid in enumerate(kids):
+            names[str(kid)] = f"{parent}#{i}"
+    return names
+
+
+def _schedule(result: dict) -> list[dict]:
+    names = _canonical(result)
+    return [{names.get(str(k), str(k)): v for k, v in s["scheduled"].items()} for s in result["steps"]]
+
+
+def _first_difference(a: list, b: list) -> str:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return f"step {i + 1}: vLLM {_short(x)} vs lab {_short(y)}"
+    if len(a) != len(b):
+        return f"vLLM ran {len(a)} steps, the lab {len(b)}"
+    return ""
+
+
+def _short(value, limit: int = 400) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _describe_events(events: list[tuple]) -> list[tuple]:
+    """Shorter form for messages: kind and prefix length in tokens (with the last 3 token ids)."""
+    return [(e[0], len(e[1]), e[1][-3:]) if len(e) > 1 else e for e in events]
+
+
+def _cached(result: dict) -> dict[str, int]:
+    """Request -> num_cached_tokens; a request with children -> each child's, as "<parent>#<index>" (the
+    parent's own value is the last-finished child's, an order the two engines need not share)."""
+    out = {}
+    for rid, r in result["requests"].items():
+        kids = result.get("child_ids", {}).get(rid)
+        if kids:
+            out.update({f"{rid}#{i}": r["child_num_cached_tokens"][str(k)] for i, k in enumerate(kids)})
+        else:
+            out[rid] = r["num_cached_tokens"]
+    return out
+
+
+def compare(vllm: dict, lab: dict) -> list[Check]:
+    """The checks of one case: outputs, num_cached_tokens, preemptions, per-step schedule, per-step KV
+    events by content, KV cache usage after each step, and the prefix-cache counters."""
+    checks = []
+    outs_v = {r: v["outputs"] for r, v in vllm["requests"].items()}
+    outs_l = {r: v["outputs"] for r, v in lab["requests"].items()}
+    bad = [r for r in outs_v if outs_v[r] != outs_l.get(r)]
+    checks.append(Check("identical greedy token ids per request", not bad and outs_v.keys() == outs_l.keys(),
+                        "; ".join(f"{r}: vLLM {_short(outs_v[r], 200)} vs lab {_short(outs_l.get(r), 200)}"
+                                  for r in bad[:3])))
+    cached_v, cached_l = _cached(vllm), _cached(lab)
+    checks.append(Check("identical num_cached_tokens per request", cached_v == cached_l,
+                        "" if cached_v == cached_l else f"vLLM {cached_v} vs lab {cached_l}"))
+    pre_v = [len(s["preempted"]) for s in vllm["steps"]]
+    pre_l = [len(s["preempted"]) for s in lab["steps"]]
+    checks.append(Check("same preemptions (count and step)", pre_v == pre_l and vllm["num_preemptions"] == lab["num_preemptions"],
+                        "" if pre_v == pre_l else f"vLLM {vllm['num_preemptions']} vs lab {lab['num_preemptions']}; "
+                        + _first_difference(pre_v, pre_l)))
+    sched_v, sched_l = _schedule(vllm), _schedule(lab)
+    checks.append(Check("same tokens scheduled per request, step by step", sched_v == sched_l,
+                        _first_difference(sched_v, sched_l)))
+    ev_v, ev_l = prefix_events(vllm["steps"]), prefix_events(lab["steps"])
+    checks.append(Check("same KV events in the same order (blocks by prefix content), batch by batch", ev_v == ev_l,
+                        _first_difference([_describe_events(e) for e in ev_v], [_describe_events(e) for e in ev_l])))
+    use_v = [round(s["kv_cache_usage"], 9) for s in vllm["steps"]]
+    use_l = [round(s["kv_cache_usage"], 9) for s in lab["steps"]]
+    checks.append(Check("same KV cache usage after every step (vLLM's BlockPool.get_usage)", use_v == use_l,
+                        _first_difference(use_v, use_l)))
+    st_v, st_l = vllm.get("prefix_cache_stats"), lab.get("prefix_cache_stats")
+    keys = [k for k in ("queries", "hits", "preempted_queries", "preempted_hits") if st_v and k in st_v]
+    same = bool(keys) and all(st_v[k] == st_l[k] for k in keys)
+    checks.append(Check("same prefix-cache queries and hits (preempted apart)", same,
+                        "" if same else f"vLLM {st_v} vs lab {st_l}"))
+    return checks

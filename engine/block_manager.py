@@ -124,9 +124,10 @@ class BlockManager:
         self.swap_num_tokens: dict[str, int] = {}
         self.pending_ops: list[tuple[str, int, int]] = []
         # vLLM's KV cache events (vllm/distributed/kv_events.py) in its schema, drained each step:
-        # {"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids", "block_size"},
-        # {"type": "BlockRemoved", "block_hashes"}, {"type": "AllBlocksCleared"}
+        # {"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+        # "medium", "lora_name"}, {"type": "BlockRemoved", "block_hashes", "medium"}, {"type": "AllBlocksCleared"}
         self.kv_events: list[dict] = []
+        self._last_stored: tuple[str, int] | None = None  # (sequence, logical block) of the last BlockStored
         self.log = event_log if event_log is not None else EventLog()
         self.peak_used_blocks = 0  # most blocks in use at any moment, also within a step
 
@@ -620,6 +621,7 @@ class BlockManager:
     def drain_kv_events(self) -> list[dict]:
         """vLLM-schema KV cache events since the last drain, in order (one engine step's batch)."""
         events, self.kv_events = self.kv_events, []
+        self._last_stored = None
         return events
 
     # ------------------------------------------------------------------------------------------- drains
@@ -660,7 +662,7 @@ class BlockManager:
                 del self.cached_blocks[old]
             self.block_hashes[b] = None
             self.stats["evictions"] += 1
-            self.kv_events.append({"type": "BlockRemoved", "block_hashes": [old]})
+            self.kv_events.append({"type": "BlockRemoved", "block_hashes": [old], "medium": "GPU"})
             also = f"; {_n(len(copies), 'other block')} with the same prefix stay cached" if copies else ""
             self.log.emit(EventKind.EVICT, None, [b],
                           f"block {b} evicted from the prefix cache (hash {old}) to be reused{also}",
@@ -714,9 +716,21 @@ class BlockManager:
         h = block_hash(parent, tokens)
         self.block_hashes[b] = h
         self.cached_blocks.setdefault(h, {})[b] = None
-        self.kv_events.append({"type": "BlockStored", "block_hashes": [h],
-                               "parent_block_hash": parent if index > 0 else None,
-                               "token_ids": list(tokens), "block_size": self.block_size})
+        self._store_event(seq_id, index, h, parent if index > 0 else None, tokens)
+
+    def _store_event(self, seq_id: str, index: int, h: str, parent: str | None, tokens) -> None:
+        """A "BlockStored" KV event; consecutive blocks of one sequence cached in one go share one event,
+        as vLLM's ``cache_full_blocks`` sends one per call (hashes in order, their tokens concatenated,
+        the parent of the first)."""
+        last = self.kv_events[-1] if self.kv_events else None
+        if last is not None and last["type"] == "BlockStored" and self._last_stored == (seq_id, index - 1):
+            last["block_hashes"].append(h)
+            last["token_ids"].extend(tokens)
+        else:
+            self.kv_events.append({"type": "BlockStored", "block_hashes": [h], "parent_block_hash": parent,
+                                   "token_ids": list(tokens), "block_size": self.block_size, "lora_id": None,
+                                   "medium": "GPU", "lora_name": None})
+        self._last_stored = (seq_id, index)
 
     def _distinct_blocks(self, seq_ids: list[str]) -> list[int]:
         return list(dict.fromkeys(b for s in seq_ids for b in self._table(s)))

@@ -57,7 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "per step with chunked prefill, n as child requests over the prefix cache, recompute "
                           "only). The contiguous baseline always runs the paper's scheduler")
     run.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES,
-                     help="v1: fcfs (default) or priority (requests' priorities come from the scenario)")
+                     help="v1: fcfs (default) or priority: the lowest priority value runs first, then arrival. "
+                          "The scenarios give every request priority 0, so under priority they run as under "
+                          "fcfs; priorities come from the Python API (add_request(..., priority=k))")
+    run.add_argument("--max-num-seqs", type=int,
+                     help="most sequences running at once (default 256; v1 refuses a token budget below it, "
+                          "as vLLM does)")
     run.add_argument("--max-num-batched-tokens", type=int,
                      help="tokens one step may compute (v1: the budget shared by decode and prefill chunks, "
                           "default 2048; paper: a prefill step's budget)")
@@ -93,11 +98,17 @@ def engine_config(args, scenario, allocator: str = "paged") -> EngineConfig:
         fields.pop("num_blocks", None)
     if args.max_model_len is not None:
         fields["max_model_len"] = args.max_model_len
-    for flag in ("preemption_mode", "contiguous_policy", "watermark", "scheduling_policy", "max_num_batched_tokens"):
+    for flag in ("preemption_mode", "contiguous_policy", "watermark", "scheduling_policy", "max_num_batched_tokens",
+                 "max_num_seqs"):
         if getattr(args, flag, None) is not None:
             fields[flag] = getattr(args, flag)
     if allocator == "paged":
         fields["semantics"] = getattr(args, "semantics", "paper")
+        if fields["semantics"] == "v1":
+            fields.pop("swap_space_blocks", None)  # a scenario's swap pool: V1 has none
+            if fields.get("preemption_mode") == "swap":
+                raise ValueError(f"scenario {scenario.name!r} preempts by swap, which vLLM V1 does not have "
+                                 f"(recompute only): add --preemption-mode recompute to run it with --semantics v1")
     else:  # the baseline is the paper's contiguous allocator under the paper's scheduler
         fields.pop("scheduling_policy", None)
         if getattr(args, "semantics", "paper") == "v1":
@@ -110,7 +121,7 @@ def paged_summary(engine, records: list[StepRecord], outputs) -> dict:
     peak, the prefix cache (hit rate of first admissions; re-admissions apart), preemptions, run stats."""
     return {
         "peak_blocks_used": engine.block_manager.peak_used_blocks,
-        **metrics.paged_accounting(outputs, engine.block_size, metrics.first_admission_hits(records),
+        **metrics.paged_accounting(outputs, engine.block_size, metrics.first_admission_hits(records, engine.parents),
                                    {rid for rid, r in engine.requests.items() if r.is_beam_search}),
         "prefix_cache": metrics.prefix_cache_stats(engine.block_manager.stats),
         "preemption": metrics.preemption_counts(records),
@@ -153,6 +164,9 @@ def summarize(runs: dict) -> dict:
         "attention_backend": engine.backend,
         "allocators": list(runs),
         "semantics": engine.semantics,
+        "scheduler": {"semantics": engine.semantics, "max_num_batched_tokens": engine.max_num_batched_tokens,
+                      "max_num_seqs": engine.config.max_num_seqs, "scheduling_policy": engine.config.scheduling_policy,
+                      "watermark": engine.config.watermark},
         "block_size": engine.block_size,
         "num_blocks": engine.num_blocks,
         "max_model_len": engine.max_model_len,
@@ -169,6 +183,7 @@ def summarize(runs: dict) -> dict:
                 "output_token_ids": o.output_token_ids,
                 "finish_reason": o.finish_reason,
                 "num_preemptions": o.num_preemptions,
+                "num_cached_tokens": o.num_cached_tokens,  # V1: prefix-cache hit of its first admission
                 "block_table": o.block_table,
                 "outputs": [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
                              "finish_reason": c.finish_reason, "score": round(c.score, 4)} for c in o.outputs],
@@ -202,6 +217,13 @@ def summarize(runs: dict) -> dict:
 def print_text(summary: dict, records: list[StepRecord], out) -> None:
     w = out.write
     w(f"model {summary['model']}  device {summary['device']} ({summary['dtype']}, {summary['attention_backend']} attention)\n")
+    sch = summary["scheduler"]
+    if sch["semantics"] == "v1":
+        w(f"semantics: vLLM V1 (token budget {sch['max_num_batched_tokens']:,} per step, chunked prefill, "
+          f"{sch['scheduling_policy']} policy, recompute-only preemption, watermark {sch['watermark']:.0%})\n")
+    else:
+        w(f"semantics: the paper's (vLLM V0: prefill or decode steps, fork and copy-on-write, "
+          f"watermark {sch['watermark']:.0%})\n")
     what = "paged pool" if "paged" in summary else "contiguous region"
     w(f"{what}: {summary['num_blocks']} blocks x {summary['block_size']} tokens = "
       f"{summary['num_blocks'] * summary['block_size']:,} token slots, "
@@ -332,6 +354,9 @@ def run(args) -> int:
                 path = path.with_name(f"{path.stem}.contiguous{path.suffix}")
             write_trace(records, path)
     runs = {a: runs[a] for a in wanted}
+    if args.semantics == "v1" and "contiguous" in wanted:
+        print("note: the contiguous baseline runs the paper's scheduler (vLLM V0); --semantics v1 applies to the "
+              "paged engine", file=sys.stderr)
     summary = summarize(runs)
     if args.json:
         json.dump(summary, sys.stdout, indent=2)

@@ -161,6 +161,10 @@ class EngineConfig:
             if self.swap_space_blocks:
                 raise ValueError(f"swap_space_blocks {self.swap_space_blocks}: vLLM V1 has no swap pool "
                                  f"(semantics='v1')")
+            if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
+                raise ValueError(f"max_num_batched_tokens {self.max_num_batched_tokens} must be at least max_num_seqs "
+                                 f"{self.max_num_seqs} (vLLM V1's SchedulerConfig: every running request gets a "
+                                 f"token each step); lower max_num_seqs or raise the budget")
             if self.allocator != "paged":
                 raise ValueError(f"allocator {self.allocator!r}: the contiguous baseline runs the paper's "
                                  f"scheduler (semantics='paper')")

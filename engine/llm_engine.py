@@ -138,7 +138,9 @@ class LLMEngine:
         if self.semantics == "v1":
             self.scheduler = SchedulerV1(self.block_manager, config.max_num_seqs, max_batched, self.max_model_len,
                                          policy=config.scheduling_policy,
-                                         watermark_blocks=int(config.watermark * self.num_blocks), log=self.log)
+                                         # vLLM counts its null block in the pool the watermark is a share of
+                                         watermark_blocks=int(config.watermark * (self.num_blocks + 1)),
+                                         log=self.log)
         else:
             self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, max_batched,
                                        config.preemption_mode, log=self.log)
@@ -242,8 +244,9 @@ class LLMEngine:
     def _make_requests(self, prompt, params: SamplingParams, rid: str, final_len: int | None = None,
                        priority: int = 0) -> list[Request]:
         """The request, or in V1 semantics with ``n > 1`` its child requests (validated; nothing added)."""
-        if isinstance(priority, bool) or not isinstance(priority, int):
+        if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        priority = int(priority)
         if self.semantics != "v1":
             return [self._make_request(prompt, params, rid, final_len, priority)]
         if params.beam_width > 1:
@@ -276,14 +279,17 @@ class LLMEngine:
     def _auto_ids(self, count: int) -> list[str]:
         """The next ``count`` free ids "R<k>", skipping ids a caller chose."""
         ids, k = [], self._next_id
+        roots = {r.split(".")[0] for r in self.requests if "." in r}  # "R1.0" takes "R1" for a parent's children
         while len(ids) < count:
-            if f"R{k}" not in self.requests and f"R{k}" not in self.parents:
+            if f"R{k}" not in self.requests and f"R{k}" not in self.parents and f"R{k}" not in roots:
                 ids.append(f"R{k}")
             k += 1
         return ids
 
     def _enqueue(self, request: Request) -> None:
-        self._arrivals += 1
+        # the child requests of one n > 1 request share its arrival (vLLM copies the request)
+        if request.parent_id is None or request.request_id.endswith(".0"):
+            self._arrivals += 1
         request.arrival = self._arrivals
         self.requests[request.request_id] = request
         if request.parent_id is not None:

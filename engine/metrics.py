@@ -151,8 +151,17 @@ def paged_accounting(outputs, block_size: int, hit_tokens: dict[str, int] | None
             "waste_pct": round(pct(blocks * block_size - used, blocks * block_size), 2)}
 
 
-def first_admission_hits(records) -> dict[str, int]:
-    """Request id -> prefix-cache hit tokens at its first admission (re-admissions left out)."""
+def first_admission_hits(records, parents: dict[str, list[str]] | None = None) -> dict[str, int]:
+    """Request id -> prefix-cache hit tokens at its first admission (re-admissions left out). ``parents``
+    (V1's ``LLMEngine.parents``: a request with n > 1 -> its child requests): a parent's hit is its first
+    child's, the one that computed or found the prompt; the others found it in the cache from that child."""
+    hits = _hits_by_request(records)
+    for parent, kids in (parents or {}).items():
+        hits[parent] = hits.get(kids[0], 0)
+    return hits
+
+
+def _hits_by_request(records) -> dict[str, int]:
     hits: dict[str, int] = {}
     for r in records:
         owner = {s.seq_id: s.request_id for s in r.snapshot.sequences}  # a sample "R3.0" belongs to R3

@@ -305,6 +305,11 @@ def _check_record(rec: "StepRecord") -> None:
                          f"have reference count 0")
     if not (math.isfinite(rec.elapsed_s) and rec.elapsed_s >= 0):
         raise ValueError(f"elapsed_s: {rec.elapsed_s!r} is not a duration in seconds")
+    if (rec.kind == "idle") != (not rec.scheduled):
+        raise ValueError(f"kind {rec.kind!r}: a step is idle exactly when it scheduled nothing "
+                         f"({len(rec.scheduled)} sequences scheduled)")
+    for i, e in enumerate(rec.kv_events):
+        _check_kv_event(i, e, snap.block_size)
     for i, e in enumerate(rec.events):
         schema = EVENT_DATA[e.kind]
         for key, value in e.data.items():
@@ -312,6 +317,33 @@ def _check_record(rec: "StepRecord") -> None:
                     or not isinstance(value, schema[key]):
                 raise ValueError(f"events.{i}.data.{key}: {value!r} is not a field of a {e.kind!r} event "
                                  f"of that type")
+
+
+# vLLM's KV event types (vllm/distributed/kv_events.py) and the fields each must carry here
+KV_EVENT_FIELDS = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size"),
+                   "BlockRemoved": ("block_hashes",), "AllBlocksCleared": ()}
+
+
+def _check_kv_event(i: int, e: dict, block_size: int) -> None:
+    """A KV event in vLLM's schema: a known type, its fields, hashes given, and for BlockStored one full
+    block of token ids per hash at the pool's block size."""
+    kind = e.get("type")
+    if kind not in KV_EVENT_FIELDS:
+        raise ValueError(f"kv_events.{i}.type: {kind!r} is not one of {', '.join(KV_EVENT_FIELDS)}")
+    missing = [f for f in KV_EVENT_FIELDS[kind] if f not in e]
+    if missing:
+        raise ValueError(f"kv_events.{i}: a {kind} event lacks {', '.join(missing)}")
+    if kind == "AllBlocksCleared":
+        return
+    hashes = e["block_hashes"]
+    if not isinstance(hashes, list) or not hashes or not all(isinstance(h, (str, int)) for h in hashes):
+        raise ValueError(f"kv_events.{i}.block_hashes: {hashes!r} is not a non-empty list of hashes")
+    if kind == "BlockStored":
+        tokens, size = e["token_ids"], e["block_size"]
+        if size != block_size or not isinstance(tokens, list) or len(tokens) != len(hashes) * size \
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+            raise ValueError(f"kv_events.{i}: a BlockStored of {len(hashes)} blocks of {size} tokens needs "
+                             f"{len(hashes) * size} token ids (pool block size {block_size})")
 
 
 def write_trace(records: Iterable[StepRecord], path: str | Path) -> int:
@@ -326,14 +358,14 @@ def write_trace(records: Iterable[StepRecord], path: str | Path) -> int:
 
 def read_trace(path: str | Path) -> Iterator[StepRecord]:
     """Read a JSON-lines trace written by ``write_trace``, checking every record (``StepRecord.from_dict``)
-    and that step numbers increase. An iterator: records come (and errors are raised) as it is consumed;
+    and that step numbers increase and the semantics stay the same. An iterator: records come (and errors are raised) as it is consumed;
     ``list(read_trace(path))`` reads the whole trace.
 
     Raises:
         ValueError: a line is not JSON (NaN and Infinity included) or not a valid record, or its step does
             not follow the previous one (names the line number and the field).
     """
-    last_step = 0
+    last_step, semantics = 0, None
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -348,7 +380,9 @@ def read_trace(path: str | Path) -> Iterator[StepRecord]:
                 raise ValueError(f"{path}:{lineno}: not a step record ({exc})") from None
             if record.step <= last_step:
                 raise ValueError(f"{path}:{lineno}: step {record.step} does not follow step {last_step}")
-            last_step = record.step
+            if semantics is not None and record.semantics != semantics:
+                raise ValueError(f"{path}:{lineno}: semantics {record.semantics!r}, but the trace began in {semantics!r}")
+            last_step, semantics = record.step, record.semantics
             yield record
 
 

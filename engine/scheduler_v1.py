@@ -57,13 +57,16 @@ class SchedulerV1(Scheduler):
 
     # ------------------------------------------------------------------------------------------ queues
     def _next_waiting(self) -> Request:
-        """The waiting request to admit next: the queue's head (FCFS), or the lowest (priority, arrival)."""
+        """The waiting request to admit next: the queue's head (FCFS), or the lowest (priority, arrival,
+        request id) (vLLM's ``Request.__lt__`` in its priority heap: the child requests of one ``n > 1``
+        request share its arrival, so they go by id, as strings: "R1.10" before "R1.2")."""
         if self.policy == "priority":
-            return min(self.waiting, key=lambda r: (r.priority, r.arrival))
+            return min(self.waiting, key=lambda r: (r.priority, r.arrival, r.request_id))
         return self.waiting[0]
 
     def _victim(self) -> Request:
-        """The running request to preempt: the last admitted (FCFS) or the highest (priority, arrival)."""
+        """The running request to preempt: the last admitted (FCFS), or the highest (priority, arrival),
+        the first in running order among ties (vLLM: ``max(self.running, key=...)``)."""
         if self.policy == "priority":
             return max(self.running, key=lambda r: (r.priority, r.arrival))
         return self.running[-1]
@@ -82,11 +85,13 @@ class SchedulerV1(Scheduler):
 
     @staticmethod
     def _kind(batch: Batch) -> str:
-        """"prefill" (only prompt tokens or chunks), "decode" (only one token of requests past their prompt),
-        "mixed" (both) or "idle"."""
+        """"decode" (every sequence computes just its newest generated token), "prefill" (none does:
+        prompt chunks, or a recompute of prompt + generated tokens after a preemption), "mixed" (both) or
+        "idle"."""
         if not batch.seqs:
             return "idle"
-        decode = [s.num_computed_tokens > s.prompt_len for s in batch.seqs]
+        decode = [n == 1 and s.num_computed_tokens == s.num_tokens and s.num_tokens - 1 >= s.prompt_len
+                  for s, n in zip(batch.seqs, batch.num_new_tokens)]
         return "decode" if all(decode) else "prefill" if not any(decode) else "mixed"
 
     def _schedule_running(self, batch: Batch, budget: int) -> int:
@@ -155,7 +160,7 @@ class SchedulerV1(Scheduler):
             self.log.emit(EventKind.ADMIT, req.request_id, [],
                           f"{req.request_id} {verb}: computes {n} of {seq.num_tokens} tokens this step"
                           + (f", {cached} found in the prefix cache" if cached else "") + chunk,
-                          num_tokens=seq.num_tokens, computed=n, readmission=again)
+                          num_tokens=seq.num_tokens, computed=seq.num_tokens - cached, readmission=again)
 
     def _add(self, req: Request, n: int, batch: Batch) -> None:
         seq = req.seqs[0]

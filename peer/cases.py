@@ -116,6 +116,14 @@ def _cases_at(B: int, ids: list[int]) -> list[Case]:
                     CaseRequest("mid", ids[100: 100 + B + 3], max_tokens=2 * B, priority=1),
                     CaseRequest("high", ids[150: 150 + B + 3], max_tokens=B, priority=0, arrival_step=3)],
              scheduling_policy="priority", max_model_len=4 * B),
+        Case(f"priority-children-{s}", "priority policy with n = 3 children sharing their parent's arrival: "
+             "ties among children go by request id in the waiting queue and to the first in running order "
+             "as victim",
+             B, 9, [CaseRequest("kids", ids[200: 200 + B + 9], max_tokens=2 * B, n=3, priority=1),
+                    CaseRequest("solo", ids[260: 260 + B // 2], max_tokens=B, priority=1)],
+             scheduling_policy="priority", max_model_len=4 * B,
+             known_difference="vLLM 0.32 refuses n > 1 at temperature 0; the driver sends temperature 1 with "
+                              "top_k 1, which is greedy"),
         Case(f"chunked-prefill-{s}", "prompts longer than the token budget (2 blocks) prefilled in chunks, "
              "mixed with decode tokens of a running request",
              B, 40, [CaseRequest("short", ids[450: 470], max_tokens=12),

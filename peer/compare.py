@@ -20,8 +20,9 @@ class Check:
 
 
 def prefix_events(steps: list[dict]) -> list[list[tuple]]:
-    """Per step, its KV events by content: ("stored", prefix token ids), ("removed", prefix token ids) or
-    ("cleared",), in order. A hash never seen stored (not possible in a complete run) reads as its hash."""
+    """Per step, its KV events by content, in order: ("stored", (prefix token ids of each block)),
+    ("removed", (prefix token ids of each block)) or ("cleared",). One event per vLLM event, so how blocks
+    are grouped into events is compared too. A hash never seen stored reads as its hash."""
     prefix: dict[str, tuple[int, ...]] = {}
     out = []
     for step in steps:
@@ -31,12 +32,15 @@ def prefix_events(steps: list[dict]) -> list[list[tuple]]:
                 parent = e.get("parent_block_hash")
                 head = prefix.get(str(parent), ()) if parent is not None else ()
                 size = e["block_size"]
+                blocks = []
                 for i, h in enumerate(e["block_hashes"]):
                     head = head + tuple(e["token_ids"][i * size:(i + 1) * size])
                     prefix[str(h)] = head
-                    events.append(("stored", head))
+                    blocks.append(head)
+                events.append(("stored", tuple(blocks)))  # one event per allocation, as vLLM groups them
             elif e["type"] == "BlockRemoved":
-                events += [("removed", prefix.get(str(h), ("unknown hash", str(h)))) for h in e["block_hashes"]]
+                events.append(("removed", tuple(prefix.get(str(h), ("unknown hash", str(h)))
+                                                for h in e["block_hashes"])))
             else:
                 events.append(("cleared",))
         out.append(events)
@@ -72,8 +76,8 @@ def _short(value, limit: int = 400) -> str:
 
 
 def _describe_events(events: list[tuple]) -> list[tuple]:
-    """Shorter form for messages: kind and prefix length in tokens (with the last 3 token ids)."""
-    return [(e[0], len(e[1]), e[1][-3:]) if len(e) > 1 else e for e in events]
+    """Shorter form for messages: kind and each block's prefix length in tokens (with its last token id)."""
+    return [(e[0], tuple((len(b), b[-1:]) for b in e[1])) if len(e) > 1 else e for e in events]
 
 
 def _cached(result: dict) -> dict[str, int]:

@@ -35,9 +35,10 @@ def test_geometry_and_bytes_per_token(make_engine):
     engine = make_engine(num_blocks=8)
     cfg = engine.model.config
     g = engine.geometry
-    assert (g.num_layers, g.num_kv_heads, g.head_dim) == (
-        cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads)
-    assert g.bytes_per_token == 2 * g.num_layers * g.num_kv_heads * g.head_dim * 4
+    # the embedded model v2 sets head_dim apart from hidden_size // heads (= 24): the geometry reads it
+    assert (g.num_layers, g.num_kv_heads, g.head_dim) == (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim)
+    assert cfg.head_dim == 32 != cfg.hidden_size // cfg.num_attention_heads
+    assert g.bytes_per_token == 2 * g.num_layers * g.num_kv_heads * g.head_dim * 4 == 2048
     assert engine.kv_cache.key_cache[0].shape == (8, 16, g.num_kv_heads, g.head_dim)
 
 

@@ -26,7 +26,7 @@ def test_v1_greedy_outputs_equal_the_paper_mode(make_engine, text_ids, budget, n
     ps = prompts(text_ids)
     paper = make_engine(block_size=32, num_blocks=40, max_model_len=256).generate(ps, GREEDY)
     v1 = make_engine(block_size=32, num_blocks=num_blocks, max_model_len=256, semantics="v1",
-                     max_num_batched_tokens=budget)
+                     max_num_batched_tokens=budget, max_num_seqs=16)
     records = []
     outs = v1.generate(ps, GREEDY, on_step=records.append)
     assert [o.output_token_ids for o in outs] == [o.output_token_ids for o in paper]
@@ -56,14 +56,15 @@ def test_n_samples_are_child_requests_that_hit_the_prompt_blocks(make_engine, te
 
 
 def test_v1_records_carry_vllm_kv_events_and_round_trip(make_engine, text_ids, tmp_path):
-    eng = make_engine(block_size=32, num_blocks=6, max_model_len=192, semantics="v1", max_num_batched_tokens=64)
+    eng = make_engine(block_size=32, num_blocks=6, max_model_len=192, semantics="v1", max_num_batched_tokens=64,
+                      max_num_seqs=16)
     records = []
     other = list(reversed(text_ids))[:100]  # shares no block with the first two prompts
     eng.generate([text_ids[:70], text_ids[:70] + text_ids[150:180], other], GREEDY, on_step=records.append)
     kinds = [e["type"] for r in records for e in r.kv_events]
     assert "BlockStored" in kinds and "BlockRemoved" in kinds
     stored = [e for r in records for e in r.kv_events if e["type"] == "BlockStored"]
-    assert stored[0]["parent_block_hash"] is None and stored[0]["token_ids"] == text_ids[:32]
+    assert stored[0]["parent_block_hash"] is None and stored[0]["token_ids"] == text_ids[:64]  # 2 blocks, 1 event
     assert all(r.semantics == "v1" for r in records)
     path = tmp_path / "v1.jsonl"
     write_trace(records, path)
@@ -121,3 +122,73 @@ def test_step_record_rejects_an_unknown_kind_or_semantics(make_engine, text_ids)
         StepRecord.from_dict({**d, "kind": "chunk"})
     with pytest.raises(ValueError, match="semantics"):
         StepRecord.from_dict({**d, "semantics": "v0"})
+
+
+# --------------------------------------------------------------- found by trying to break the V1 mode
+def test_a_recompute_step_is_prefill_and_a_chunked_prefill_counts_whole(make_engine, text_ids):
+    from engine import metrics
+    eng = make_engine(block_size=4, num_blocks=10, max_model_len=40, semantics="v1", max_num_batched_tokens=16,
+                      max_num_seqs=16)
+    records = []
+    eng.generate([text_ids[:8], text_ids[10:18], text_ids[20:28]], SamplingParams(max_tokens=12, temperature=0,
+                                                                                      ignore_eos=True),
+                 on_step=records.append)
+    for rec in records:
+        decode = [s.num_tokens == 1 and s.start_pos >= 8 and s.seq_id in rec.new_tokens for s in rec.scheduled]
+        expected = "decode" if all(decode) else "prefill" if not any(decode) else "mixed"
+        assert rec.kind == expected, (rec.step, rec.kind, rec.scheduled)
+    counts = metrics.preemption_counts(records)
+    assert counts["preemptions"] > 0
+    computed = sum(s.num_tokens for r in records for s in r.scheduled)
+    decoded = sum(1 for r in records for s in r.scheduled if s.num_tokens == 1 and s.start_pos >= 8
+                  and s.seq_id in r.new_tokens)
+    assert counts["prefill_tokens"] == computed - decoded  # every prefill and recompute chunk, not the first only
+
+
+def test_children_share_the_parent_arrival_and_auto_ids_skip_child_ids(make_engine, text_ids):
+    eng = make_engine(block_size=32, num_blocks=20, max_model_len=256, semantics="v1", scheduling_policy="priority")
+    eng.add_request(text_ids[:10], GREEDY, request_id="R1.0")
+    rid = eng.add_request(text_ids[:20], SamplingParams(n=3, max_tokens=4, temperature=0, ignore_eos=True))
+    assert rid != "R1"  # "R1.0" is taken: R1's children would collide
+    kids = [eng.requests[c] for c in eng.parents[rid]]
+    assert len({k.arrival for k in kids}) == 1 and kids[0].arrival > eng.requests["R1.0"].arrival
+
+
+def test_v1_watermark_counts_vllms_null_block(make_engine):
+    eng = make_engine(block_size=32, num_blocks=8, max_model_len=128, semantics="v1", watermark=0.34)
+    assert eng.scheduler.watermark_blocks == 3  # int(0.34 x (8 + vLLM's null block)), as vLLM keeps
+
+
+def test_blocks_stored_in_one_allocation_are_one_event(make_engine, text_ids):
+    eng = make_engine(block_size=32, num_blocks=20, max_model_len=256, semantics="v1")
+    eng.add_request(text_ids[:70], GREEDY)
+    stored = [e for e in eng.step().kv_events if e["type"] == "BlockStored"]
+    assert len(stored) == 1 and len(stored[0]["block_hashes"]) == 2 and stored[0]["token_ids"] == text_ids[:64]
+    assert stored[0]["medium"] == "GPU" and stored[0]["parent_block_hash"] is None
+
+
+def test_v1_budget_below_max_num_seqs_is_refused_as_vllm_does():
+    with pytest.raises(ValueError, match="max_num_batched_tokens 8 must be at least max_num_seqs 256"):
+        EngineConfig(semantics="v1", max_num_batched_tokens=8)
+
+
+def test_read_trace_checks_kv_events(make_engine, text_ids, tmp_path):
+    import json
+    eng = make_engine(block_size=32, num_blocks=20, max_model_len=256, semantics="v1")
+    eng.add_request(text_ids[:70], GREEDY)
+    good = eng.step().to_dict()
+    bad_cases = [
+        ({**good, "kv_events": [{"type": "BlockRemovedX"}]}, "BlockRemovedX"),
+        ({**good, "kv_events": [{"type": "BlockRemoved", "block_hashes": []}]}, "block_hashes"),
+        ({**good, "kv_events": [{**good["kv_events"][0], "token_ids": [1]}]}, "token ids"),
+        ({**good, "kind": "idle"}, "idle"),
+    ]
+    for bad, message in bad_cases:
+        path = tmp_path / "t.jsonl"
+        path.write_text(json.dumps(bad) + "\n")
+        with pytest.raises(ValueError, match=message):
+            list(read_trace(path))
+    second = {**good, "step": 2, "semantics": "paper"}
+    path.write_text(json.dumps(good) + "\n" + json.dumps(second) + "\n")
+    with pytest.raises(ValueError, match="semantics 'paper', but the trace began in 'v1'"):
+        list(read_trace(path))

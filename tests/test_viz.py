@@ -142,3 +142,44 @@ assert "torch" not in sys.modules, "a figure imported torch"
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def mixed_record():
+    """A V1 mixed step: R1-R3 decode one token each, R4's prompt of 300 tokens gets a 64-token chunk at
+    positions 128-191 (nothing sampled), R5 finishes its prompt (positions 32-39 of 40, after a prefix-cache
+    hit of 32) and samples its first token."""
+    seqs = [NS(seq_id=f"R{i}", prompt_len=10, token_ids=[0] * 14) for i in (1, 2, 3)]
+    seqs += [NS(seq_id="R4", prompt_len=300, token_ids=[0] * 300), NS(seq_id="R5", prompt_len=40, token_ids=[0] * 41)]
+    scheduled = [NS(seq_id=f"R{i}", request_id=f"R{i}", num_tokens=1, start_pos=13) for i in (1, 2, 3)]
+    scheduled += [NS(seq_id="R4", request_id="R4", num_tokens=64, start_pos=128),
+                  NS(seq_id="R5", request_id="R5", num_tokens=8, start_pos=32)]
+    events = [NS(kind="allocate", request_id="R5", data={"num_tokens": 40, "cached_tokens": 32}),
+              NS(kind="allocate", request_id="R4", data={"num_tokens": 192, "cached_tokens": 0})]
+    return NS(step=7, kind="mixed", scheduled=scheduled, events=events, snapshot=NS(sequences=seqs),
+              new_tokens={"R1": 5, "R2": 5, "R3": 5, "R5": 5}, semantics="v1")
+
+
+def test_a_mixed_step_is_described_by_its_parts():
+    from viz import describe_step, step_label
+
+    text = describe_step(mixed_record(), budget=2048)
+    assert text == ("mixed step: 3 decode tokens (R1-R3) + a 64-token prefill chunk of R4 (positions 128-191 of 300, "
+                    "108 more in later steps) + an 8-token prefill of R5 (positions 32-39 of 40; positions 0-31 from "
+                    "the prefix cache); 75 of the 2,048-token budget")
+    assert step_label(mixed_record()) == "mixed: 3 decode tokens + 2 prefill chunks (72 tokens)"
+    rec = mixed_record()
+    rec.scheduled[3].start_pos, rec.events = 236, []  # R4's last chunk: positions 236-299
+    assert "the last 64-token prefill chunk of R4 (positions 236-299 of 300)" in describe_step(rec)
+
+
+def test_step_tokens_figure_stacks_decode_and_prefill_tokens_with_the_budget():
+    from viz import step_tokens_figure
+
+    decode_only = mixed_record()
+    decode_only.step, decode_only.kind, decode_only.scheduled = 8, "decode", decode_only.scheduled[:3]
+    fig = step_tokens_figure([mixed_record(), decode_only], budget=2048, semantics="v1")
+    bars = {t.name: list(t.y) for t in fig.data}
+    assert bars == {"decode tokens": [3, 3], "prefill tokens (chunks too)": [72, 0]}
+    assert fig.layout.barmode == "stack" and "vLLM V1" in fig.layout.title.text
+    assert [s.y0 for s in fig.layout.shapes] == [2048]  # the budget line
+    assert "mixed: 3 decode tokens" in fig.data[0].customdata[0]

@@ -5,6 +5,11 @@ Settings come from the Playground's one path (``ui.state.preset_settings`` -> ``
 scenario's own engine settings (its pool, reservation, preemption mode, prefix caching) hold here too. The
 paged run goes first: the final lengths it reaches (``learn_final_lengths``) are what "pow2" and "oracle"
 must know in advance. Every number in the table is ``engine.cli``'s summary, built from ``engine.metrics``.
+
+The paged engine runs the semantics chosen on the page (the paper's, vLLM V0, or vLLM V1 with its token
+budget); the contiguous baselines always run the paper's scheduler. In V1, "pow2" and "oracle" learn the
+final lengths from a paged run in the paper's semantics, the scheduler the baselines run (sampled tokens
+could differ under another batching), when the workload's lengths are not known in advance.
 """
 
 from __future__ import annotations
@@ -16,12 +21,14 @@ import streamlit as st
 
 from engine import LLMEngine, metrics
 from engine.cli import contiguous_summary, paged_summary
-from engine.config import CONTIGUOUS_POLICIES, FINAL_LENGTH_POLICIES
+from engine.config import CONTIGUOUS_POLICIES, DEFAULT_MAX_NUM_BATCHED_TOKENS_V1, FINAL_LENGTH_POLICIES, SEMANTICS
 from engine.scenarios import SCENARIOS
 from engine.workloads import learn_final_lengths, run_workload
-from ui.lab import POLICY_LABELS, POLICY_RESERVES, LabSettings
+from ui.lab import (POLICY_LABELS, POLICY_RESERVES, SEMANTICS_LABELS, Lab, engine_semantics_line,
+                    fit_semantics, max_num_seqs_for, semantics_line)
 from ui.state import preset_settings, shared_model
 from viz import contiguous_region_figure, paged_slots_figure, timeline_figure
+from viz.steps import step_tokens_figure
 
 ROWS = ["slots allocated / reserved", "slots used", "waste", "internal fragmentation (slots)",
         "external fragmentation (max, slots)", "peak concurrency", "KV utilisation (mean)",
@@ -42,29 +49,45 @@ def single_sequence_refusal(workload) -> str | None:
     p = many[0]
     what = f"n={p.n} samples" if p.n > 1 else f"{p.beam_width} beams"
     return (f"the contiguous baseline serves one sequence per request, and this workload asks for {what} of "
-            f"one prompt, which only paging can share (fork and copy-on-write). Step it in the Playground to see "
-            f"the paged side.")
+            f"one prompt, which only paging can share (fork and copy-on-write in the paper's semantics, the "
+            f"prefix cache in vLLM V1). Step it in the Playground to see the paged side.")
 
 
-def run_all(name: str, seed: int) -> dict:
-    """Run ``name`` on the paged engine, then on the contiguous baseline under every policy.
+def paged_column(semantics: str) -> str:
+    """The paged engine's column in the table: "paged", or "paged (vLLM V1)"."""
+    return "paged" if semantics == "paper" else f"paged ({SEMANTICS_LABELS[semantics]})"
 
-    Returns {"name", "seed", "settings", "paged": (records, summary), "policies": {policy: (records,
-    summary)}, "skipped": {policy: reason}}. Raises ValueError (settings, or the paged engine refusing a
-    request); a policy that cannot run is listed in "skipped" with the engine's reason.
+
+def run_all(name: str, seed: int, semantics: str = "paper", budget: int | None = None) -> dict:
+    """Run ``name`` on the paged engine in ``semantics`` ("paper" | "v1"; ``budget``: V1's token budget per
+    step), then on the contiguous baseline under every policy (the paper's scheduler).
+
+    Returns {"name", "seed", "settings", "semantics", "semantics_line", "semantics_note", "budget", "paged":
+    (records, summary), "policies": {policy: (records, summary)}, "skipped": {policy: reason}}; the settings
+    are those in effect (a workload V1 cannot run runs in the paper's semantics, "semantics_note" says why).
+    Raises ValueError (settings, or the paged engine refusing a request); a policy that cannot run is listed
+    in "skipped" with the engine's reason.
     """
-    settings: LabSettings = preset_settings(name, seed=seed)
+    settings, note = fit_semantics(preset_settings(name, seed=seed, semantics=semantics,
+                                                   max_num_batched_tokens=budget))
     scenario = SCENARIOS[name]
     loaded = shared_model(settings.model)
     paged = LLMEngine(settings.config("paged"), loaded)
     workload = scenario.make(seed, _tokenize(paged.tokenizer))
     n = len(workload.requests)
     records: list = []
-    with st.spinner(f"Running {n} request{'s' * (n != 1)} of {name} on the paged engine..."):
+    with st.spinner(f"Running {n} request{'s' * (n != 1)} of {name} on the paged engine "
+                    f"({SEMANTICS_LABELS[paged.semantics]})..."):
         outputs = run_workload(paged, workload, on_step=records.append)
-    result = {"name": name, "seed": seed, "settings": settings,
+    result = {"name": name, "seed": seed, "settings": settings, "semantics": paged.semantics,
+              "semantics_line": engine_semantics_line(paged), "semantics_note": note,
+              "budget": paged.max_num_batched_tokens if paged.semantics == "v1" else None,
               "paged": (records, paged_summary(paged, records, outputs)), "policies": {}, "skipped": {}}
     finals = learn_final_lengths(outputs)
+    paper = dataclasses.replace(settings, semantics="paper", scheduling_policy="fcfs", max_num_batched_tokens=None)
+    if paged.semantics != "paper" and Lab.needs_final_lengths(dataclasses.replace(paper, contiguous_policy="oracle")):
+        with st.spinner("Learning the final lengths the baselines' scheduler (the paper's) reaches..."):
+            finals = learn_final_lengths(run_workload(LLMEngine(paper.config("paged"), loaded), workload))
     for policy in CONTIGUOUS_POLICIES:
         label = POLICY_LABELS[policy]
         records = []
@@ -104,7 +127,7 @@ def column(summary: dict, paged: bool, caching: bool) -> list[str]:
 
 def table(result: dict) -> pd.DataFrame:
     caching = result["settings"].enable_prefix_caching
-    data = {"paged": column(result["paged"][1], True, caching)}
+    data = {paged_column(result.get("semantics", "paper")): column(result["paged"][1], True, caching)}
     for policy, (_, summary) in result["policies"].items():
         data[POLICY_LABELS[policy]] = column(summary, False, caching)
     return pd.DataFrame(data, index=ROWS)
@@ -114,8 +137,12 @@ def show(result: dict) -> None:
     name, settings = result["name"], result["settings"]
     p_rec, p = result["paged"]
     st.subheader(f"{name}: accounting at each request's final length")
+    if result.get("semantics_note"):
+        st.warning(result["semantics_note"], icon=":material/info:")
     pool = p_rec[0].snapshot
-    st.caption(f"{pool.num_blocks} blocks of {pool.block_size} = {pool.num_blocks * pool.block_size:,} token slots "
+    line = result["semantics_line"]
+    st.caption(f"Paged column, {line[0].lower() + line[1:]}. Contiguous columns: the paper's scheduler. "
+               f"{pool.num_blocks} blocks of {pool.block_size} = {pool.num_blocks * pool.block_size:,} token slots "
                f"on both sides; "
                f"prefix caching {'on' if settings.enable_prefix_caching else 'off'}, preemption by "
                f"{settings.preemption_mode}, seed {result['seed']}.")
@@ -151,13 +178,40 @@ def show(result: dict) -> None:
                        width="stretch")
     st.plotly_chart(timeline_figure({"paged": p_rec, POLICY_LABELS[policy]: c_rec}, current_step=step + 1),
                     width="stretch")
+    st.plotly_chart(step_tokens_figure(p_rec, budget=result.get("budget"), current_step=step + 1,
+                                       semantics=result.get("semantics")), width="stretch")
+
+
+def _forget_result() -> None:
+    """Another semantics or budget: the table on screen would no longer be what the switch says."""
+    st.session_state.pop("compare", None)
+
+
+def semantics_choice() -> tuple[str, int | None]:
+    """The paged engine's semantics and, in V1, its token budget per step (the Playground's switch)."""
+    c1, c2 = st.columns([2, 1])
+    semantics = c1.radio("Semantics of the paged engine", SEMANTICS, format_func=SEMANTICS_LABELS.get,
+                         horizontal=True, key="compare_semantics", on_change=_forget_result,
+                         help="Paper (vLLM V0): prefill or decode steps, fork + copy-on-write, recompute or swap. "
+                              "vLLM V1: one token budget per step shared by decode tokens and prefill chunks, n as "
+                              "child requests over the prefix cache, recompute-only preemption. The contiguous "
+                              "baselines always run the paper's scheduler.")
+    budget = None
+    if semantics == "v1":
+        budget = int(c2.number_input("Token budget per step", value=DEFAULT_MAX_NUM_BATCHED_TOKENS_V1, step=16,
+                                     key="compare_budget", on_change=_forget_result,
+                                     help="vLLM V1's max_num_batched_tokens: decode tokens and prefill chunks "
+                                          "share it each step; longer prompts are prefilled in chunks."))
+    return semantics, budget
 
 
 def main() -> None:
     st.title("Compare: paged vs contiguous")
+    top = st.empty()  # the semantics line, filled once the switch below is read
     st.write("The same requests, the same model and the same bytes of KV memory, run to completion. The "
              "contiguous baseline reserves a range per request at admission, under each of four policies; the "
              "paged engine takes blocks as tokens arrive.")
+    semantics, budget = semantics_choice()
     compare = [n for n, s in SCENARIOS.items() if s.compare] + [n for n, s in SCENARIOS.items() if not s.compare]
     name = st.selectbox("Workload", compare, index=0,
                         format_func=lambda n: n if SCENARIOS[n].compare else f"{n} (a Playground preset)")
@@ -172,13 +226,17 @@ def main() -> None:
             if refusal:
                 st.session_state["compare_error"] = f"{name} cannot run on the contiguous baseline: {refusal}"
             else:
-                st.session_state["compare"] = run_all(name, seed)
+                st.session_state["compare"] = run_all(name, seed, semantics, budget)
         except ValueError as exc:
             st.session_state["compare_error"] = f"{name} cannot run here: {exc}"
     if err := st.session_state.pop("compare_error", None):
         st.error(err)
-    if "compare" in st.session_state:
-        show(st.session_state["compare"])
+    result = st.session_state.get("compare")
+    line = result["semantics_line"] if result else semantics_line(
+        semantics, budget, max_num_seqs=max_num_seqs_for(semantics, budget))
+    top.markdown(f"**{line}** (the paged engine; the contiguous baselines run the paper's scheduler).")
+    if result:
+        show(result)
 
 
 main()

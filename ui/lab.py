@@ -10,15 +10,22 @@ cannot know at admission: for a preset the lab learns it first with a headless p
 requests (same settings, same seeds, so the same tokens; its records are not kept). A request added by
 hand under those policies has no final length in advance and runs on the paged engine only (unless it
 sets ``ignore_eos``, which fixes its length), and ``notes`` says so.
+
+Semantics (``LabSettings.semantics``): the paged engine runs "paper" (vLLM V0 as the PagedAttention paper
+describes it) or "v1" (vLLM V1); the contiguous baseline always runs the paper's scheduler, without V1's
+token budget. What V1 lacks (preemption by swap, beam search) makes ``Lab.create`` run the paper's
+semantics instead, and ``semantics_note`` says why (``fit_semantics``); ``semantics_line`` names the
+semantics a view shows, in one line read from the engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass, field
 
 from engine import EngineConfig, LLMEngine, SamplingParams, StepRecord
-from engine.config import FINAL_LENGTH_POLICIES
+from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS_V1, DEFAULT_WATERMARK, FINAL_LENGTH_POLICIES
 from engine.scenarios import get_scenario
 from engine.workloads import WorkloadRequest, learn_final_lengths, run_workload
 
@@ -31,10 +38,20 @@ POLICY_RESERVES = {"max": "the maximum length R for every request",
                    "pow2": "the next power of two of the true final length (up to 2x too much)",
                    "oracle": "exactly the true final length"}
 
+SEMANTICS_LABELS = {"paper": "Paper (vLLM V0)", "v1": "vLLM V1"}
+SCHEDULING_LABELS = {"fcfs": "FCFS (first come, first served)", "priority": "priority (lower value first)"}
+
 
 @dataclass
 class LabSettings:
-    """What the sidebar sets. ``preset``: a scenario name, or "custom" (requests added by hand)."""
+    """What the sidebar sets. ``preset``: a scenario name, or "custom" (requests added by hand).
+
+    ``watermark`` None takes the semantics' default (``engine.config.DEFAULT_WATERMARK``: 1% paper, 0 V1).
+    ``semantics``, ``scheduling_policy`` and ``max_num_batched_tokens`` (V1's token budget per step; None:
+    V1's default 2,048) apply to the paged engine only; the paper's semantics use FCFS and no budget.
+    V1 needs a budget of at least ``max_num_seqs`` (vLLM's SchedulerConfig: every running request gets a
+    token each step), so a budget below the engine's default of 256 sequences also caps the running
+    sequences at the budget (``paged_max_num_seqs``)."""
 
     model: str
     preset: str = "batch"
@@ -48,20 +65,102 @@ class LabSettings:
     seed: int = 0
     kv_budget_mb: float = 0.0  # > 0: size the pool from this KV budget instead of num_blocks
     contiguous_policy: str = "max"  # how much a contiguous request reserves (``POLICY_LABELS``)
-    watermark: float = 0.01  # share of the paged pool admission keeps free, in [0, 1)
+    watermark: float | None = None  # share of the paged pool admission keeps free, in [0, 1); None: default
+    semantics: str = "paper"  # the paged engine's: "paper" (vLLM V0) or "v1" (vLLM V1)
+    scheduling_policy: str = "fcfs"  # V1: "fcfs" or "priority"
+    max_num_batched_tokens: int | None = None  # V1: the token budget per step; None: 2,048
+
+    @property
+    def paged_max_num_seqs(self) -> int:
+        """Most sequences the paged engine runs at once (``max_num_seqs_for``)."""
+        return max_num_seqs_for(self.semantics, self.max_num_batched_tokens)
+
+    @property
+    def effective_watermark(self) -> float:
+        """The watermark the paged engine runs with (``watermark``, or the semantics' default)."""
+        return DEFAULT_WATERMARK[self.semantics] if self.watermark is None else self.watermark
 
     def config(self, allocator: str) -> EngineConfig:
-        """The ``EngineConfig`` of one allocator ("paged" | "contiguous"). Raises ValueError on bad values."""
+        """The ``EngineConfig`` of one allocator ("paged" | "contiguous"). The contiguous baseline always runs
+        the paper's semantics (FCFS, no V1 token budget). Raises ValueError on bad values."""
         budget = int(self.kv_budget_mb * 2**20) if self.kv_budget_mb > 0 else None
+        v1 = allocator == "paged" and self.semantics == "v1"
         return EngineConfig(model=self.model, device="auto", block_size=self.block_size,
                             num_blocks=None if budget else self.num_blocks, kv_budget_bytes=budget,
                             max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
                             preemption_mode=self.preemption_mode, swap_space_blocks=self.swap_space_blocks,
                             allocator=allocator, reservation_tokens=self.reservation,
-                            contiguous_policy=self.contiguous_policy, watermark=self.watermark)
+                            contiguous_policy=self.contiguous_policy, watermark=self.watermark,
+                            semantics="v1" if v1 else "paper",
+                            scheduling_policy=self.scheduling_policy if v1 else "fcfs",
+                            max_num_batched_tokens=self.max_num_batched_tokens if v1 else None,
+                            max_num_seqs=self.paged_max_num_seqs if v1 else EngineConfig.max_num_seqs)
 
 
-def _count_only_tokenizer(text: str) -> list[int]:
+def max_num_seqs_for(semantics: str, max_num_batched_tokens: int | None) -> int:
+    """Most sequences the paged engine runs at once: the engine's default (256), or in V1 the token budget
+    when that is smaller (V1 refuses a budget below ``max_num_seqs``)."""
+    default = EngineConfig.max_num_seqs
+    if semantics == "v1" and max_num_batched_tokens is not None:
+        return max(1, min(default, max_num_batched_tokens))
+    return default
+
+
+def paper_only_reason(settings: LabSettings) -> str | None:
+    """Why these settings need the paper's semantics (what vLLM V1 does not have), or None."""
+    if settings.preemption_mode == "swap":
+        return ("it preempts by swap (copying a victim's blocks to a CPU swap pool and back), and vLLM V1 "
+                "preempts by recompute only: it has no swap pool")
+    if settings.preset != "custom":
+        workload = get_scenario(settings.preset).make(settings.seed, count_only_tokenizer)
+        beams = [r.params.beam_width for r in workload.requests if r.params.beam_width > 1]
+        if beams:
+            return (f"its request uses beam search ({beams[0]} beams that fork and share blocks), and vLLM V1 "
+                    f"runs beam search outside its scheduler, so this engine refuses beams in V1")
+    return None
+
+
+def fit_semantics(settings: LabSettings) -> tuple[LabSettings, str | None]:
+    """The settings the chosen semantics can run, and a note when they differ from what was asked.
+
+    V1 with what only the paper has (``paper_only_reason``: swap, beam search) runs the paper's semantics
+    instead, with a note naming why; V1 drops a swap pool it would never use (recompute only). The paper's
+    semantics are first come, first served."""
+    if settings.semantics != "v1":
+        return dataclasses.replace(settings, semantics="paper", scheduling_policy="fcfs"), None
+    why = paper_only_reason(settings)
+    if why is not None:
+        what = "these settings" if settings.preset == "custom" else f"the {settings.preset} preset"
+        other = "another preset or preemption by recompute" if settings.preemption_mode == "swap" else "another preset"
+        note = (f"vLLM V1 was chosen, but {what} runs in the paper's semantics (vLLM V0): {why}. Choose "
+                f"{other} to see vLLM V1.")
+        return dataclasses.replace(settings, semantics="paper", scheduling_policy="fcfs"), note
+    return dataclasses.replace(settings, preemption_mode="recompute", swap_space_blocks=None), None
+
+
+def semantics_line(semantics: str, max_num_batched_tokens: int | None = None, scheduling_policy: str = "fcfs",
+                   preemption_mode: str = "recompute", max_num_seqs: int | None = None) -> str:
+    """The semantics a view shows, in one line (read the arguments from the engine: ``engine.semantics``,
+    ``engine.max_num_batched_tokens``, ``engine.config``). ``max_num_seqs`` is named when below the
+    engine's default (a small V1 budget caps it)."""
+    if semantics == "v1":
+        budget = max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS_V1
+        policy = "priority scheduling" if scheduling_policy == "priority" else "FCFS"
+        cap = (f", at most {max_num_seqs} running sequences" if max_num_seqs is not None
+               and max_num_seqs < EngineConfig.max_num_seqs else "")
+        return (f"Semantics: vLLM V1 — token budget {budget:,} per step, chunked prefill, n as child requests, "
+                f"recompute-only preemption, {policy}{cap}")
+    return (f"Semantics: the paper's (vLLM V0) — prefill or decode steps, fork + copy-on-write, recompute or "
+            f"swap (here: {preemption_mode})")
+
+
+def engine_semantics_line(engine: LLMEngine) -> str:
+    """``semantics_line`` of a built engine."""
+    return semantics_line(engine.semantics, engine.max_num_batched_tokens, engine.config.scheduling_policy,
+                          engine.config.preemption_mode, engine.config.max_num_seqs)
+
+
+def count_only_tokenizer(text: str) -> list[int]:
     """Stands in for the tokenizer when only a workload's sampling parameters are needed."""
     return [0] * max(1, len(text.split()))
 
@@ -76,6 +175,7 @@ class Lab:
     history: list[tuple[StepRecord, StepRecord | None]] = field(default_factory=list)
     order: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    semantics_note: str | None = None  # why the paper's semantics run although V1 was chosen (``fit_semantics``)
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
     @staticmethod
@@ -85,18 +185,21 @@ class Lab:
         prompt + max_tokens, which the engine derives itself)."""
         if settings.preset == "custom" or settings.contiguous_policy not in FINAL_LENGTH_POLICIES:
             return False
-        workload = get_scenario(settings.preset).make(settings.seed, _count_only_tokenizer)
+        workload = get_scenario(settings.preset).make(settings.seed, count_only_tokenizer)
         # the contiguous side refuses requests with several samples or beams: nothing to learn for them
         return not all(r.params.length_known for r in workload.requests if r.params.num_seqs == 1)
 
     @classmethod
     def create(cls, settings: LabSettings, loaded=None) -> "Lab":
         """Build both engines and queue the preset's requests (under "pow2" / "oracle" with the final
-        lengths a headless paged run of the same requests reached: ``needs_final_lengths``).
+        lengths a headless paged run of the same requests reached: ``needs_final_lengths``). The settings
+        are first fitted to their semantics (``fit_semantics``): ``lab.settings`` are those in effect and
+        ``lab.semantics_note`` says what changed.
 
         Raises ValueError (bad settings or model) before anything is kept, so a caller can leave its
         previous lab in place.
         """
+        settings, semantics_note = fit_semantics(settings)
         paged = LLMEngine(settings.config("paged"), loaded)
         contiguous = None
         notes = []
@@ -104,7 +207,7 @@ class Lab:
             contiguous = LLMEngine(settings.config("contiguous"), (paged.model, paged.tokenizer))
         except ValueError as exc:
             notes.append(f"contiguous baseline not available with these settings: {exc}")
-        lab = cls(settings, paged, contiguous, notes=notes)
+        lab = cls(settings, paged, contiguous, notes=notes, semantics_note=semantics_note)
         if settings.preset != "custom":
             tokenize = lambda t: paged.tokenizer(t, add_special_tokens=False)["input_ids"]  # noqa: E731
             workload = get_scenario(settings.preset).make(settings.seed, tokenize)
@@ -112,7 +215,9 @@ class Lab:
                 lab.check(r.prompt, r.params)
             finals: list[int | None] = [None] * len(workload.requests)
             if contiguous is not None and cls.needs_final_lengths(settings):  # else the engine derives them
-                headless = LLMEngine(settings.config("paged"), (paged.model, paged.tokenizer))
+                # the paper's semantics, as the contiguous baseline runs: the same scheduler, the same tokens
+                paper = dataclasses.replace(settings, semantics="paper", scheduling_policy="fcfs")
+                headless = LLMEngine(paper.config("paged"), (paged.model, paged.tokenizer))
                 finals = learn_final_lengths(run_workload(headless, workload))
             lab.pending = sorted(zip(workload.requests, finals), key=lambda rf: rf[0].arrival_step)
         return lab
@@ -122,17 +227,18 @@ class Lab:
         """Raise ValueError if the paged engine would refuse this request (nothing is added)."""
         self.paged.check_request(prompt, params)
 
-    def add_request(self, prompt, params: SamplingParams, final_len: int | None = None) -> str:
+    def add_request(self, prompt, params: SamplingParams, final_len: int | None = None, priority: int = 0) -> str:
         """Add a request to both engines now (the contiguous one only if it serves it). Returns its id.
 
         ``final_len``: its final length known in advance (the "pow2" and "oracle" policies need it; without
-        it such a request runs on the paged engine only and ``notes`` says why).
-        Raises ValueError and adds nothing if the paged engine refuses it."""
+        it such a request runs on the paged engine only and ``notes`` says why). ``priority``: V1's priority
+        policy runs lower values first (the paper's scheduler and the baseline ignore it).
+        Raises ValueError and adds nothing if the paged engine refuses it (in V1: beam search)."""
         with self._lock:
-            return self._add_request(prompt, params, final_len)
+            return self._add_request(prompt, params, final_len, priority)
 
-    def _add_request(self, prompt, params: SamplingParams, final_len: int | None) -> str:
-        rid = self.paged.add_request(prompt, params)
+    def _add_request(self, prompt, params: SamplingParams, final_len: int | None, priority: int = 0) -> str:
+        rid = self.paged.add_request(prompt, params, priority=priority)
         self.order.append(rid)
         if self.contiguous is not None:
             try:

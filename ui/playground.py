@@ -1,5 +1,9 @@
 """Playground: step a real model through prefill and decode and watch the paged pool next to the
-contiguous baseline. Every number shown is read from the engines' StepRecords."""
+contiguous baseline. Every number shown is read from the engines' StepRecords.
+
+The paged engine runs the paper's semantics (vLLM V0) or vLLM V1's (the sidebar's "Semantics", applied with
+the other settings); the line under the title always names the one on screen, and the contiguous baseline
+always runs the paper's scheduler."""
 
 from __future__ import annotations
 
@@ -8,21 +12,51 @@ import html
 import pandas as pd
 import streamlit as st
 
-from engine import SamplingParams, metrics
-from engine.config import CONTIGUOUS_POLICIES, PREEMPTION_MODES
+from engine import EngineConfig, SamplingParams, metrics
+from engine.config import (CONTIGUOUS_POLICIES, DEFAULT_MAX_NUM_BATCHED_TOKENS_V1, PREEMPTION_MODES,
+                           SCHEDULING_POLICIES, SEMANTICS)
 from engine.scenarios import SCENARIOS
 from lessons.render import OPEN_PRESET
-from ui.lab import POLICY_LABELS, POLICY_RESERVES, LabSettings
+from ui.lab import (POLICY_LABELS, POLICY_RESERVES, SCHEDULING_LABELS, SEMANTICS_LABELS, LabSettings,
+                    count_only_tokenizer, engine_semantics_line)
 from ui.state import build_lab, default_settings, get_lab, preset_settings, shared_model
 from viz import (block_pool_figure, block_table_rows, contiguous_region_figure, paged_slots_figure,
                  swap_pool_figure, timeline_figure)
 from viz.colors import colour_key, request_color, request_id_of
+from viz.steps import SEMANTICS_SHORT, describe_step, sharing_counts, step_label, step_tokens_figure
 
 PRESET_DEFAULTS = {"block_size": 16, "num_blocks": 64, "max_model_len": 256}
+BUDGET_HELP = ("vLLM V1's max_num_batched_tokens: the most tokens one engine step computes. Every running "
+               "request's next decode token (one each) and the waiting requests' prompt tokens share it; a prompt "
+               "longer than what is left is prefilled in chunks over several steps (chunked prefill), so one "
+               "step can mix decode tokens and prefill chunks. vLLM's default is 2,048; a small budget (e.g. 16 "
+               "or 32) shows chunks and mixed steps on these short prompts. vLLM V1 needs the budget to be at "
+               "least max_num_seqs (every running request gets a token each step), so a budget below 256 also "
+               "caps the running sequences at the budget.")
 
 
 # ------------------------------------------------------------------------------------------------ sidebar
+def semantics_choice(current: LabSettings) -> str:
+    """The sidebar's semantics switch, above the settings form (outside it, so the form shows the settings
+    of the semantics chosen); like every setting it takes effect with "Apply and reset"."""
+    gen = st.session_state.get("lab_generation", 0)
+    semantics = st.sidebar.radio(
+        "Semantics", SEMANTICS, index=SEMANTICS.index(current.semantics), format_func=SEMANTICS_LABELS.get,
+        horizontal=True, key=f"set_semantics_{gen}",
+        help="How the paged engine schedules. Paper (vLLM V0, as the PagedAttention paper describes it): a step "
+             "is a prefill or a decode step; n samples and beams fork and copy on write; preemption by recompute "
+             "or swap. vLLM V1: one token budget per step shared by decode tokens and prefill chunks (chunked "
+             "prefill, mixed steps); n samples run as child requests that share the prompt's blocks through the "
+             "prefix cache; preemption by recompute only; FCFS or priority scheduling. The contiguous baseline "
+             "always runs the paper's scheduler.")
+    if semantics != current.semantics:
+        st.sidebar.caption(f"{SEMANTICS_LABELS[semantics]} is not applied yet: press **Apply and reset**.")
+    return semantics
+
+
 def settings_form(current: LabSettings) -> None:
+    semantics = semantics_choice(current)
+    v1 = semantics == "v1"
     with st.sidebar.form("engine"):
         st.subheader("Engine")
         # keys change with every rebuilt lab, so the form always opens on the settings in effect (a value
@@ -32,7 +66,8 @@ def settings_form(current: LabSettings) -> None:
         preset = st.selectbox("Preset", presets, index=presets.index(current.preset),
                               help="A scenario's requests, or 'custom' to add your own.", key=f"set_preset_{gen}")
         if current.preset != "custom":
-            st.caption(f"Current preset **{current.preset}**: {SCENARIOS[current.preset].description}")
+            st.caption(f"Current preset **{current.preset}**: {SCENARIOS[current.preset].description}"
+                       + v1_preset_note(current))
         model = st.text_input("Model (embedded default, local path or hub id)", current.model, key=f"set_model_{gen}")
         c1, c2 = st.columns(2)
         block_size = c1.number_input("Block size", value=current.block_size, step=1, key=f"set_block_size_{gen}")
@@ -43,11 +78,30 @@ def settings_form(current: LabSettings) -> None:
         max_len = c3.number_input("Max model length", value=current.max_model_len, step=1, key=f"set_max_len_{gen}")
         reservation = c4.number_input("Contiguous reservation", value=current.reservation or current.max_model_len,
                                       step=1, key=f"set_reservation_{gen}")
+        if v1:
+            c5, c6 = st.columns(2)
+            scheduling = c5.selectbox("Scheduling policy", SCHEDULING_POLICIES,
+                                      index=SCHEDULING_POLICIES.index(current.scheduling_policy),
+                                      format_func=SCHEDULING_LABELS.get, key=f"set_scheduling_{gen}",
+                                      help="vLLM V1's scheduling policy: FCFS admits in arrival order and preempts "
+                                           "the last admitted; priority admits the lowest priority value first "
+                                           "(then arrival) and preempts the highest. Give a request a priority "
+                                           "when you add it below.")
+            tokens = c6.number_input("Token budget per step",
+                                     value=current.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS_V1,
+                                     step=16, key=f"set_token_budget_{gen}", help=BUDGET_HELP)
         caching = st.checkbox("Prefix caching", value=current.enable_prefix_caching, key=f"set_caching_{gen}")
-        mode = st.radio("Preemption", PREEMPTION_MODES, index=PREEMPTION_MODES.index(current.preemption_mode),
-                        horizontal=True, key=f"set_preemption_{gen}")
-        swap = st.number_input("Swap pool (blocks, 0 = as big as the pool)", value=current.swap_space_blocks or 0,
-                               step=1, key=f"set_swap_{gen}")
+        if v1:
+            mode, swap = "recompute", 0
+            st.caption("Preemption: **recompute only** in vLLM V1 (it has no swap pool; swap is the paper's, "
+                       "choose Paper (vLLM V0) above for it).")
+        else:
+            mode = st.radio("Preemption", PREEMPTION_MODES, index=PREEMPTION_MODES.index(current.preemption_mode),
+                            horizontal=True, key=f"set_preemption_{gen}",
+                            help="The paper's (vLLM V0) two ways to evict a request when the pool runs out. vLLM "
+                                 "V1 preempts by recompute only.")
+            swap = st.number_input("Swap pool (blocks, 0 = as big as the pool)", value=current.swap_space_blocks or 0,
+                                   step=1, key=f"set_swap_{gen}")
         seed = st.number_input("Seed", value=current.seed, min_value=0, step=1, key=f"set_seed_{gen}")
         policy = st.selectbox("Contiguous policy", CONTIGUOUS_POLICIES,
                               index=CONTIGUOUS_POLICIES.index(current.contiguous_policy),
@@ -57,11 +111,14 @@ def settings_form(current: LabSettings) -> None:
                                                               for p in CONTIGUOUS_POLICIES)
                                    + ". Pow2 and Oracle learn each preset request's final length from a paged "
                                      "run first; requests added by hand then run on the paged engine only.", key=f"set_policy_{gen}")
+        shown_watermark = round(current.effective_watermark * 100, 2)
         watermark = st.number_input("Watermark (% of the pool kept free at admission)",
-                                    value=round(current.watermark * 100, 2), min_value=0.0, max_value=99.0,
+                                    value=shown_watermark, min_value=0.0, max_value=99.0,
                                     step=0.5, format="%.1f",
                                     help="vLLM's watermark: admission leaves this share of the paged pool free, so "
-                                         "a request just admitted is not preempted at once. 0 = use the exact pool.", key=f"set_watermark_{gen}")
+                                         "a request just admitted is not preempted at once. 0 = use the exact pool. "
+                                         "Defaults: 1% in the paper's semantics (vLLM V0), 0 in vLLM V1.",
+                                    key=f"set_watermark_{gen}")
         use_preset = st.checkbox("Use the preset's pool settings", value=True,
                                  help="Take block size, pool and lengths from the preset instead, and any setting "
                                       "the preset fixes itself (e.g. prefix caching off, preemption by swap).", key=f"set_use_preset_{gen}")
@@ -69,8 +126,12 @@ def settings_form(current: LabSettings) -> None:
             fields = dict(block_size=int(block_size), num_blocks=int(num_blocks), max_model_len=int(max_len),
                           reservation=int(reservation), swap_space_blocks=int(swap) or None,
                           kv_budget_mb=float(budget))
+            # an untouched default watermark stays the semantics' default (1% paper, 0 V1) when switching
+            default = current.watermark is None and float(watermark) == shown_watermark
             common = dict(enable_prefix_caching=caching, seed=int(seed), contiguous_policy=policy,
-                          watermark=float(watermark) / 100, preemption_mode=mode)
+                          watermark=None if default else float(watermark) / 100, preemption_mode=mode,
+                          semantics=semantics, scheduling_policy=scheduling if v1 else "fcfs",
+                          max_num_batched_tokens=int(tokens) if v1 else None)
             if use_preset and preset != "custom":
                 # what the preset fixes (its engine_defaults) wins over the form's values, which may still be
                 # the previous preset's
@@ -85,10 +146,37 @@ def settings_form(current: LabSettings) -> None:
 
 def in_effect(settings: LabSettings) -> str:
     """The settings the engines run with, in one line (the form may show values not applied yet)."""
-    return (f"In effect: **{settings.preset}**, blocks of {settings.block_size}, max length {settings.max_model_len}, "
-            f"prefix caching {'on' if settings.enable_prefix_caching else 'off'}, preemption by "
-            f"{settings.preemption_mode}, watermark {settings.watermark:.1%}, contiguous "
+    if settings.semantics == "v1":
+        budget = settings.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS_V1
+        policy = "FCFS" if settings.scheduling_policy == "fcfs" else "priority scheduling"
+        capped = settings.paged_max_num_seqs < EngineConfig.max_num_seqs  # a budget below 256 caps it
+        cap = f", at most {settings.paged_max_num_seqs} running" if capped else ""
+        semantics = f"vLLM V1 (token budget {budget:,}, {policy}{cap})"
+    else:
+        semantics = "the paper's semantics (vLLM V0)"
+    return (f"In effect: **{settings.preset}**, {semantics}, blocks of {settings.block_size}, max length "
+            f"{settings.max_model_len}, prefix caching {'on' if settings.enable_prefix_caching else 'off'}, "
+            f"preemption by {settings.preemption_mode}, watermark {settings.effective_watermark:.1%}, contiguous "
             f"{POLICY_LABELS[settings.contiguous_policy]}.")
+
+
+def v1_preset_note(settings: LabSettings) -> str:
+    """What a preset's n samples become in vLLM V1 (its description tells the paper's story), or ""."""
+    if settings.semantics != "v1" or settings.preset == "custom":
+        return ""
+    workload = SCENARIOS[settings.preset].make(settings.seed, count_only_tokenizer)
+    n = max((r.params.n for r in workload.requests), default=1)
+    if n <= 1:
+        return ""
+    return (f" In vLLM V1 the {n} samples run as {n} child requests (R1.0 .. R1.{n - 1}) that find the prompt's "
+            f"full blocks in the prefix cache: no fork, no copy-on-write.")
+
+
+def semantics_banner(lab) -> None:
+    """The semantics of the engines on screen, always under the title; why V1 was not applied, if so."""
+    st.markdown(f"**{engine_semantics_line(lab.paged)}**. The contiguous baseline runs the paper's scheduler.")
+    if lab.semantics_note:
+        st.warning(lab.semantics_note, icon=":material/info:")
 
 
 def prefix_cache_reset(lab) -> None:
@@ -114,14 +202,22 @@ def request_form(lab) -> None:
         max_tokens = c1.number_input("max_tokens", value=24, step=1)
         temperature = c2.number_input("temperature", value=0.8, step=0.1, format="%.2f")
         c3, c4, c5 = st.columns(3)
-        n = c3.number_input("n", value=1, step=1)
-        beam = c4.number_input("beams", value=1, step=1)
+        v1 = lab.paged.semantics == "v1"
+        n = c3.number_input("n", value=1, step=1,
+                            help="parallel samples: forks sharing the prompt's blocks (paper), child requests "
+                                 "R<k>.0, R<k>.1, ... over the prefix cache (vLLM V1)")
+        beam = c4.number_input("beams", value=1, step=1,
+                               help="beam search: the paper's semantics only (vLLM V1 runs it outside the scheduler)")
         seed = c5.number_input("seed", value=0, step=1)
+        priority = 0
+        if v1:
+            priority = st.number_input("priority (lower runs first under the priority policy)", value=0, step=1,
+                                       help="vLLM V1's request priority; FCFS ignores it")
         if st.form_submit_button("Add request (also mid-run)"):
             try:
                 params = SamplingParams(max_tokens=int(max_tokens), temperature=float(temperature), n=int(n),
                                         beam_width=int(beam), seed=int(seed))
-                rid = lab.add_request(prompt, params)
+                rid = lab.add_request(prompt, params, priority=int(priority))
                 st.session_state["flash"] = f"added {rid}"
             except ValueError as exc:
                 st.session_state["flash_error"] = str(exc)
@@ -189,6 +285,7 @@ def main() -> None:
         st.success(msg)
 
     st.title("Playground")
+    semantics_banner(lab)
     controls(lab)
     playing = st.session_state.get("playing", False)
     speed = st.session_state.get("speed", 2)
@@ -243,12 +340,13 @@ def views(lab) -> None:
         return
     index = scrub(total)
     paged, contiguous = lab.record(index)
-    st.caption(f"step {paged.step} of {total} ({paged.kind}); "
+    st.caption(f"step {paged.step} of {total} ({step_label(paged)}; {SEMANTICS_SHORT[paged.semantics]}); "
                f"{'replaying recorded steps' if index < total - 1 else 'latest'}"
                + ("" if lab.has_work() else "; all requests finished"))
     metrics_row(lab, paged, contiguous)
+    st.caption(sharing_line(lab, index))
     pools(lab, paged, contiguous)
-    step_in_words(paged, contiguous)
+    step_in_words(paged, contiguous, step_budget(lab))
     tables_and_text(lab, paged.snapshot)
     timeline(lab, index, paged, contiguous)
 
@@ -300,8 +398,9 @@ def metrics_row(lab, paged, contiguous) -> None:
     if contiguous is not None:
         right.caption(f"**Contiguous** baseline, {POLICY_LABELS[lab.settings.contiguous_policy]}")
     m = list(left.columns(4)) + list(right.columns(3))
-    m[0].metric("running", len(snap.running), help="running requests on the paged engine (a request may hold "
-                                                   "several samples or beams)")
+    m[0].metric("running", len(snap.running),
+                help="running requests on the paged engine: in the paper's semantics a request may hold several "
+                     "samples or beams; in vLLM V1 each of n samples is a child request of its own (R1.0, R1.1, ...)")
     m[1].metric("free blocks", f"{snap.num_free_blocks}/{snap.num_blocks}", help="free blocks / all blocks")
     m[2].metric("slack", _slack(snap), help="unused slots in allocated blocks (last-block slack)")
     cache = metrics.prefix_cache_stats(snap.prefix_cache)
@@ -340,8 +439,12 @@ def pools(lab, paged, contiguous) -> None:
         selected = st.selectbox("Highlight a request", ["none"] + order, key="selected")
         slot_mode = st.toggle("Slot view (one cell per token slot)", value=False, disabled=snap.num_blocks > 128,
                               key="slot_mode")
+        # the title names the step and the semantics, so a downloaded image says what it shows
+        title = (f"step {paged.step}, {SEMANTICS_SHORT[paged.semantics]}: {snap.num_used_blocks}/{snap.num_blocks} "
+                 f"blocks in use<br><sub>{step_label(paged)}</sub>")
         st.plotly_chart(block_pool_figure(snap, order, decode=decode, highlight=changed,
-                                          selected=None if selected == "none" else selected, slot_mode=slot_mode),
+                                          selected=None if selected == "none" else selected, slot_mode=slot_mode,
+                                          title=title),
                         width="stretch", key="pool")
         if snap.num_swap_blocks:
             st.plotly_chart(swap_pool_figure(snap, order), width="stretch", key="swap")
@@ -360,10 +463,33 @@ def pools(lab, paged, contiguous) -> None:
                               None if selected == "none" else selected, strips=True))
 
 
-def step_in_words(paged, contiguous) -> None:
-    """Each allocator decision of the step as the engine's own sentence; plain appends summed up in one."""
+def step_budget(lab) -> int | None:
+    """The paged engine's token budget per step in vLLM V1 (None in the paper's semantics)."""
+    return lab.paged.max_num_batched_tokens if lab.paged.semantics == "v1" else None
+
+
+def sharing_line(lab, index: int) -> str:
+    """How the paged engine shared blocks up to the step shown, counted from the recorded events: forks and
+    copy-on-write copies (paper) or child requests and prefix-cache hits (vLLM V1)."""
+    counts = sharing_counts([p for p, _ in lab.history[: index + 1]])
+    hits = f"{counts['hit_tokens']:,} prompt tokens found in the prefix cache"
+    if counts["hit_seqs"]:
+        hits += f" (by {', '.join(dict.fromkeys(counts['hit_seqs']))})"
+    forks = f"{counts['forks']} fork{'s' * (counts['forks'] != 1)}, {counts['cow']} copy-on-write " \
+            f"cop{'y' if counts['cow'] == 1 else 'ies'}"
+    if lab.paged.semantics == "v1":
+        kids = "; ".join(f"{parent} runs as {len(children)} child requests {', '.join(children)}"
+                         for parent, children in lab.paged.parents.items())
+        return (f"Sharing so far (vLLM V1): {kids + '; ' if kids else ''}{hits}; {forks} (V1 shares full "
+                f"blocks only through the prefix cache).")
+    return f"Sharing so far (paper, vLLM V0): {forks}; {hits}."
+
+
+def step_in_words(paged, contiguous, budget: int | None = None) -> None:
+    """The step by its parts (decode tokens, prefill chunks), then each allocator decision as the engine's own
+    sentence; plain appends summed up in one."""
     st.subheader("This step, in words")
-    lines = [e.message for e in paged.events if e.kind != "append"]
+    lines = [describe_step(paged, budget)] + [e.message for e in paged.events if e.kind != "append"]
     appends = [e for e in paged.events if e.kind == "append"]
     if appends:
         lines.append(f"{len(appends)} sequence{'s' * (len(appends) != 1)} wrote {'their' if len(appends) != 1 else 'its'} "
@@ -397,5 +523,7 @@ def timeline(lab, index: int, paged, contiguous) -> None:
     if contiguous is not None:
         series["contiguous"] = [c for _, c in lab.history[: index + 1] if c is not None]
     st.plotly_chart(timeline_figure(series, current_step=paged.step), width="stretch", key="timeline")
+    st.plotly_chart(step_tokens_figure(series["paged"], budget=step_budget(lab), current_step=paged.step,
+                                       semantics=paged.semantics), width="stretch", key="step_tokens")
 
 main()

@@ -44,7 +44,8 @@ def build_lab(settings: LabSettings) -> bool:
 
 def preset_settings(preset: str, model: str = EMBEDDED_MODEL, **overrides) -> LabSettings:
     """Settings for a preset with the engine settings it needs (block size, pool, lengths, reservation,
-    preemption, prefix caching, contiguous policy, watermark), then ``overrides`` (``LabSettings`` fields).
+    preemption, prefix caching, contiguous policy, watermark; None: the semantics' default), then
+    ``overrides`` (``LabSettings`` fields, e.g. ``semantics="v1"``).
     The one path from a preset to engine settings: the Playground, Compare and the lessons' "Open this in
     the Playground" all use it. Raises ValueError for an unknown preset or field."""
     from engine.scenarios import get_scenario
@@ -55,7 +56,9 @@ def preset_settings(preset: str, model: str = EMBEDDED_MODEL, **overrides) -> La
                   reservation=d.get("reservation_tokens", d.get("max_model_len", 256)),
                   preemption_mode=d.get("preemption_mode", "recompute"), swap_space_blocks=d.get("swap_space_blocks"),
                   enable_prefix_caching=d.get("enable_prefix_caching", True),
-                  contiguous_policy=d.get("contiguous_policy", "max"), watermark=d.get("watermark", 0.01))
+                  contiguous_policy=d.get("contiguous_policy", "max"), watermark=d.get("watermark"),
+                  semantics=d.get("semantics", "paper"), scheduling_policy=d.get("scheduling_policy", "fcfs"),
+                  max_num_batched_tokens=d.get("max_num_batched_tokens"))
     unknown = set(overrides) - set(LabSettings.__dataclass_fields__)
     if unknown:
         raise ValueError(f"unknown Playground setting(s): {', '.join(sorted(unknown))}")

@@ -44,7 +44,8 @@ def colour_key(snapshot, contiguous_layout: dict | None = None, selected: str | 
     something shows them. ``strips``: the slot strips are on screen too (their light grey is explained)."""
     parts = ["Colours: one per request"]
     if any(c > 1 for c in snapshot.ref_counts):
-        parts.append("dark grey = a block shared by several sequences (its reference count is written on it)")
+        parts.append("dark grey = a block shared by several sequences (its reference count is written on it): "
+                     "forked samples or beams, or a prefix found in the prefix cache")
     if any(c == 0 and h for c, h in zip(snapshot.ref_counts, snapshot.block_hashes or [])):
         parts.append("light grey \"cached\" = free, but still holding a prefix the prefix cache can reuse")
     if strips:

@@ -140,9 +140,10 @@ def block_pool_figure(snapshot, request_order: list[str], decode: Callable[[list
     if slot_mode:  # one row per block: name each row after its block, owners and reference count
         yaxis = {"autorange": "reversed", "tickmode": "array", "tickvals": list(range(nrows)), "showgrid": False,
                  "zeroline": False, "ticktext": [_row_label(c) for c in cells], "tickfont": {"size": 13}}
+    title = title or f"{snapshot.num_blocks - snapshot.num_free_blocks}/{snapshot.num_blocks} blocks in use"
     fig.update_layout(
-        title=title or f"{snapshot.num_blocks - snapshot.num_free_blocks}/{snapshot.num_blocks} blocks in use",
-        margin={"l": 10, "r": 10, "t": 40, "b": 10},
+        title=title,
+        margin={"l": 10, "r": 10, "t": 40 + 22 * title.count("<br>"), "b": 10},  # room for a title's second line
         height=max(220, min(640, (34 if slot_mode else 48) * nrows + 60)), xaxis={"visible": False}, yaxis=yaxis,
         plot_bgcolor="white",
     )

@@ -1,0 +1,173 @@
+"""A step in words and in numbers: what each scheduled sequence computed, and the step's token bars.
+
+Pure functions of ``StepRecord``s (no Streamlit, no torch). A step's parts come from
+``StepRecord.scheduled`` (each sequence's ``num_tokens`` at positions ``start_pos..start_pos+n-1``) and the
+sequence's ``prompt_len`` in the step's snapshot:
+
+- a **decode** token: one token at a position >= the prompt's length;
+- a **prefill chunk** (vLLM V1's chunked prefill): positions ``a..b`` of the ``N`` tokens the sequence must
+  compute before it samples, with more to come in later steps;
+- the **last chunk** of such a prefill, or a **full prefill** (all ``N`` tokens, after any prefix-cache hit);
+  ``N`` exceeds the prompt after a recompute preemption (prompt + generated tokens, computed again).
+
+``N`` is read from the snapshot after the step: the sequence's tokens, less the one it sampled this step
+(``StepRecord.new_tokens``). Step kinds are the engine's ``STEP_KINDS``: "prefill", "decode", "mixed" (V1:
+decode tokens and prefill chunks in one step) and "idle".
+"""
+
+from __future__ import annotations
+
+import re
+
+import plotly.graph_objects as go
+
+# one colour per part of a step (not request colours: this chart is about the step, not who ran)
+PART_COLORS = {"decode": "#56B4E9", "prefill": "#332288"}
+KIND_WORDS = {"prefill": "prefill step", "decode": "decode step", "mixed": "mixed step", "idle": "idle step"}
+SEMANTICS_SHORT = {"paper": "paper (vLLM V0)", "v1": "vLLM V1"}
+
+
+def step_parts(record) -> list[dict]:
+    """One dict per scheduled sequence: seq_id, request_id, kind ("decode" | "prefill"), num_tokens, start,
+    end (last position), total (tokens to compute before sampling; None if the snapshot lacks the sequence),
+    prompt_len, cached (prefix-cache hit tokens it found this step), chunk ("first" | "middle" | "last" |
+    "full": where this part sits in its prefill)."""
+    seqs = {s.seq_id: s for s in record.snapshot.sequences}
+    cached = {e.request_id: e.data.get("cached_tokens", 0) for e in record.events if e.kind == "allocate"}
+    parts = []
+    for s in record.scheduled:
+        seq = seqs.get(s.seq_id)
+        prompt_len = seq.prompt_len if seq is not None else None
+        end = s.start_pos + s.num_tokens - 1
+        part = {"seq_id": s.seq_id, "request_id": s.request_id, "num_tokens": s.num_tokens, "start": s.start_pos,
+                "end": end, "prompt_len": prompt_len, "total": None, "cached": 0, "chunk": "full"}
+        if s.num_tokens == 1 and (prompt_len is None or s.start_pos >= prompt_len):
+            part["kind"] = "decode"
+        else:
+            part["kind"] = "prefill"
+            hit = cached.get(s.seq_id, cached.get(s.request_id, 0))
+            part["cached"] = hit if hit == s.start_pos else 0
+            if seq is not None:
+                total = len(seq.token_ids) - (1 if s.seq_id in record.new_tokens else 0)
+                part["total"] = total
+                first = s.start_pos == part["cached"]
+                done = end + 1 >= total
+                part["chunk"] = "full" if first and done else "first" if first else "last" if done else "middle"
+        parts.append(part)
+    return parts
+
+
+def _ids(ids: list[str], limit: int = 6) -> str:
+    """``R1-R5`` for a run of consecutive request numbers, else a list (cut after ``limit``)."""
+    nums = [re.fullmatch(r"R(\d+)", i) for i in ids]
+    if len(ids) > 2 and all(nums):
+        values = [int(m.group(1)) for m in nums]
+        if values == list(range(values[0], values[0] + len(values))):
+            return f"R{values[0]}-R{values[-1]}"
+    shown = ", ".join(ids[:limit])
+    return shown + (f", ... ({len(ids)} in all)" if len(ids) > limit else "")
+
+
+def _a(n: int) -> str:
+    """The article before a number said aloud: "an 8-token", "an 11-token", "a 16-token"."""
+    s = str(n)
+    return "an" if s.startswith("8") or (s[:2] in ("11", "18") and len(s) % 3 == 2) else "a"
+
+
+def _prefill_words(p: dict) -> str:
+    n, a, b, total = p["num_tokens"], p["start"], p["end"], p["total"]
+    of = f" of {total}" if total is not None else ""
+    where = f"position {a}{of}" if a == b else f"positions {a}-{b}{of}"
+    if total is not None and p["prompt_len"] is not None and total > p["prompt_len"]:
+        where += f": prompt {p['prompt_len']} + {total - p['prompt_len']} generated, recomputed"
+    if p["cached"]:
+        where += f"; positions 0-{p['cached'] - 1} from the prefix cache"
+    what = {"full": f"{_a(n)} {n}-token prefill", "first": f"{_a(n)} {n}-token prefill chunk",
+            "middle": f"{_a(n)} {n}-token prefill chunk", "last": f"the last {n}-token prefill chunk"}[p["chunk"]]
+    rest = ""
+    if p["chunk"] in ("first", "middle") and total is not None:
+        rest = f", {total - b - 1} more in later steps"
+    return f"{what} of {p['seq_id']} ({where}{rest})"
+
+
+def describe_step(record, budget: int | None = None) -> str:
+    """The step by its parts, in one sentence, e.g. "mixed step: 5 decode tokens (R1-R5) + a 64-token
+    prefill chunk of R6 (positions 128-191 of 300, 108 more in later steps)". ``budget``: the engine's
+    token budget per step (V1's ``max_num_batched_tokens``), to say how much of it the step used."""
+    kind = KIND_WORDS.get(record.kind, f"{record.kind} step")
+    parts = step_parts(record)
+    if not parts:
+        return f"{kind}: nothing ran (nothing waiting could be admitted)"
+    decode = [p["seq_id"] for p in parts if p["kind"] == "decode"]
+    pieces = []
+    if decode:
+        pieces.append(f"{len(decode)} decode token{'s' * (len(decode) != 1)} ({_ids(decode)})")
+    pieces += [_prefill_words(p) for p in parts if p["kind"] == "prefill"]
+    used = sum(p["num_tokens"] for p in parts)
+    tail = f"; {used:,} of the {budget:,}-token budget" if budget else f"; {used:,} tokens computed"
+    return f"{kind}: " + " + ".join(pieces) + tail
+
+
+def step_label(record) -> str:
+    """The step kind for a caption: "decode", "prefill", or for a mixed step its parts in short, e.g.
+    "mixed: 5 decode tokens + 1 prefill chunk (64 tokens)"."""
+    if record.kind != "mixed":
+        return record.kind
+    parts = step_parts(record)
+    decode = sum(p["kind"] == "decode" for p in parts)
+    chunks = [p for p in parts if p["kind"] == "prefill"]
+    tokens = sum(p["num_tokens"] for p in chunks)
+    return (f"mixed: {decode} decode token{'s' * (decode != 1)} + {len(chunks)} prefill "
+            f"{'chunks' if len(chunks) != 1 else 'chunk'} ({tokens} token{'s' * (tokens != 1)})")
+
+
+def step_tokens_figure(records: list, budget: int | None = None, current_step: int | None = None,
+                       semantics: str | None = None) -> go.Figure:
+    """Tokens each step computed, stacked: decode tokens and prefill tokens (chunks included); a mixed step
+    has both. ``budget`` draws V1's token budget per step as a line; the title names ``semantics``."""
+    steps = [r.step for r in records]
+    counts = {"decode": [], "prefill": []}
+    hover = []
+    for r in records:
+        parts = step_parts(r)
+        for kind in counts:
+            counts[kind].append(sum(p["num_tokens"] for p in parts if p["kind"] == kind))
+        hover.append(step_label(r))
+    fig = go.Figure()
+    for kind, label in (("decode", "decode tokens"), ("prefill", "prefill tokens (chunks too)")):
+        fig.add_trace(go.Bar(x=steps, y=counts[kind], name=label, marker={"color": PART_COLORS[kind]},
+                             customdata=hover,
+                             hovertemplate=f"step %{{x}} (%{{customdata}}): %{{y}} {label}<extra></extra>"))
+    if budget:
+        fig.add_hline(y=budget, line={"dash": "dash", "color": "#D55E00"},
+                      annotation_text=f"token budget {budget:,}", annotation_position="top left")
+    if current_step is not None:
+        fig.add_vline(x=current_step, line={"dash": "dot", "color": "#888888"})
+    title = "tokens computed per step"
+    if semantics:
+        title += f" ({SEMANTICS_SHORT.get(semantics, semantics)})"
+    fig.update_layout(barmode="stack", title={"text": title, "font": {"size": 14}}, height=260,
+                      margin={"l": 10, "r": 10, "t": 60, "b": 10}, plot_bgcolor="white",
+                      legend={"orientation": "h", "yanchor": "bottom", "y": 1.02, "x": 0},
+                      xaxis={"title": "step", "tickformat": "d", "dtick": 1 if len(steps) <= 12 else None},
+                      yaxis={"rangemode": "tozero"})
+    return fig
+
+
+def sharing_counts(records: list) -> dict:
+    """How the steps so far shared KV blocks, counted from their events: forks, copy-on-write copies,
+    prefix-cache hit tokens of first admissions (re-admissions apart) and the sequences that found them."""
+    counts = {"forks": 0, "cow": 0, "hit_tokens": 0, "hit_seqs": [], "readmission_hit_tokens": 0}
+    for r in records:
+        for e in r.events:
+            if e.kind == "fork":
+                counts["forks"] += 1
+            elif e.kind == "cow":
+                counts["cow"] += 1
+            elif e.kind == "prefix_hit":
+                if e.data.get("readmission"):
+                    counts["readmission_hit_tokens"] += e.data.get("num_tokens", 0)
+                else:
+                    counts["hit_tokens"] += e.data.get("num_tokens", 0)
+                    counts["hit_seqs"].append(e.request_id)
+    return counts

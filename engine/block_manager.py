@@ -607,8 +607,9 @@ class BlockManager:
         self.token_ids[seq_id] = list(token_ids[:total])
         for i in range(held // self.block_size, total // self.block_size):
             self._register_full_block(seq_id, i)
-        took = f"takes {_n(len(fresh), 'new block')} {fresh}" if fresh else "fits in its blocks"
-        self.log.emit(EventKind.ALLOCATE, seq_id, fresh,
+        took = f"takes {_n(len(fresh), 'new block')} {fresh}" if fresh else "fits in its last block"
+        written = table[held // self.block_size:]  # every block the chunk writes into, the partly filled one too
+        self.log.emit(EventKind.ALLOCATE, seq_id, written,
                       f"{seq_id}: prefill chunk of {num_new_tokens} tokens (positions {held}..{total - 1}) {took}",
                       num_tokens=total, cached_tokens=0)
         return 0

@@ -7,6 +7,7 @@ import streamlit as st
 
 from viz import block_pool_figure, block_table_rows, swap_pool_figure
 from viz.colors import colour_key
+from viz.steps import SEMANTICS_SHORT, step_label
 
 from .common import EngineRun
 
@@ -51,7 +52,8 @@ def step_through(run: EngineRun, key: str, decode=None, slot_mode: bool | None =
                       if e.kind in ("allocate", "new_block", "cow", "fork", "free", "swap_in", "swap_out")
                       for b in e.blocks})
     finished = sorted({e.request_id for e in rec.events if e.kind == "finish"})
-    st.caption(f"step {rec.step} of {n} ({rec.kind}) · running {', '.join(snap.running) or 'none'} · waiting "
+    st.caption(f"step {rec.step} of {n} ({step_label(rec)}; {SEMANTICS_SHORT.get(rec.semantics, rec.semantics)} "
+               f"semantics) · running {', '.join(snap.running) or 'none'} · waiting "
                f"{', '.join(snap.waiting) or 'none'}" + (f" · swapped {', '.join(snap.swapped)}" if snap.swapped else "")
                + (f" · finished this step {', '.join(finished)}" if finished else "")
                + f" · free blocks {snap.num_free_blocks}/{snap.num_blocks}")

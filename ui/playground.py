@@ -401,7 +401,10 @@ def metrics_row(lab, paged, contiguous) -> None:
     m[0].metric("running", len(snap.running),
                 help="running requests on the paged engine: in the paper's semantics a request may hold several "
                      "samples or beams; in vLLM V1 each of n samples is a child request of its own (R1.0, R1.1, ...)")
-    m[1].metric("free blocks", f"{snap.num_free_blocks}/{snap.num_blocks}", help="free blocks / all blocks")
+    m[1].metric("free blocks", f"{snap.num_free_blocks}/{snap.num_blocks}",
+                help=f"free blocks / all blocks. vLLM's KV cache usage (its vllm:kv_cache_usage_perc gauge) is "
+                     f"{metrics.kv_cache_usage_pct(snap):.1f}%: blocks not free over all blocks, where a free "
+                     f"block that still holds a cached prefix counts as free")
     m[2].metric("slack", _slack(snap), help="unused slots in allocated blocks (last-block slack)")
     cache = metrics.prefix_cache_stats(snap.prefix_cache)
     if not lab.settings.enable_prefix_caching:

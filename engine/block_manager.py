@@ -351,9 +351,9 @@ class BlockManager:
         if num_hits:
             cached = num_hits * self.block_size
             msg = (f"{seq_id}: prefix cache hit, {cached} tokens in blocks {table[:num_hits]} reused; "
-                   f"{num_tokens - cached} more tokens {taken}")
+                   f"{_n(num_tokens - cached, 'more token')} {taken}")
         else:
-            msg = f"{seq_id}: {num_tokens} tokens {taken}"
+            msg = f"{seq_id}: {_n(num_tokens, 'token')} {taken}"
         return msg + f" (last block holds {self.fills[table[-1]]}/{self.block_size})"
 
     def append_slot(self, seq_id: str, token_id: int | None = None) -> int:

@@ -111,8 +111,7 @@ register(Scenario("single", "one prompt, greedy, 48 tokens, roomy pool", _single
 register(Scenario(
     "parallel-sampling",
     "one prompt, n=4 samples: the samples share the prompt's blocks; the partly filled last block is "
-    "copied on write by every sample but the last (paper semantics; in v1 the samples are 4 child requests "
-    "that find the prompt's full blocks in the prefix cache)",
+    "copied on write by every sample but the last",
     _parallel_sampling, {"block_size": 16, "num_blocks": 32, "max_model_len": 256},
 ))
 register(Scenario(

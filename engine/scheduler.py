@@ -45,6 +45,7 @@ class Batch:
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     num_preempted: int = 0
+    admitted: list[Request] = field(default_factory=list)  # V1: requests admitted from the waiting queue
 
 
 FINISH_WORDS = {"stop": "it produced the end-of-sequence token",

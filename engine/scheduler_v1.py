@@ -90,8 +90,10 @@ class SchedulerV1(Scheduler):
         "idle"."""
         if not batch.seqs:
             return "idle"
+        # a request admitted this step prefills, even one token (a re-admission whose rest was cached)
+        admitted = {id(r) for r in batch.requests if r in batch.admitted}
         decode = [n == 1 and s.num_computed_tokens == s.num_tokens and s.num_tokens - 1 >= s.prompt_len
-                  for s, n in zip(batch.seqs, batch.num_new_tokens)]
+                  and id(r) not in admitted for s, n, r in zip(batch.seqs, batch.num_new_tokens, batch.requests)]
         return "decode" if all(decode) else "prefill" if not any(decode) else "mixed"
 
     def _schedule_running(self, batch: Batch, budget: int) -> int:
@@ -153,14 +155,19 @@ class SchedulerV1(Scheduler):
             req.status = RUNNING
             self.running.append(req)
             self._add(req, n, batch)
+            batch.admitted.append(req)
             budget -= n
             rest = seq.num_tokens - cached - n
             chunk = f"; {rest} more in later steps (chunked prefill)" if rest else ""
             verb = "re-admitted (recompute)" if again else "admitted"
             self.log.emit(EventKind.ADMIT, req.request_id, [],
-                          f"{req.request_id} {verb}: computes {n} of {seq.num_tokens} tokens this step"
+                          f"{req.request_id}{self._priority(req)} {verb}: computes {n} of {seq.num_tokens} tokens this step"
                           + (f", {cached} found in the prefix cache" if cached else "") + chunk,
                           num_tokens=seq.num_tokens, computed=seq.num_tokens - cached, readmission=again)
+
+    def _priority(self, req: Request) -> str:
+        """" (priority 3)" under the priority policy, so each admission and preemption says why."""
+        return f" (priority {req.priority})" if self.policy == "priority" else ""
 
     def _add(self, req: Request, n: int, batch: Batch) -> None:
         seq = req.seqs[0]
@@ -188,7 +195,7 @@ class SchedulerV1(Scheduler):
         blocks = sorted(held[0]) if held else []
         self.running.remove(req)
         self.log.emit(EventKind.PREEMPT, req.request_id, blocks,
-                      f"{req.request_id} preempted by recompute ({reason}): its {len(blocks)} blocks are freed and "
+                      f"{req.request_id}{self._priority(req)} preempted by recompute ({reason}): its {len(blocks)} blocks are freed and "
                       f"its {seq.num_tokens} tokens will be computed again", mode="recompute", reason=reason)
         req.num_preemptions += 1
         if held:

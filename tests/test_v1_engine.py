@@ -192,3 +192,28 @@ def test_read_trace_checks_kv_events(make_engine, text_ids, tmp_path):
     path.write_text(json.dumps(good) + "\n" + json.dumps(second) + "\n")
     with pytest.raises(ValueError, match="semantics 'paper', but the trace began in 'v1'"):
         list(read_trace(path))
+
+
+def test_a_one_token_readmission_is_prefill_and_priorities_are_named(make_engine, text_ids):
+    """A re-admitted request whose tokens but the last are in the prefix cache computes one token: still a
+    (recompute) prefill, not a decode. Under the priority policy admissions and preemptions name priorities."""
+    from viz.steps import step_parts
+    eng = make_engine(block_size=4, num_blocks=7, max_model_len=28, semantics="v1", scheduling_policy="priority",
+                      max_num_seqs=16, max_num_batched_tokens=16)
+    for i, priority in enumerate((5, 0, 1)):
+        eng.add_request(text_ids[20 * i: 20 * i + 5], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                        priority=priority)
+    records = []
+    while eng.has_unfinished():
+        records.append(eng.step())
+    admitted_one = [(r, s) for r in records for s in r.scheduled if s.num_tokens == 1
+                    and any(e.kind == "admit" and e.request_id == s.request_id for e in r.events)]
+    assert admitted_one  # this run has one: a re-admission with all but its last token cached
+    for rec, s in admitted_one:
+        assert next(p for p in step_parts(rec) if p["seq_id"] == s.seq_id)["kind"] == "prefill"
+    for rec in records:  # the engine's kind and the figures' parts agree on every step
+        kinds = {p["kind"] for p in step_parts(rec)}
+        assert rec.kind == ("mixed" if len(kinds) == 2 else kinds.pop() if kinds else "idle"), rec.step
+    messages = [e.message for r in records for e in r.events if e.kind in ("admit", "preempt")]
+    assert messages and all("(priority " in m for m in messages)
+    assert any("(priority 5)" in m and "preempted" in m for m in messages)

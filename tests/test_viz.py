@@ -177,9 +177,13 @@ def test_step_tokens_figure_stacks_decode_and_prefill_tokens_with_the_budget():
 
     decode_only = mixed_record()
     decode_only.step, decode_only.kind, decode_only.scheduled = 8, "decode", decode_only.scheduled[:3]
-    fig = step_tokens_figure([mixed_record(), decode_only], budget=2048, semantics="v1")
+    fig = step_tokens_figure([mixed_record(), decode_only], budget=128, semantics="v1")
     bars = {t.name: list(t.y) for t in fig.data}
     assert bars == {"decode tokens": [3, 3], "prefill tokens (chunks too)": [72, 0]}
     assert fig.layout.barmode == "stack" and "vLLM V1" in fig.layout.title.text
-    assert [s.y0 for s in fig.layout.shapes] == [2048]  # the budget line
+    assert [s.y0 for s in fig.layout.shapes] == [128]  # the budget line
     assert "mixed: 3 decode tokens" in fig.data[0].customdata[0]
+    # a budget far above every step (V1's default 2,048 against 75 tokens) would flatten the bars into the
+    # axis: the title names it instead of a line
+    far = step_tokens_figure([mixed_record(), decode_only], budget=2048, semantics="v1")
+    assert not far.layout.shapes and "token budget 2,048 per step, far above every step" in far.layout.title.text

@@ -131,9 +131,10 @@ def fit_semantics(settings: LabSettings) -> tuple[LabSettings, str | None]:
     why = paper_only_reason(settings)
     if why is not None:
         what = "these settings" if settings.preset == "custom" else f"the {settings.preset} preset"
-        other = "another preset or preemption by recompute" if settings.preemption_mode == "swap" else "another preset"
-        note = (f"vLLM V1 was chosen, but {what} runs in the paper's semantics (vLLM V0): {why}. Choose "
-                f"{other} to see vLLM V1.")
+        how = ("choose another preset (or untick \"Use the preset's pool settings\" to set preemption by "
+               "recompute)" if settings.preemption_mode == "swap" else "choose another preset")
+        note = (f"vLLM V1 was chosen, but {what} runs in the paper's semantics (vLLM V0): {why}. To see vLLM V1, "
+                f"{how}, select vLLM V1 again and press Apply and reset.")
         return dataclasses.replace(settings, semantics="paper", scheduling_policy="fcfs"), note
     return dataclasses.replace(settings, preemption_mode="recompute", swap_space_blocks=None), None
 
@@ -146,7 +147,7 @@ def semantics_line(semantics: str, max_num_batched_tokens: int | None = None, sc
     if semantics == "v1":
         budget = max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS_V1
         policy = "priority scheduling" if scheduling_policy == "priority" else "FCFS"
-        cap = (f", at most {max_num_seqs} running sequences" if max_num_seqs is not None
+        cap = (f", at most {max_num_seqs} running sequence{'s' * (max_num_seqs != 1)}" if max_num_seqs is not None
                and max_num_seqs < EngineConfig.max_num_seqs else "")
         return (f"Semantics: vLLM V1 — token budget {budget:,} per step, chunked prefill, n as child requests, "
                 f"recompute-only preemption, {policy}{cap}")

@@ -34,6 +34,7 @@ def step_parts(record) -> list[dict]:
     "full": where this part sits in its prefill)."""
     seqs = {s.seq_id: s for s in record.snapshot.sequences}
     cached = {e.request_id: e.data.get("cached_tokens", 0) for e in record.events if e.kind == "allocate"}
+    admitted = {e.request_id for e in record.events if e.kind == "admit"}
     parts = []
     for s in record.scheduled:
         seq = seqs.get(s.seq_id)
@@ -41,7 +42,8 @@ def step_parts(record) -> list[dict]:
         end = s.start_pos + s.num_tokens - 1
         part = {"seq_id": s.seq_id, "request_id": s.request_id, "num_tokens": s.num_tokens, "start": s.start_pos,
                 "end": end, "prompt_len": prompt_len, "total": None, "cached": 0, "chunk": "full"}
-        if s.num_tokens == 1 and (prompt_len is None or s.start_pos >= prompt_len):
+        # one new token of a request already running; a request admitted this step prefills, even one token
+        if s.num_tokens == 1 and (prompt_len is None or s.start_pos >= prompt_len) and s.request_id not in admitted:
             part["kind"] = "decode"
         else:
             part["kind"] = "prefill"
@@ -97,6 +99,9 @@ def describe_step(record, budget: int | None = None) -> str:
     kind = KIND_WORDS.get(record.kind, f"{record.kind} step")
     parts = step_parts(record)
     if not parts:
+        snap = record.snapshot
+        if not snap.waiting and not snap.running and not snap.swapped:
+            return f"{kind}: nothing left to run on this engine, every request has finished"
         return f"{kind}: nothing ran (nothing waiting could be admitted)"
     decode = [p["seq_id"] for p in parts if p["kind"] == "decode"]
     pieces = []
@@ -138,7 +143,9 @@ def step_tokens_figure(records: list, budget: int | None = None, current_step: i
         fig.add_trace(go.Bar(x=steps, y=counts[kind], name=label, marker={"color": PART_COLORS[kind]},
                              customdata=hover,
                              hovertemplate=f"step %{{x}} (%{{customdata}}): %{{y}} {label}<extra></extra>"))
-    if budget:
+    tallest = max((d + p for d, p in zip(counts["decode"], counts["prefill"])), default=0)
+    off_scale = bool(budget) and budget > 4 * max(tallest, 1)  # a line far above would flatten every bar
+    if budget and not off_scale:
         fig.add_hline(y=budget, line={"dash": "dash", "color": "#D55E00"},
                       annotation_text=f"token budget {budget:,}", annotation_position="top left")
     if current_step is not None:
@@ -146,6 +153,8 @@ def step_tokens_figure(records: list, budget: int | None = None, current_step: i
     title = "tokens computed per step"
     if semantics:
         title += f" ({SEMANTICS_SHORT.get(semantics, semantics)})"
+    if off_scale:
+        title += f"; token budget {budget:,} per step, far above every step"
     fig.update_layout(barmode="stack", title={"text": title, "font": {"size": 14}}, height=260,
                       margin={"l": 10, "r": 10, "t": 60, "b": 10}, plot_bgcolor="white",
                       legend={"orientation": "h", "yanchor": "bottom", "y": 1.02, "x": 0},

@@ -139,6 +139,9 @@ def test_the_semantics_line_is_on_both_pages_in_both_semantics():
     assert V1_LINE.format(budget=2048) in markdown(at)
     at.number_input(key="compare_budget").set_value(8).run()
     assert V1_LINE.format(budget=8) in markdown(at)
+    at.radio(key="compare_semantics").set_value("paper").run()  # the budget input is not drawn now...
+    at.radio(key="compare_semantics").set_value("v1").run()
+    assert V1_LINE.format(budget=8) in markdown(at)  # ...and comes back with the budget set, not 2,048
     next(s for s in at.selectbox if s.label == "Workload").set_value("single")
     button(at, "Run all").click().run()
     assert not at.exception

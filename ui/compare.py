@@ -198,10 +198,14 @@ def semantics_choice() -> tuple[str, int | None]:
                               "baselines always run the paper's scheduler.")
     budget = None
     if semantics == "v1":
-        budget = int(c2.number_input("Token budget per step", value=DEFAULT_MAX_NUM_BATCHED_TOKENS_V1, step=16,
+        # Streamlit forgets a widget's value while it is not drawn (in the paper's semantics): keep the budget
+        # apart, so switching to the paper's semantics and back does not reset it to 2,048
+        kept = st.session_state.get("compare_budget_kept", DEFAULT_MAX_NUM_BATCHED_TOKENS_V1)
+        budget = int(c2.number_input("Token budget per step", value=kept, step=16,
                                      key="compare_budget", on_change=_forget_result,
                                      help="vLLM V1's max_num_batched_tokens: decode tokens and prefill chunks "
                                           "share it each step; longer prompts are prefilled in chunks."))
+        st.session_state["compare_budget_kept"] = budget
     return semantics, budget
 
 

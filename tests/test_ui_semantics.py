@@ -298,3 +298,12 @@ def test_lab_priority_reaches_the_v1_engine():
     high = lab.add_request("HAMLET. ", SamplingParams(max_tokens=2, temperature=0), priority=-1)
     assert lab.paged.requests[high].priority == -1 and lab.paged.requests[low].priority == 5
     assert lab.paged.config.scheduling_policy == "priority"
+
+
+def test_a_chosen_but_unapplied_semantics_is_said_under_the_title():
+    at = new_app()
+    semantics_radio(at).set_value("v1").run()
+    assert not at.exception
+    main = [c.value for c in at.main.caption]
+    assert any("vLLM V1 is chosen in the sidebar but not applied yet" in c for c in main)
+    assert PAPER_LINE in markdown(at)  # the line names what runs, still the paper's

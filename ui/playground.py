@@ -175,6 +175,11 @@ def v1_preset_note(settings: LabSettings) -> str:
 def semantics_banner(lab) -> None:
     """The semantics of the engines on screen, always under the title; why V1 was not applied, if so."""
     st.markdown(f"**{engine_semantics_line(lab.paged)}**. The contiguous baseline runs the paper's scheduler.")
+    # a switch chosen in the sidebar but not applied: said here too, where the audience looks
+    chosen = st.session_state.get(f"set_semantics_{st.session_state.get('lab_generation', 0)}")
+    if chosen in SEMANTICS_LABELS and chosen != lab.settings.semantics:
+        st.caption(f"{SEMANTICS_LABELS[chosen]} is chosen in the sidebar but not applied yet: the run above is "
+                   f"still {SEMANTICS_LABELS[lab.settings.semantics]}; press **Apply and reset** to switch.")
     if lab.semantics_note:
         st.warning(lab.semantics_note, icon=":material/info:")
 

@@ -68,3 +68,6 @@ class KVAllocator(Protocol):
 
     def drain_ops(self) -> list[tuple[str, int, int]]:
         """Data movement queued for the KV tensors: ("copy" | "swap_out" | "swap_in", src, dst)."""
+
+    def drain_kv_events(self) -> list[dict]:
+        """KV cache events in vLLM's schema since the last drain (one step's batch), in order."""

@@ -171,7 +171,9 @@ class BlockManager:
     def free_blocks_needed(self, num_tokens: int, token_ids: list[int] | None = None) -> int:
         """Free-queue blocks that allocating ``num_tokens`` tokens would consume: fresh blocks, plus cached
         hits that currently sit free (ref count 0) in the queue."""
-        hits = self.match_prefix(token_ids) if token_ids is not None else []
+        return self._free_blocks_needed(num_tokens, self.match_prefix(token_ids) if token_ids is not None else [])
+
+    def _free_blocks_needed(self, num_tokens: int, hits: list[int]) -> int:
         return self.blocks_needed(num_tokens) - len(hits) + sum(self.ref_counts[b] == 0 for b in hits)
 
     def can_allocate(self, num_tokens: int, token_ids: list[int] | None = None) -> bool:
@@ -189,8 +191,7 @@ class BlockManager:
         keep = self._watermark()
         if need + keep <= self.num_free_blocks:
             return None
-        also = f" + {keep} kept free (watermark)" if keep else ""
-        return f"needs {_n(need, 'free block')}{also}, {self.num_free_blocks} free"
+        return refusal(need, keep, self.num_free_blocks)
 
     def append_blocks_needed(self, seq_ids: list[str]) -> int:
         """Free blocks that one more token for each of these sequences takes: one for each full last block,
@@ -310,12 +311,12 @@ class BlockManager:
             raise ValueError(f"num_tokens must be a positive integer, got {num_tokens!r}")
         if token_ids is not None and len(token_ids) != num_tokens:
             raise ValueError(f"got {len(token_ids)} token ids for num_tokens {num_tokens}")
-        need = self.free_blocks_needed(num_tokens, token_ids)
+        hits = self.match_prefix(token_ids) if token_ids is not None else []
+        need = self._free_blocks_needed(num_tokens, hits)
         if need > self.num_free_blocks:
             raise NoFreeBlocksError(
                 f"sequence {seq_id!r} needs {need} free blocks for {num_tokens} tokens, {self.num_free_blocks} free"
             )
-        hits = self.match_prefix(token_ids) if token_ids is not None else []
         if self.enable_prefix_caching and token_ids is not None:
             prefix = "preempted_" if preempted else ""
             self.stats[prefix + "requests"] += 1
@@ -559,9 +560,7 @@ class BlockManager:
         would leave the free queue. Changes nothing."""
         if seq_id in self.block_tables:
             return max(self.blocks_needed(num_tokens) - len(self.block_tables[seq_id]), 0)
-        hits = self.match_prefix(token_ids)
-        fresh = max(self.blocks_needed(num_tokens) - len(hits), 0)
-        return fresh + sum(self.ref_counts[b] == 0 for b in hits)
+        return self.free_blocks_needed(num_tokens, token_ids)
 
     def allocate_slots(self, seq_id: str, token_ids: list[int], num_new_tokens: int,
                        preempted: bool = False) -> int:
@@ -582,22 +581,21 @@ class BlockManager:
         """
         if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be a positive integer, got {num_new_tokens!r}")
-        if seq_id not in self.block_tables:
-            hits = self.match_prefix(token_ids)
-            total = len(hits) * self.block_size + num_new_tokens
-            if total > len(token_ids):
-                raise ValueError(f"{seq_id}: {total} tokens to hold but only {len(token_ids)} token ids")
-            self._check_free(seq_id, self.blocks_to_allocate(seq_id, token_ids, total), total)
-            return self.allocate_with_prefix(seq_id, total, list(token_ids[:total]), preempted=preempted,
-                                             query_tokens=len(token_ids))[1]
-        held = self.num_tokens[seq_id]
+        new = seq_id not in self.block_tables
+        held = len(self.match_prefix(token_ids)) * self.block_size if new else self.num_tokens[seq_id]
         total = held + num_new_tokens
         if total > len(token_ids):
             raise ValueError(f"{seq_id}: {total} tokens to hold but only {len(token_ids)} token ids")
+        if new:  # takes the hit and checks the free blocks itself
+            return self.allocate_with_prefix(seq_id, total, list(token_ids[:total]), preempted=preempted,
+                                             query_tokens=len(token_ids))[1]
         if num_new_tokens == 1:  # a decode token: the paper's append path (no block is shared partly filled)
             self.append_slot(seq_id, token_ids[held])
             return 0
-        self._check_free(seq_id, self.blocks_to_allocate(seq_id, token_ids, total), total)
+        need = self.blocks_to_allocate(seq_id, token_ids, total)
+        if need > self.num_free_blocks:
+            raise NoFreeBlocksError(f"sequence {seq_id!r} needs {need} free blocks to hold {total} tokens, "
+                                    f"{self.num_free_blocks} free")
         table = self.block_tables[seq_id]
         fresh = [self._take_block() for _ in range(self.blocks_needed(total) - len(table))]
         table.extend(fresh)
@@ -613,11 +611,6 @@ class BlockManager:
                       f"{seq_id}: prefill chunk of {num_new_tokens} tokens (positions {held}..{total - 1}) {took}",
                       num_tokens=total, cached_tokens=0)
         return 0
-
-    def _check_free(self, seq_id: str, need: int, num_tokens: int) -> None:
-        if need > self.num_free_blocks:
-            raise NoFreeBlocksError(f"sequence {seq_id!r} needs {need} free blocks to hold {num_tokens} tokens, "
-                                    f"{self.num_free_blocks} free")
 
     def drain_kv_events(self) -> list[dict]:
         """vLLM-schema KV cache events since the last drain, in order (one engine step's batch)."""
@@ -745,6 +738,12 @@ class BlockManager:
         self.swap_num_tokens.pop(seq_id, None)
         if not quiet:
             self.log.emit(EventKind.FREE, seq_id, [], f"{seq_id}: released its swapped-out blocks")
+
+
+def refusal(need: int, keep: int, free: int) -> str:
+    """Why a request waits at the door: "needs 3 free blocks + 1 kept free (watermark), 2 free"."""
+    also = f" + {keep} kept free (watermark)" if keep else ""
+    return f"needs {_n(need, 'free block')}{also}, {free} free"
 
 
 def _n(count: int, noun: str) -> str:

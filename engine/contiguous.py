@@ -286,6 +286,10 @@ class ContiguousAllocator:
     def drain_ops(self) -> list:
         return []
 
+    def drain_kv_events(self) -> list[dict]:
+        """No prefix cache, so no KV cache events (``BlockManager.drain_kv_events`` has vLLM's)."""
+        return []
+
     def layout(self) -> dict:
         """The region for viewers: each reservation (start, length, used) and the gaps, plus accounting."""
         return {

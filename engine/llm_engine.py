@@ -288,7 +288,7 @@ class LLMEngine:
 
     def _enqueue(self, request: Request) -> None:
         # the child requests of one n > 1 request share its arrival (vLLM copies the request)
-        if request.parent_id is None or request.request_id.endswith(".0"):
+        if request.parent_id not in self.parents:  # a request of its own, or the first child
             self._arrivals += 1
         request.arrival = self._arrivals
         self.requests[request.request_id] = request
@@ -424,11 +424,11 @@ class LLMEngine:
                 if req.is_beam_search:
                     self._beam_step(req, rows, out)
         events = self.log.drain()
-        kv_events = self.block_manager.drain_kv_events() if hasattr(self.block_manager, "drain_kv_events") else []
         return StepRecord(
             step=self.step_count, kind=batch.kind, scheduled=scheduled, events=events,
             new_tokens=out.tokens, new_text=out.text, finished=out.finished, snapshot=self.snapshot(),
-            elapsed_s=time.perf_counter() - t0, kv_events=kv_events, semantics=self.semantics,
+            elapsed_s=time.perf_counter() - t0, kv_events=self.block_manager.drain_kv_events(),
+            semantics=self.semantics,
         )
 
     def _emit(self, out: "_StepOutput", seq: Sequence, token: int) -> None:

@@ -28,7 +28,7 @@ first hit is its ``num_cached_tokens`` (vLLM's ``RequestOutput.num_cached_tokens
 from __future__ import annotations
 
 from .allocator import KVAllocator
-from .block_manager import NoFreeBlocksError
+from .block_manager import refusal
 from .records import EventKind, EventLog
 from .scheduler import Batch, Scheduler
 from .sequence import RUNNING, WAITING, Request
@@ -91,7 +91,7 @@ class SchedulerV1(Scheduler):
         if not batch.seqs:
             return "idle"
         # a request admitted this step prefills, even one token (a re-admission whose rest was cached)
-        admitted = {id(r) for r in batch.requests if r in batch.admitted}
+        admitted = {id(r) for r in batch.admitted}
         decode = [n == 1 and s.num_computed_tokens == s.num_tokens and s.num_tokens - 1 >= s.prompt_len
                   and id(r) not in admitted for s, n, r in zip(batch.seqs, batch.num_new_tokens, batch.requests)]
         return "decode" if all(decode) else "prefill" if not any(decode) else "mixed"
@@ -116,7 +116,7 @@ class SchedulerV1(Scheduler):
                 if index < i:  # priority policy: a request already given tokens this step gives them back
                     i -= 1
                     budget += self._unschedule(victim, batch)
-                self._preempt(victim, reason=f"{req.request_id} needs {need} free block{'s' * (need != 1)}, "
+                self.preempt(victim, reason=f"{req.request_id} needs {need} free block{'s' * (need != 1)}, "
                                              f"{bm.num_free_blocks} free")
                 preempted += 1
                 if victim is req:
@@ -141,10 +141,9 @@ class SchedulerV1(Scheduler):
             keep = self.watermark_blocks if self.running else 0
             need = bm.blocks_to_allocate(seq.seq_id, seq.token_ids, seq.num_tokens)  # the whole sequence fits
             if need + keep > bm.num_free_blocks:
-                also = f" + {keep} kept free (watermark)" if keep else ""
-                refusal = f"needs {need} free block{'s' * (need != 1)}{also}, {bm.num_free_blocks} free"
-                self.log.emit(EventKind.WAIT, req.request_id, [], f"{req.request_id} waits at the door: {refusal}",
-                              reason=refusal)
+                why = refusal(need, keep, bm.num_free_blocks)
+                self.log.emit(EventKind.WAIT, req.request_id, [], f"{req.request_id} waits at the door: {why}",
+                              reason=why)
                 return
             self.waiting.remove(req)
             again = req.num_preemptions > 0
@@ -186,7 +185,7 @@ class SchedulerV1(Scheduler):
         seq.num_computed_tokens -= n
         return n
 
-    def _preempt(self, req: Request, reason: str) -> None:
+    def preempt(self, req: Request, reason: str) -> None:
         """Recompute preemption (vLLM V1's only kind): free the blocks, reset the computed tokens, requeue
         at the front of the waiting queue."""
         bm = self.block_manager
@@ -204,9 +203,3 @@ class SchedulerV1(Scheduler):
         seq.num_computed_tokens = 0
         req.status = WAITING
         self.waiting.appendleft(req)
-
-    def preempt(self, req: Request, reason: str) -> None:
-        self._preempt(req, reason)
-
-
-__all__ = ["SchedulerV1", "NoFreeBlocksError"]

@@ -16,9 +16,10 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
-from . import metrics
+from . import metrics, watch
 from .config import (CONTIGUOUS_POLICIES, EMBEDDED_MODEL, FINAL_LENGTH_POLICIES, SCHEDULING_POLICIES, SEMANTICS,
                      EngineConfig)
 from .records import StepRecord, write_trace
@@ -74,9 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
                           "passes can hit the prefix cache the earlier ones filled)")
     run.add_argument("--reset-prefix-cache", action="store_true",
                      help="with --passes: reset the prefix cache between passes (vLLM's reset_prefix_cache)")
+    run.add_argument("--kv-events-endpoint",
+                     help="publish the paged engine's KV cache events in vLLM's schema on this ZMQ endpoint "
+                          "(bound), e.g. tcp://127.0.0.1:5557, for `python -m engine watch` or any vLLM consumer")
+    run.add_argument("--kv-events-replay-endpoint", help="with --kv-events-endpoint: the replay (ROUTER) endpoint")
+    run.add_argument("--step-delay", type=float, default=0.0,
+                     help="seconds to wait after each step, so a watcher can follow (default 0)")
     run.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     run.add_argument("--trace", help="write every StepRecord to this JSON-lines file")
     sub.add_parser("scenarios", help="list the scenarios")
+    watch.add_parsers(sub)
     return p
 
 
@@ -104,6 +112,8 @@ def engine_config(args, scenario, allocator: str = "paged") -> EngineConfig:
             fields[flag] = getattr(args, flag)
     if allocator == "paged":
         fields["semantics"] = getattr(args, "semantics", "paper")
+        fields["kv_events_endpoint"] = getattr(args, "kv_events_endpoint", None)
+        fields["kv_events_replay_endpoint"] = getattr(args, "kv_events_replay_endpoint", None)
         if fields["semantics"] == "v1":
             fields.pop("swap_space_blocks", None)  # a scenario's swap pool: V1 has none
             if fields.get("preemption_mode") == "swap":
@@ -345,8 +355,9 @@ def run(args) -> int:
         for k in range(args.passes):
             if k and args.reset_prefix_cache:
                 engine.reset_prefix_cache()
-            outputs += run_workload(engine, scenario.make(args.seed, _tokenizer(engine)), on_step=records.append,
-                                    final_lens=final_lens)
+            outputs += run_workload(engine, scenario.make(args.seed, _tokenizer(engine)),
+                                    on_step=_recorder(records, args.step_delay), final_lens=final_lens)
+        engine.close()  # sends the KV events still queued
         runs[alloc] = (engine, records, outputs)
         if args.trace and alloc in wanted:
             path = Path(args.trace)
@@ -366,6 +377,18 @@ def run(args) -> int:
     return 0
 
 
+def _recorder(records: list, delay_s: float):
+    """The on_step callback: keep each record, then wait ``delay_s`` (``--step-delay``)."""
+    if not math.isfinite(delay_s) or not 0 <= delay_s <= 60:
+        raise ValueError(f"--step-delay must be a number of seconds in [0, 60], got {delay_s}")
+
+    def on_step(record) -> None:
+        records.append(record)
+        if delay_s:
+            time.sleep(delay_s)
+    return on_step
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "scenarios":
@@ -373,6 +396,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{s.name:<20} {s.description}")
         return 0
     try:
+        if args.command == "watch":
+            return watch.watch(args)
+        if args.command == "replay":
+            return watch.replay(args)
         return run(args)
     except ValueError as exc:  # bad flags, bad model: one clear line, no traceback
         print(f"error: {exc}", file=sys.stderr)

@@ -28,7 +28,8 @@ FINAL_LENGTH_POLICIES = ("pow2", "oracle")  # the policies that must know each r
 SEMANTICS = ("paper", "v1")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's SchedulerConfig.policy
 DEFAULT_WATERMARK = {"paper": 0.01, "v1": 0.0}  # vLLM v0's BlockSpaceManager / vLLM V1's SchedulerConfig
-DEFAULT_MAX_NUM_BATCHED_TOKENS_V1 = 2048  # V1's token budget when none is given
+DEFAULT_MAX_NUM_BATCHED_TOKENS_V1 = 2048
+ZMQ_TRANSPORTS = ("tcp://", "ipc://", "inproc://")  # where KV events can be published  # V1's token budget when none is given
 
 
 def _check_positive_int(name: str, value, allow_none: bool = False) -> None:
@@ -84,6 +85,13 @@ class EngineConfig:
         scheduling_policy: V1's waiting-queue order and preemption victim: "fcfs" (arrival order; the
             victim is the last admitted) or "priority" (lowest ``priority`` value first, then arrival; the
             victim is the highest (priority, arrival)). Paper semantics: "fcfs" only.
+        kv_events_endpoint: publish every step's KV cache events (``StepRecord.kv_events``) in vLLM's
+            schema and ZMQ framing on this endpoint (bound: ``tcp://127.0.0.1:5557``, ``tcp://*:5557``,
+            ``ipc:///path``; port 0 picks a free one), as vLLM's ``--kv-events-config`` does
+            (``engine/kv_publisher.py``). None: no publishing. Paged allocator only.
+        kv_events_replay_endpoint: the ROUTER socket that answers replay requests (needs
+            ``kv_events_endpoint``).
+        kv_events_topic: the first frame of every message (vLLM's default "").
 
     Raises:
         ValueError: a field is out of range, naming the field and the value.
@@ -108,6 +116,9 @@ class EngineConfig:
     watermark: float | None = None
     semantics: str = "paper"
     scheduling_policy: str = "fcfs"
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
 
     def __post_init__(self) -> None:
         if self.semantics not in SEMANTICS:
@@ -151,6 +162,22 @@ class EngineConfig:
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         self._check_semantics()
+        self._check_kv_events()
+
+    def _check_kv_events(self) -> None:
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.startswith(ZMQ_TRANSPORTS)):
+                raise ValueError(f"{name} must be a ZMQ endpoint starting with one of "
+                                 f"{', '.join(ZMQ_TRANSPORTS)}, got {value!r}")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError(f"kv_events_replay_endpoint {self.kv_events_replay_endpoint!r} needs a "
+                             f"kv_events_endpoint to publish on")
+        if self.kv_events_endpoint is not None and self.allocator != "paged":
+            raise ValueError(f"kv_events_endpoint {self.kv_events_endpoint!r}: the {self.allocator} allocator has "
+                             f"no prefix cache, so it has no KV cache events to publish")
+        if not isinstance(self.kv_events_topic, str):
+            raise ValueError(f"kv_events_topic must be a string, got {self.kv_events_topic!r}")
 
     def _check_semantics(self) -> None:
         """What one semantics has and the other lacks, refused by name."""

@@ -149,6 +149,17 @@ class LLMEngine:
         self._arrivals = 0
         self.step_count = 0
         self._next_id = 1
+        self.kv_event_publisher = None  # bound last: a config refused above never holds a port
+        if config.kv_events_endpoint is not None:
+            from .kv_publisher import KVEventPublisher  # pyzmq only when publishing
+            self.kv_event_publisher = KVEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint,
+                                                       topic=config.kv_events_topic)
+
+    def close(self) -> None:
+        """Release what outlives a step: the KV event publisher's sockets and thread (after sending what is
+        queued). Idempotent; the engine's records stay readable."""
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.close()
 
     def _check_memory(self, nbytes: int, swap_blocks: int = 0) -> None:
         """Refuse a KV pool of ``nbytes`` bytes on the device, and a CPU swap pool of ``swap_blocks`` blocks,
@@ -424,11 +435,13 @@ class LLMEngine:
                 if req.is_beam_search:
                     self._beam_step(req, rows, out)
         events = self.log.drain()
+        kv_events = self.block_manager.drain_kv_events()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.publish(kv_events)  # queued; sent by the publisher's thread
         return StepRecord(
             step=self.step_count, kind=batch.kind, scheduled=scheduled, events=events,
             new_tokens=out.tokens, new_text=out.text, finished=out.finished, snapshot=self.snapshot(),
-            elapsed_s=time.perf_counter() - t0, kv_events=self.block_manager.drain_kv_events(),
-            semantics=self.semantics,
+            elapsed_s=time.perf_counter() - t0, kv_events=kv_events, semantics=self.semantics,
         )
 
     def _emit(self, out: "_StepOutput", seq: Sequence, token: int) -> None:

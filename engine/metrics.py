@@ -99,6 +99,22 @@ def prefix_cache_stats(stats: dict) -> dict:
     }
 
 
+def server_hit_rate_pct(server_metrics: dict) -> float | None:
+    """A vLLM server's own prefix-cache hit rate from its /metrics (``engine.server_metrics``): hits /
+    queries in tokens at first admission (vLLM's PrefixCacheStats), in percent; None before any query."""
+    queries = server_metrics.get("prefix_cache_queries")
+    return None if not queries else round(pct(server_metrics.get("prefix_cache_hits", 0.0), queries), 2)
+
+
+def cached_share_pct(num_cached_blocks: int, num_gpu_blocks: int | None) -> float | None:
+    """Cached blocks a server's KV events describe, as a share of its pool. ``num_gpu_blocks`` is vLLM's
+    count, which includes its null block (never cached), so the usable pool is one less. None when the
+    pool's size is not known."""
+    if not num_gpu_blocks or num_gpu_blocks < 2:
+        return None
+    return round(pct(num_cached_blocks, num_gpu_blocks - 1), 2)
+
+
 # ------------------------------------------------------------------------------------------- a whole run
 def final_lengths(outputs) -> list[int]:
     """Each completion's final length L = prompt + generated tokens (tokens)."""

@@ -1,0 +1,199 @@
+"""A server's prefix cache rebuilt from its KV events: which blocks it holds, how they chain, and when.
+
+A KV-aware router keeps exactly this view (vLLM's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``
+events, ``engine/kv_events.py``); the lab keeps it to draw. Pure Python: no sockets, no torch, so the
+figures, the CLI, a test and a replay all use the same class.
+
+State (one ``PrefixCacheMirror`` per data-parallel rank):
+
+    blocks   hash -> CachedBlock(hash, parent, token_ids, block_size, medium, copies, stored_batch, stored_ts)
+             ``copies``: how many physical blocks hold this hash. vLLM can cache the same content twice
+             (two requests filling the same prefix in one step before either is cached), each sends a
+             BlockStored and each eviction a BlockRemoved, so a hash leaves the view only when its last
+             copy is removed.
+    history  one BatchSummary per applied batch (stored, removed, cleared, blocks and tokens after),
+             bounded (``max_history``), oldest dropped first: what the per-batch figures draw.
+    notes    what could not be applied as sent (a removal of a hash never stored, a store whose parent is
+             unknown, a gap in sequence numbers), counted and described, never fatal: a watcher that joined
+             late sees blocks it never saw stored.
+
+Units: blocks are physical KV blocks of ``block_size`` tokens; ``num_tokens`` = sum over distinct hashes of
+block_size x copies (what the pool holds, vLLM's accounting); batches are numbered by the publisher's
+sequence number (``seq``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CachedBlock:
+    hash: str
+    parent: str | None
+    token_ids: list[int]
+    block_size: int
+    medium: str | None
+    copies: int
+    stored_seq: int          # sequence number of the batch that first stored it
+    stored_ts: float         # the publisher's timestamp of that batch (seconds since the epoch)
+
+
+@dataclass
+class BatchSummary:
+    """What one batch did: ``seq`` (publisher's sequence number), ``ts`` (publisher's clock, s),
+    ``stored`` / ``removed`` (blocks, counting copies), ``cleared`` (an AllBlocksCleared came),
+    ``num_blocks`` / ``num_tokens`` / ``num_hashes`` (the cache after the batch)."""
+    seq: int
+    ts: float
+    stored: int
+    removed: int
+    cleared: bool
+    num_blocks: int
+    num_tokens: int
+    num_hashes: int
+    replayed: bool = False
+
+
+@dataclass
+class PrefixCacheMirror:
+    rank: int = 0
+    max_history: int = 100_000
+    blocks: dict[str, CachedBlock] = field(default_factory=dict)
+    history: deque = field(default_factory=deque)
+    notes: list[str] = field(default_factory=list)
+    unknown_removals: int = 0
+    orphan_stores: int = 0
+    total_stored: int = 0
+    total_removed: int = 0
+    num_batches: int = 0
+    last_seq: int | None = None
+    block_size: int | None = None
+    _num_blocks: int = 0
+
+    # --- applying events ---------------------------------------------------------------------------------
+
+    def apply(self, seq: int, ts: float, events: list[dict], replayed: bool = False) -> BatchSummary:
+        """Apply one decoded batch (``kv_events.DecodedBatch.events``) in order; returns its summary.
+        Never raises on content: what cannot be applied is counted in ``notes``."""
+        stored = removed = 0
+        cleared = False
+        for e in events:
+            kind = e["type"]
+            if kind == "BlockStored":
+                stored += self._store(seq, ts, e)
+            elif kind == "BlockRemoved":
+                removed += self._remove(seq, e["block_hashes"])
+            elif kind == "AllBlocksCleared":
+                removed += self._num_blocks
+                self.blocks.clear()
+                self._num_blocks = 0
+                cleared = True
+        self.total_stored += stored
+        self.total_removed += removed
+        self.num_batches += 1
+        self.last_seq = seq
+        summary = BatchSummary(seq=seq, ts=ts, stored=stored, removed=removed, cleared=cleared,
+                               num_blocks=self._num_blocks, num_tokens=self.num_tokens,
+                               num_hashes=len(self.blocks), replayed=replayed)
+        self.history.append(summary)
+        while len(self.history) > self.max_history:
+            self.history.popleft()
+        return summary
+
+    def _store(self, seq: int, ts: float, e: dict) -> int:
+        size = e["block_size"]
+        if self.block_size is None:
+            self.block_size = size
+        elif size != self.block_size:
+            self.note(f"batch {seq}: BlockStored with block_size {size}, earlier blocks had {self.block_size}")
+        parent = e.get("parent_block_hash")
+        if parent is not None and parent not in self.blocks:
+            self.orphan_stores += 1  # its parent was stored before we joined, or already evicted
+        tokens = e["token_ids"]
+        for i, h in enumerate(e["block_hashes"]):
+            block = self.blocks.get(h)
+            if block is None:
+                self.blocks[h] = CachedBlock(hash=h, parent=parent, token_ids=list(tokens[i * size:(i + 1) * size]),
+                                             block_size=size, medium=e.get("medium"), copies=1, stored_seq=seq,
+                                             stored_ts=ts)
+            else:
+                block.copies += 1
+            parent = h  # a BlockStored chains its blocks: each one's parent is the previous
+        self._num_blocks += len(e["block_hashes"])
+        return len(e["block_hashes"])
+
+    def _remove(self, seq: int, hashes: list[str]) -> int:
+        done = 0
+        for h in hashes:
+            block = self.blocks.get(h)
+            if block is None:
+                self.unknown_removals += 1  # stored before we joined (or a gap): nothing to take away
+                continue
+            block.copies -= 1
+            if block.copies == 0:
+                del self.blocks[h]
+            self._num_blocks -= 1
+            done += 1
+        return done
+
+    def note_gap(self, expected: int, got: int, recovered: int) -> None:
+        """Sequence numbers ``expected`` .. ``got - 1`` did not arrive live; ``recovered`` of them came back
+        from the replay socket."""
+        lost = got - expected - recovered
+        what = f"batches {expected}-{got - 1}" if got - expected > 1 else f"batch {expected}"
+        self.note(f"gap: {what} missed live; {recovered} replayed" + (f", {lost} lost (the view may lack "
+                                                                          f"their blocks)" if lost else ""))
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+        del self.notes[:-200]  # the last 200 are plenty to read
+
+    # --- reading -----------------------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        """Physical blocks the server holds with a hash (copies counted)."""
+        return self._num_blocks
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in those blocks: blocks x block_size (cached blocks are always full)."""
+        return self._num_blocks * (self.block_size or 0)
+
+    def children(self) -> dict[str | None, list[str]]:
+        """parent hash -> hashes of the cached blocks that extend it (None: blocks that start a prompt,
+        plus blocks whose parent is no longer, or never was, in the view)."""
+        out: dict[str | None, list[str]] = {}
+        for h, b in self.blocks.items():
+            parent = b.parent if b.parent in self.blocks else None
+            out.setdefault(parent, []).append(h)
+        return out
+
+    def prefix_tokens(self, h: str) -> list[int]:
+        """The tokens from the root of ``h``'s chain (as far as the view knows it) through ``h``."""
+        chain: list[list[int]] = []
+        seen = set()
+        while h in self.blocks and h not in seen:
+            seen.add(h)
+            chain.append(self.blocks[h].token_ids)
+            h = self.blocks[h].parent
+        return [t for part in reversed(chain) for t in part]
+
+    def prefixes(self) -> set[tuple[int, ...]]:
+        """Every cached block as the full token prefix it ends (a content key that does not depend on the
+        hash function, so two servers, or a server and the lab's engine, can be compared)."""
+        return {tuple(self.prefix_tokens(h)) for h in self.blocks}
+
+    def copy(self) -> PrefixCacheMirror:
+        """A snapshot for a reader in another thread (blocks and history copied, blocks themselves shared
+        read-only: a block's fields change only through ``copies``, copied here)."""
+        clone = PrefixCacheMirror(rank=self.rank, max_history=self.max_history)
+        clone.blocks = {h: CachedBlock(**vars(b)) for h, b in self.blocks.items()}
+        clone.history = deque(self.history)
+        clone.notes = list(self.notes)
+        for name in ("unknown_removals", "orphan_stores", "total_stored", "total_removed", "num_batches",
+                     "last_seq", "block_size", "_num_blocks"):
+            setattr(clone, name, getattr(self, name))
+        return clone

@@ -1,0 +1,219 @@
+"""Captures of KV event streams: save the raw batches a server sent, replay them later without it.
+
+Format: JSON lines (one object per line, UTF-8), so a capture can be read with any tool and diffed:
+
+    {"kind": "header", "format": "paged-attention-lab.kv-capture", "version": 1, "created": ISO 8601,
+     "source": free text (what was recorded), "endpoints": [endpoint per rank], "model": str | null,
+     "block_size": int | null, "num_gpu_blocks": int | null (the server's pool, vLLM's count incl. its
+     null block, when known), "notes": [str]}
+    {"kind": "batch", "rank": int, "seq": int, "t": float, "replayed": bool, "payload": base64}
+    {"kind": "metrics", "rank": int, "t": float, "values": {name: number}}     (optional, /metrics scrapes)
+
+``payload`` is the msgpack payload exactly as received (``kv_events.decode_batch`` reads it), so a capture
+keeps whatever the server sent, including fields the lab does not read; ``t`` is seconds since the first
+line of the capture was recorded (the receiver's clock; the publisher's own ``ts`` is inside the payload).
+
+``read_capture`` validates every line and raises ``ValueError`` naming the line number and the field;
+``replay_states`` rebuilds the cache after each batch for the Server page's step / back / scrub.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .cache_mirror import PrefixCacheMirror
+from .kv_events import MalformedBatch, decode_batch
+
+FORMAT = "paged-attention-lab.kv-capture"
+VERSION = 1
+MAX_CAPTURE_BYTES = 256 * 2**20  # read_capture refuses bigger files before reading them
+
+
+@dataclass
+class CaptureBatch:
+    rank: int
+    seq: int
+    t: float
+    payload: bytes
+    replayed: bool = False
+
+
+@dataclass
+class Capture:
+    header: dict
+    batches: list[CaptureBatch] = field(default_factory=list)
+    metrics: list[dict] = field(default_factory=list)
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted({b.rank for b in self.batches})
+
+
+def new_header(source: str, endpoints: list[str], model: str | None = None, block_size: int | None = None,
+               num_gpu_blocks: int | None = None, notes: list[str] | None = None) -> dict:
+    return {"kind": "header", "format": FORMAT, "version": VERSION,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "source": source,
+            "endpoints": list(endpoints), "model": model, "block_size": block_size,
+            "num_gpu_blocks": num_gpu_blocks, "notes": list(notes or [])}
+
+
+def batch_line(rank: int, seq: int, t: float, payload: bytes, replayed: bool = False) -> str:
+    """One batch as a capture line (no newline)."""
+    return json.dumps({"kind": "batch", "rank": rank, "seq": seq, "t": round(t, 6), "replayed": replayed,
+                       "payload": base64.b64encode(payload).decode()})
+
+
+def dumps_capture(capture: Capture) -> str:
+    """The whole capture as JSON lines text (what the Server page offers for download)."""
+    lines = [json.dumps(capture.header)]
+    lines += [batch_line(b.rank, b.seq, b.t, b.payload, b.replayed) for b in capture.batches]
+    lines += [json.dumps({"kind": "metrics", **m}) for m in capture.metrics]
+    return "\n".join(lines) + "\n"
+
+
+def write_capture(path: str | Path, capture: Capture) -> None:
+    Path(path).write_text(dumps_capture(capture), encoding="utf-8")
+
+
+class CaptureWriter:
+    """Append batches to a capture file as they arrive (the CLI's ``watch --record``): the header first,
+    one line per batch, flushed, so an interrupted recording is still a valid capture."""
+
+    def __init__(self, path: str | Path, header: dict) -> None:
+        self._f = open(path, "w", encoding="utf-8")
+        self._t0: float | None = None
+        self._f.write(json.dumps(header) + "\n")
+        self._f.flush()
+
+    def write(self, rank: int, seq: int, recv_ts: float, payload: bytes, replayed: bool = False) -> None:
+        if self._t0 is None:
+            self._t0 = recv_ts
+        self._f.write(batch_line(rank, seq, recv_ts - self._t0, payload, replayed) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_capture(source: str | Path | bytes) -> Capture:
+    """Read a capture from a path or from its bytes (an upload). Raises ValueError naming the bad line."""
+    if isinstance(source, (str, Path)):
+        size = Path(source).stat().st_size
+        if size > MAX_CAPTURE_BYTES:
+            raise ValueError(f"capture {source} is {size / 2**20:.0f} MiB, more than the "
+                             f"{MAX_CAPTURE_BYTES // 2**20} MiB this reader takes")
+        data = Path(source).read_bytes()
+    else:
+        data = source
+        if len(data) > MAX_CAPTURE_BYTES:
+            raise ValueError(f"the capture is {len(data) / 2**20:.0f} MiB, more than the "
+                             f"{MAX_CAPTURE_BYTES // 2**20} MiB this reader takes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"a capture is UTF-8 JSON lines; byte {exc.start} is not UTF-8") from None
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not lines:
+        raise ValueError("the capture is empty: expected a header line first")
+    header = _json(lines[0])
+    if header.get("kind") != "header" or header.get("format") != FORMAT:
+        raise ValueError(f"line 1: not a capture header (expected kind 'header' and format {FORMAT!r})")
+    if header.get("version") != VERSION:
+        raise ValueError(f"line 1: capture version {header.get('version')!r}, this reader takes {VERSION}")
+    capture = Capture(header=header)
+    for n, line in lines[1:]:
+        obj = _json((n, line))
+        kind = obj.get("kind")
+        if kind == "batch":
+            capture.batches.append(_batch(n, obj))
+        elif kind == "metrics":
+            capture.metrics.append({k: v for k, v in obj.items() if k != "kind"})
+        else:
+            raise ValueError(f"line {n}: kind {kind!r} is not one of 'batch', 'metrics'")
+    return capture
+
+
+def _json(numbered: tuple[int, str]) -> dict:
+    n, line = numbered
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"line {n}: not JSON ({exc.msg})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"line {n}: expected a JSON object")
+    return obj
+
+
+def _batch(n: int, obj: dict) -> CaptureBatch:
+    for name, kind in (("rank", int), ("seq", int), ("t", (int, float)), ("payload", str)):
+        if not isinstance(obj.get(name), kind) or isinstance(obj.get(name), bool):
+            raise ValueError(f"line {n}: batch field {name!r} is {obj.get(name)!r}")
+    try:
+        payload = base64.b64decode(obj["payload"], validate=True)
+    except ValueError:
+        raise ValueError(f"line {n}: batch payload is not base64") from None
+    return CaptureBatch(rank=obj["rank"], seq=obj["seq"], t=float(obj["t"]), payload=payload,
+                        replayed=bool(obj.get("replayed", False)))
+
+
+# --- replay ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ReplayState:
+    """The caches of every rank after the first ``position`` batches of a capture."""
+    position: int
+    mirrors: dict[int, PrefixCacheMirror]
+    errors: list[str]
+
+
+class CaptureReplay:
+    """Step through a capture as the Server page's Step / Back / scrub do: ``state(k)`` is every rank's
+    cache after the first k batches (0 <= k <= len). Checkpoints every ``every`` batches keep Back and a
+    scrub cheap (apply at most ``every - 1`` batches from the nearest one) on captures of any length."""
+
+    def __init__(self, capture: Capture, every: int = 64) -> None:
+        self.capture = capture
+        self.every = every
+        self._checkpoints: dict[int, tuple[dict[int, PrefixCacheMirror], list[str]]] = {
+            0: ({r: PrefixCacheMirror(rank=r) for r in capture.ranks}, [])}
+
+    def __len__(self) -> int:
+        return len(self.capture.batches)
+
+    def state(self, position: int) -> ReplayState:
+        if not 0 <= position <= len(self):
+            raise ValueError(f"position {position} is outside the capture's 0..{len(self)} batches")
+        base = max(k for k in self._checkpoints if k <= position)
+        mirrors0, errors0 = self._checkpoints[base]
+        mirrors = {r: m.copy() for r, m in mirrors0.items()}
+        errors = list(errors0)
+        for k in range(base, position):
+            self._apply(mirrors, errors, self.capture.batches[k])
+            if (k + 1) % self.every == 0 and k + 1 not in self._checkpoints:
+                self._checkpoints[k + 1] = ({r: m.copy() for r, m in mirrors.items()}, list(errors))
+        return ReplayState(position=position, mirrors=mirrors, errors=errors)
+
+    @staticmethod
+    def _apply(mirrors: dict[int, PrefixCacheMirror], errors: list[str], b: CaptureBatch) -> None:
+        try:
+            batch = decode_batch(b.payload)
+        except MalformedBatch as exc:
+            errors.append(f"rank {b.rank} batch {b.seq}: skipped, {exc}")
+            return
+        mirror = mirrors[b.rank]
+        if mirror.last_seq is not None and b.seq > mirror.last_seq + 1:
+            mirror.note_gap(mirror.last_seq + 1, b.seq, 0)
+        mirror.apply(b.seq, batch.ts, batch.events, replayed=b.replayed)
+
+
+def capture_from_raw(raw_batches, header: dict) -> Capture:
+    """A Capture from a subscriber's ``RawBatch`` list (``kv_subscriber``), times relative to the first."""
+    raw = sorted(raw_batches, key=lambda r: r.recv_ts)
+    t0 = raw[0].recv_ts if raw else 0.0
+    return Capture(header=header, batches=[CaptureBatch(rank=r.rank, seq=r.seq, t=r.recv_ts - t0, payload=r.payload,
+                                                        replayed=r.replayed) for r in raw])

@@ -1,0 +1,215 @@
+"""vLLM's KV cache event protocol: the schema, its msgpack encoding, and a tolerant decoder.
+
+vLLM, SGLang and TensorRT-LLM publish what happens to their prefix cache so that KV-aware routers can
+send a request where its prefix is already cached. The schema is vLLM's (``vllm/distributed/
+kv_events.py``, 0.32):
+
+    KVEventBatch = [ts, events, data_parallel_rank]          (msgspec ``array_like``: a msgpack array)
+    BlockStored  = {"type": "BlockStored", "block_hashes": [h, ...], "parent_block_hash": h | None,
+                    "token_ids": [int, ...]  (every stored block's tokens, concatenated),
+                    "block_size": int, "lora_id": int | None, "medium": "GPU" | "CPU" | ..., "lora_name": ...}
+    BlockRemoved = {"type": "BlockRemoved", "block_hashes": [h, ...], "medium": ...}
+    AllBlocksCleared = {"type": "AllBlocksCleared"}
+
+sent over a ZMQ PUB socket as three frames: (topic, 8-byte big-endian sequence number, payload). A block
+hash ``h`` is an int (vLLM's default, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``: the low 64 bits of the
+sha256 digest, ``maybe_convert_block_hash``) or the digest's bytes.
+
+Encoding drift, read from the sources: vLLM 0.32 encodes each event as a msgpack *map* tagged by "type";
+earlier vLLM releases (and SGLang's copy of the schema, ``sglang/srt/disaggregation/kv_events.py``, and
+vLLM's own example subscriber) encode events ``array_like``: ``["BlockStored", hashes, parent, tokens,
+block_size, lora_id, medium]``. ``decode_batch`` reads both, so one subscriber watches either server.
+
+What is published here (``encode_batch``) is byte-for-byte what vLLM 0.32 sends: the structs below copy
+its field order and options, so vLLM's own ``msgspec.msgpack.Decoder(type=KVEventBatch)`` reads the lab's
+batches unchanged (tests/test_kv_events_peer.py checks this inside vLLM's environment).
+
+Decoded events are plain dicts in the lab's own form (the one ``StepRecord.kv_events`` uses), with every
+hash as a lowercase hex string so views can key, sort and print them: an int hash as 16 hex digits, a bytes
+hash as its full hex.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+# --- the schema, as vLLM 0.32 defines it (field order matters: it is the encoding) -----------------------
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base of the three event types; ``tag=True`` adds ``"type": <class name>`` to each map."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int | bytes]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+EVENT_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+_ENCODER = msgspec.msgpack.Encoder()
+_MASK64 = (1 << 64) - 1
+
+
+class MalformedBatch(ValueError):
+    """A payload that is not a KV event batch in vLLM's schema; the message names what is wrong."""
+
+
+# --- hashes ------------------------------------------------------------------------------------------------
+
+
+def external_hash(lab_hash: str) -> int:
+    """The lab's block hash (hex sha256 digest, ``block_manager.block_hash``) as vLLM publishes one: the
+    digest's low 64 bits as an int (``vllm.v1.core.kv_cache_utils.maybe_convert_block_hash``)."""
+    return int(lab_hash, 16) & _MASK64
+
+
+def hash_key(h: Any) -> str:
+    """A published hash (int or bytes) as the hex string the lab keys blocks by: ints as 16 hex digits
+    (vLLM's 64-bit form), bytes as their full hex. Raises MalformedBatch for anything else."""
+    if isinstance(h, bool):
+        raise MalformedBatch(f"a block hash is a bool ({h!r}), expected an int or bytes")
+    if isinstance(h, int):
+        return format(h & _MASK64, "016x")
+    if isinstance(h, (bytes, bytearray)):
+        return bytes(h).hex()
+    raise MalformedBatch(f"a block hash is {type(h).__name__} ({h!r:.40}), expected an int or bytes")
+
+
+# --- encode (what the lab publishes) ----------------------------------------------------------------------
+
+
+def to_struct(event: dict) -> KVCacheEvent:
+    """One of the lab's KV events (``StepRecord.kv_events``, hashes as hex digests) as vLLM's struct."""
+    kind = event["type"]
+    if kind == "BlockStored":
+        parent = event.get("parent_block_hash")
+        return BlockStored(block_hashes=[external_hash(h) for h in event["block_hashes"]],
+                           parent_block_hash=None if parent is None else external_hash(parent),
+                           token_ids=[int(t) for t in event["token_ids"]], block_size=int(event["block_size"]),
+                           lora_id=event.get("lora_id"), medium=event.get("medium", "GPU"),
+                           lora_name=event.get("lora_name"))
+    if kind == "BlockRemoved":
+        return BlockRemoved(block_hashes=[external_hash(h) for h in event["block_hashes"]],
+                            medium=event.get("medium", "GPU"))
+    if kind == "AllBlocksCleared":
+        return AllBlocksCleared()
+    raise ValueError(f"KV event type {kind!r} is not one of {', '.join(EVENT_TYPES)}")
+
+
+def encode_batch(events: list[dict], ts: float | None = None, data_parallel_rank: int | None = 0) -> bytes:
+    """The msgpack payload vLLM 0.32 would send for these events (``ts``: seconds since the epoch, now
+    if None)."""
+    batch = KVEventBatch(ts=time.time() if ts is None else ts, events=[to_struct(e) for e in events],
+                         data_parallel_rank=data_parallel_rank)
+    return _ENCODER.encode(batch)
+
+
+# --- decode (what a subscriber reads) ---------------------------------------------------------------------
+
+
+@dataclass
+class DecodedBatch:
+    """One KV event batch as the lab reads it: ``ts`` (seconds since the epoch, the publisher's clock),
+    ``events`` (dicts in the lab's form, hashes as hex strings), ``data_parallel_rank`` (None if absent)."""
+    ts: float
+    events: list[dict] = field(default_factory=list)
+    data_parallel_rank: int | None = None
+
+
+# The array_like layout of earlier vLLM / SGLang: the tag first, then the fields in declaration order.
+_ARRAY_FIELDS = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                                 "medium", "lora_name"),
+                 "BlockRemoved": ("block_hashes", "medium"), "AllBlocksCleared": ()}
+
+
+def decode_batch(payload: bytes, max_events: int | None = None) -> DecodedBatch:
+    """Decode one payload (vLLM 0.32's map-tagged events or the older array-tagged ones).
+
+    Raises MalformedBatch naming the first thing wrong (not msgpack, not a [ts, events, rank] array, an
+    unknown event type, a missing field, a bad hash, a BlockStored whose tokens are not whole blocks, or
+    more than ``max_events`` events)."""
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise MalformedBatch(f"not msgpack: {exc}") from None
+    if not isinstance(raw, list) or len(raw) < 2:
+        raise MalformedBatch(f"expected an array [ts, events, data_parallel_rank], got {_short(raw)}")
+    ts, events = raw[0], raw[1]
+    rank = raw[2] if len(raw) > 2 else None
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool):
+        raise MalformedBatch(f"ts is {_short(ts)}, expected a number of seconds")
+    if not isinstance(events, list):
+        raise MalformedBatch(f"events is {_short(events)}, expected an array")
+    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool)):
+        raise MalformedBatch(f"data_parallel_rank is {_short(rank)}, expected an int")
+    if max_events is not None and len(events) > max_events:
+        raise MalformedBatch(f"{len(events):,} events in one batch, more than the limit of {max_events:,}")
+    return DecodedBatch(ts=float(ts), events=[_decode_event(i, e) for i, e in enumerate(events)],
+                        data_parallel_rank=rank)
+
+
+def _decode_event(i: int, e: Any) -> dict:
+    if isinstance(e, dict):
+        kind = e.get("type")
+        fields = dict(e)
+    elif isinstance(e, list) and e and isinstance(e[0], str):
+        kind = e[0]
+        names = _ARRAY_FIELDS.get(kind, ())
+        fields = dict(zip(names, e[1:]))
+    else:
+        raise MalformedBatch(f"event {i} is {_short(e)}, expected a map with 'type' or a tagged array")
+    if kind not in EVENT_TYPES:
+        raise MalformedBatch(f"event {i} has type {kind!r}, not one of {', '.join(EVENT_TYPES)}")
+    if kind == "AllBlocksCleared":
+        return {"type": kind}
+    if not isinstance(fields.get("block_hashes"), list):
+        raise MalformedBatch(f"event {i} ({kind}) has no block_hashes array")
+    hashes = [hash_key(h) for h in fields["block_hashes"]]
+    medium = fields.get("medium")
+    if kind == "BlockRemoved":
+        return {"type": kind, "block_hashes": hashes, "medium": medium}
+    tokens, size = fields.get("token_ids"), fields.get("block_size")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+        raise MalformedBatch(f"event {i} (BlockStored) has no token_ids array of ints")
+    if not isinstance(size, int) or size < 1:
+        raise MalformedBatch(f"event {i} (BlockStored) has block_size {_short(size)}, expected a positive int")
+    if len(tokens) != size * len(hashes):
+        raise MalformedBatch(f"event {i} (BlockStored): {len(tokens)} token ids for {len(hashes)} blocks "
+                             f"of {size}, expected {size * len(hashes)}")
+    parent = fields.get("parent_block_hash")
+    return {"type": kind, "block_hashes": hashes, "parent_block_hash": None if parent is None else hash_key(parent),
+            "token_ids": tokens, "block_size": size, "lora_id": fields.get("lora_id"), "medium": medium,
+            "lora_name": fields.get("lora_name")}
+
+
+def _short(x: Any) -> str:
+    text = repr(x)
+    return f"{type(x).__name__} {text[:40]}{'...' if len(text) > 40 else ''}"

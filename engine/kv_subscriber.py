@@ -1,0 +1,310 @@
+"""Subscribe to a server's KV cache events (vLLM, SGLang, or the lab itself) in a background thread.
+
+One ``KVEventSubscriber`` per endpoint (vLLM publishes one endpoint per data-parallel rank: the base port
+plus the rank). Its thread owns the ZMQ sockets (not thread-safe) and never blocks its reader: it
+decodes each batch (``kv_events.decode_batch``), applies it to a ``PrefixCacheMirror`` under a lock, and
+keeps the raw batches, bounded, for a capture. A reader (a Streamlit page, the CLI) calls ``view()`` for
+a consistent copy whenever it likes.
+
+Protocol (vLLM 0.32, ``vllm/distributed/kv_events.py``; see ``kv_publisher.py``): frames ``(topic, seq,
+payload)``, ``seq`` 8 bytes big-endian from 0. When a batch arrives with ``seq > last + 1`` the missed
+batches are asked for on the replay socket (a DEALER socket sends ``last + 1``; the ROUTER answers
+``(topic, seq, payload)`` per buffered batch, then ``seq = -1`` with an empty payload), applied in order,
+and the gap is noted with how many came back. Without a replay endpoint the gap is noted as lost.
+
+Robustness (each case counted, described in ``last_error`` / the mirror's notes, and the thread keeps
+running, nothing applied is undone): a message that is not three frames or whose payload is not a batch
+(``malformed``); a batch of more than ``max_events`` events or a message over ``max_message_bytes``
+(refused unread by ZMQ, which drops that connection and reconnects); a publisher that restarts (its
+sequence numbers go back to 0); an endpoint nobody listens on (``state`` "unreachable": the TCP connect was
+refused, read from ZMQ's socket monitor) or a server that goes away ("disconnected").
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from .cache_mirror import PrefixCacheMirror
+from .kv_events import MalformedBatch, decode_batch
+
+SILENT_AFTER_S = 5.0
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # "live" turns "idle" after this long without a batch
+
+
+@dataclass
+class RawBatch:
+    """One batch as received, for a capture: ``rank`` (the endpoint's index), ``seq``, ``recv_ts``
+    (seconds since the epoch, this machine's clock), ``payload`` (msgpack bytes, unchanged),
+    ``replayed`` (came from the replay socket after a gap)."""
+    rank: int
+    seq: int
+    recv_ts: float
+    payload: bytes
+    replayed: bool = False
+
+
+@dataclass
+class SubscriberView:
+    """A consistent copy of one subscriber's state for a reader in another thread."""
+    endpoint: str
+    rank: int
+    state: str              # connecting | unreachable | connected | live | idle | disconnected | stopped
+    mirror: PrefixCacheMirror
+    received: int           # batches applied (live and replayed)
+    replayed: int
+    malformed: int
+    gaps: int
+    lost: int               # batches missed that the replay socket did not return
+    last_error: str | None
+    last_batch_at: float | None
+    errors: list[str] = field(default_factory=list)
+
+
+class KVEventSubscriber:
+    """Watch one KV events endpoint.
+
+    Args:
+        endpoint: the publisher's PUB endpoint to connect to, e.g. ``tcp://127.0.0.1:5557``.
+        replay_endpoint: its ROUTER replay endpoint (None: gaps are noted as lost).
+        topic: subscribe to messages whose first frame starts with this ("" = all, vLLM's default).
+        rank: the data-parallel rank this endpoint serves (labels the view).
+        max_events: the most events one batch may hold before it is refused as malformed.
+        max_message_bytes: ZMQ refuses bigger messages (``zmq.MAXMSGSIZE``).
+        max_capture: raw batches kept for a capture (oldest dropped first; ``capture_dropped`` counts).
+        on_raw: called in the subscriber's thread with each RawBatch (e.g. a recorder writing a file).
+
+    Raises ValueError for an endpoint ZMQ cannot parse (checked before the thread starts).
+    """
+
+    def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "", rank: int = 0,
+                 max_events: int = 200_000, max_message_bytes: int = 256 * 2**20, max_capture: int = 50_000,
+                 on_raw=None, replay_timeout_s: float = 1.0) -> None:
+        self.endpoint, self.replay_endpoint, self.rank = endpoint, replay_endpoint, rank
+        self._topic = topic.encode()
+        self._max_events = max_events
+        self._replay_timeout_ms = int(replay_timeout_s * 1000)
+        self._on_raw = on_raw
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.mirror = PrefixCacheMirror(rank=rank)
+        self.capture: deque[RawBatch] = deque(maxlen=max_capture)
+        self.capture_dropped = 0
+        self.received = self.replayed = self.malformed = self.gaps = self.lost = 0
+        self.errors: deque[str] = deque(maxlen=50)
+        self.last_error: str | None = None
+        self.last_batch_at: float | None = None
+        self._last_seq: int | None = None
+        self._conn = "connecting"  # from the socket monitor
+        self._sync_pending = False  # (re)connected: ask the replay socket for what the stream missed
+        self._ctx = zmq.Context.instance()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self._sub.setsockopt(zmq.RCVHWM, 100_000)
+        self._sub.setsockopt(zmq.RECONNECT_IVL, 200)
+        self._sub.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        self._monitor = self._sub.get_monitor_socket()
+        try:
+            self._sub.connect(endpoint)
+        except zmq.ZMQError as exc:
+            self._close()
+            raise ValueError(f"cannot connect to KV events endpoint {endpoint!r}: {exc}") from None
+        self._sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        self._thread = threading.Thread(target=self._loop, name=f"kv-events-{endpoint}", daemon=True)
+        self._thread.start()
+
+    # --- the reader's side -------------------------------------------------------------------------------
+
+    def view(self) -> SubscriberView:
+        with self._lock:
+            return SubscriberView(endpoint=self.endpoint, rank=self.rank, state=self.state,
+                                  mirror=self.mirror.copy(), received=self.received, replayed=self.replayed,
+                                  malformed=self.malformed, gaps=self.gaps, lost=self.lost,
+                                  last_error=self.last_error, last_batch_at=self.last_batch_at,
+                                  errors=list(self.errors))
+
+    def raw_batches(self) -> list[RawBatch]:
+        """The raw batches kept so far (for a capture), oldest first."""
+        with self._lock:
+            return list(self.capture)
+
+    @property
+    def state(self) -> str:
+        if self._stop.is_set():
+            return "stopped"
+        if self._conn in ("connecting", "unreachable", "disconnected"):
+            return self._conn
+        if self.last_batch_at is None:
+            return "connected"
+        return "live" if time.time() - self.last_batch_at < SILENT_AFTER_S else "idle"
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Stop the thread and close the sockets. Idempotent; the state read so far stays readable."""
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=timeout_s)
+
+    def __enter__(self) -> KVEventSubscriber:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def wait_for(self, predicate, timeout_s: float = 10.0, poll_s: float = 0.02) -> bool:
+        """Block until ``predicate(self.view())`` is true (tests, the CLI); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if predicate(self.view()):
+                return True
+            time.sleep(poll_s)
+        return predicate(self.view())
+
+    # --- the thread --------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sub, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                ready = dict(poller.poll(100))
+                if self._monitor in ready:
+                    self._read_monitor()
+                if self._sync_pending:
+                    self._sync_pending = False
+                    self._catch_up()
+                if self._sub in ready:
+                    self._receive(self._sub.recv_multipart())
+        except Exception as exc:  # never die silently: say what broke, keep what was shown
+            self._error(f"subscriber stopped on an unexpected error: {type(exc).__name__}: {exc}")
+        finally:
+            self._stop.set()
+            self._close()
+
+    def _read_monitor(self) -> None:
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self._conn = "connected"
+                self._sync_pending = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                self._conn = "disconnected"
+            elif event == zmq.EVENT_CONNECT_RETRIED and self._conn != "disconnected":
+                self._conn = "unreachable"
+
+    def _receive(self, frames: list[bytes], replayed: bool = False) -> int | None:
+        """Decode and apply one message; returns its seq (None if unreadable)."""
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self._malformed(f"a message of {len(frames)} frames (sizes {[len(f) for f in frames][:5]}), "
+                            f"expected (topic, 8-byte seq, payload)")
+            return None
+        seq = int.from_bytes(frames[1], "big")
+        if not replayed:
+            self._check_sequence(seq)
+        if self._last_seq is not None and seq <= self._last_seq:
+            return seq  # already applied (a replay overlapping the live stream)
+        try:
+            batch = decode_batch(frames[2], max_events=self._max_events)
+        except MalformedBatch as exc:
+            self._malformed(f"batch {seq}: {exc}")
+            self._last_seq = seq
+            return seq
+        raw = RawBatch(rank=self.rank, seq=seq, recv_ts=time.time(), payload=frames[2], replayed=replayed)
+        with self._lock:
+            self.mirror.apply(seq, batch.ts, batch.events, replayed=replayed)
+            self.received += 1
+            self.replayed += replayed
+            self.last_batch_at = raw.recv_ts
+            if len(self.capture) == self.capture.maxlen:
+                self.capture_dropped += 1
+            self.capture.append(raw)
+        self._last_seq = seq
+        if self._on_raw is not None:
+            self._on_raw(raw)
+        return seq
+
+    def _check_sequence(self, seq: int) -> None:
+        last = self._last_seq
+        if last is None:
+            if seq > 0 and self.replay_endpoint is not None and self.received == 0:
+                # joined a running publisher: fetch what it still buffers, so the view starts complete
+                got = self._replay(0, seq)
+                self.note(f"joined at batch {seq}; {got} earlier batches came from the replay "
+                                      f"socket" + ("" if got == seq else f" ({seq - got} no longer buffered)"))
+            return
+        if seq < last and seq == 0:
+            self._error(f"the publisher restarted (sequence number back to 0 after {last}); "
+                        f"blocks it held before are no longer known to be cached")
+            self._last_seq = None
+            return
+        if seq > last + 1:
+            recovered = self._replay(last + 1, seq)
+            with self._lock:
+                self.gaps += 1
+                self.lost += seq - (last + 1) - recovered
+                self.mirror.note_gap(last + 1, seq, recovered)
+
+    def _catch_up(self) -> None:
+        """On every (re)connect: batches published before the subscription reached the publisher (ZMQ's
+        "slow joiner") or while the connection was down never arrive live; fetch them from the replay
+        socket, from the first one not yet applied."""
+        if self.replay_endpoint is None:
+            return
+        start = 0 if self._last_seq is None else self._last_seq + 1
+        got = self._replay(start, None)
+        if got:
+            self.note(f"(re)connected: {got} batches from {start} on came from the replay socket")
+
+    def note(self, text: str) -> None:
+        with self._lock:
+            self.mirror.note(text)
+
+    def _replay(self, start: int, until: int | None) -> int:
+        """Ask the replay socket for batches from ``start`` (up to ``until - 1``, or all it has when None);
+        apply them in order; return how many were new."""
+        if self.replay_endpoint is None:
+            return 0
+        # A DEALER, not the REQ of vLLM's example subscriber: the ROUTER answers one request with many
+        # messages, and a REQ socket delivers only the first reply to each request (the rest are dropped).
+        # The DEALER adds the empty delimiter frame a REQ would, so the ROUTER sees the same request.
+        req = self._ctx.socket(zmq.DEALER)
+        req.setsockopt(zmq.LINGER, 0)
+        before = self.received
+        try:
+            req.connect(self.replay_endpoint)
+            req.send_multipart((b"", start.to_bytes(8, "big")))
+            while req.poll(self._replay_timeout_ms):
+                frames = req.recv_multipart()[1:]  # drop the delimiter
+                if len(frames) == 3 and frames[1] == END_SEQ:
+                    break  # the end marker
+                seq = self._receive(frames, replayed=True)
+                if seq is not None and until is not None and seq >= until - 1:
+                    break  # the rest arrives live; this socket is closed, a new one serves the next gap
+        except zmq.ZMQError as exc:
+            self._error(f"replay from {self.replay_endpoint} failed: {exc}")
+        finally:
+            req.close(linger=0)
+        return self.received - before
+
+    def _malformed(self, text: str) -> None:
+        with self._lock:
+            self.malformed += 1
+        self._error(f"skipped {text}")
+
+    def _error(self, text: str) -> None:
+        with self._lock:
+            self.last_error = text
+            self.errors.append(text)
+
+    def _close(self) -> None:
+        try:
+            self._sub.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(linger=0)
+        self._sub.close(linger=0)

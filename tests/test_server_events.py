@@ -13,7 +13,7 @@ import time
 import pytest
 
 from engine import EMBEDDED_MODEL, EngineConfig, LLMEngine, SamplingParams
-from engine.cache_mirror import PrefixCacheMirror
+from engine.cache_mirror import PrefixCacheMirror, by_content
 from engine.capture import CaptureReplay, capture_from_raw, dumps_capture, new_header, read_capture
 from engine.kv_events import decode_batch, encode_batch
 from engine.kv_subscriber import KVEventSubscriber
@@ -72,28 +72,6 @@ def lab_run(served):
                 batches.append(record.kv_events)
         outputs.append(engine.get_output(rid))
     return {"batches": batches, "outputs": outputs, "stats": engine.block_manager.stats}
-
-
-def by_content(batches: list[list[dict]]) -> list[list[tuple]]:
-    """Each batch as [(type, prefix tokens of each block)], from a mirror that follows the batches."""
-    mirror = PrefixCacheMirror()
-    out = []
-    for seq, events in enumerate(batches):
-        described = []
-        for e in events:
-            if e["type"] == "BlockStored":
-                parent = mirror.prefix_tokens(e["parent_block_hash"]) if e["parent_block_hash"] else []
-                size = e["block_size"]
-                for i in range(len(e["block_hashes"])):
-                    parent = parent + e["token_ids"][i * size:(i + 1) * size]
-                    described.append(("stored", tuple(parent)))
-            elif e["type"] == "BlockRemoved":
-                described += [("removed", tuple(mirror.prefix_tokens(h))) for h in e["block_hashes"]]
-            else:
-                described.append(("cleared", ()))
-        mirror.apply(seq, 0.0, events)
-        out.append(described)
-    return out
 
 
 def test_the_server_answered_with_the_labs_tokens(served, lab_run):

@@ -516,6 +516,27 @@ class VllmServer:
         ])
 
 
+def _demo_loop(server: "VllmServer", pause_s: float) -> None:
+    """Send the shared-prefix workload pass after pass until Ctrl-C or the server exits (--demo-workload)."""
+    from . import workload
+
+    requests = workload.shared_prefix_requests()
+    n = 0
+    while server.running:
+        n += 1
+        t0 = time.perf_counter()
+        try:
+            results = workload.send(server, requests, concurrency=2, delay_s=0.2)
+        except Exception as exc:  # noqa: BLE001 - a demo loop: say it and stop sending, keep serving
+            print(f"demo workload stopped: {exc}", file=sys.stderr, flush=True)
+            return
+        cached = sum(r["cached_tokens"] or 0 for r in results)
+        prompt = sum(r["prompt_tokens"] for r in results)
+        print(f"demo pass {n}: {len(results)} requests in {time.perf_counter() - t0:.1f} s, {cached} of {prompt} "
+              f"prompt tokens from the prefix cache; next pass in {pause_s:g} s", flush=True)
+        time.sleep(pause_s)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m peer.vllm_server",
                                  description="Run vLLM's OpenAI server (.peer-venv) with KV cache events, in "
@@ -533,6 +554,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--log", default=None, help="server log file (default: a temporary file)")
     ap.add_argument("--startup-timeout", type=float, default=300)
+    ap.add_argument("--demo-workload", action="store_true",
+                    help="once ready, send peer/workload.py's shared-prefix workload again and again (2 requests "
+                         "in flight, a pause between passes), so a watcher sees the cache fill and evict")
+    ap.add_argument("--demo-pause", type=float, default=5.0, help="seconds between demo passes (default 5)")
     args = ap.parse_args(argv)
     server = VllmServer(model=args.model, port=args.port, events_port=args.events_port,
                         replay_port=args.replay_port, block_size=args.block_size,
@@ -540,6 +565,9 @@ def main(argv: list[str] | None = None) -> int:
                         max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
                         threads=args.threads, log_path=args.log, startup_timeout_s=args.startup_timeout,
                         access_log=True)
+    def interrupt(*_):  # `kill` (SIGTERM) stops the server as Ctrl-C does, never leaving vLLM orphaned
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, interrupt)
     print("starting vLLM (about 20-60 s on 2 cores) ...", flush=True)
     try:
         server.start()
@@ -552,9 +580,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         print(f"ready in {server.startup_s:.0f} s; log: {server.log_path}\n", flush=True)
         print(server.describe(), flush=True)
-        print(f"\nsend the demo workload:  .venv/bin/python -m peer.workload --base-url {server.base_url}",
-              flush=True)
+        if not args.demo_workload:
+            print(f"\nsend the demo workload:  .venv/bin/python -m peer.workload --base-url {server.base_url}",
+                  flush=True)
         print("stop: Ctrl-C", flush=True)
+        if args.demo_workload:
+            _demo_loop(server, args.demo_pause)
         while server.running:
             time.sleep(0.5)
         print(f"vLLM's server exited by itself; log tail:\n{server.log_tail()}", file=sys.stderr, flush=True)

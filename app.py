@@ -17,6 +17,7 @@ pages = {
         st.Page("ui/playground.py", title="Playground", icon=":material/play_circle:", default=True),
         st.Page("ui/compare.py", title="Compare", icon=":material/compare_arrows:"),
         st.Page("ui/model_info.py", title="Model", icon=":material/memory:"),
+        st.Page("ui/server.py", title="Server", icon=":material/dns:"),
     ],
     "Lessons": [st.Page("ui/lessons.py", title="All lessons", icon=":material/school:")] + [
         st.Page(lesson.page_path, title=f"{lesson.number}. {lesson.nav_title}", url_path=lesson.url_path)

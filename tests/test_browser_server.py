@@ -1,0 +1,139 @@
+"""The Server page in a real browser: `streamlit run` on a free localhost port, driven by Playwright in
+Debian's Chromium, watching the lab's own engine publish KV events (vLLM's format) from this process."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+        "--disable-sync", "--no-first-run"]
+pytestmark = [pytest.mark.browser,
+              pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Chromium is not installed")]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app_url():
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(port),
+                             "--server.address", "127.0.0.1", "--server.headless", "true"],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(url + "/_stcore/health", timeout=2)
+            break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("streamlit did not start within 90 s")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=20)
+
+
+def cached_blocks(page) -> str | None:
+    """The first rank's "cached blocks" metric as shown."""
+    metric = page.locator("[data-testid='stMetric']").filter(has_text="cached blocks").first
+    if not metric.count():
+        return None
+    return metric.locator("[data-testid='stMetricValue']").inner_text().strip()
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.25)
+    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def test_the_live_stream_shows_up_in_the_page(app_url, tmp_path):
+    """Connect to the lab's engine publishing in vLLM's format; run a scenario step by step in a thread; the
+    page's block count follows it to the engine's count and the prefix tree is drawn. A reload connects
+    afresh without leaving the first tab's subscriber behind."""
+    from playwright.sync_api import sync_playwright
+
+    from engine import EngineConfig, LLMEngine
+    from engine.capture import read_capture
+    from engine.scenarios import get_scenario
+    from test_ui_server import _run_workload_steps
+
+    engine = LLMEngine(EngineConfig(semantics="v1", device="cpu", dtype="float32", block_size=16, num_blocks=64,
+                                    max_model_len=256, kv_events_endpoint="tcp://127.0.0.1:0",
+                                    kv_events_replay_endpoint="tcp://127.0.0.1:0"))
+    pub = engine.kv_event_publisher
+    tokenize = lambda text: engine.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    runner = threading.Thread(target=_run_workload_steps,
+                              args=([(engine, get_scenario("shared-prefix").make(0, tokenize))], 0.1), daemon=True)
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+            page = browser.new_page(viewport={"width": 1280, "height": 720})
+            page.goto(app_url + "/server", wait_until="networkidle")
+            page.wait_for_selector("text=Not connected", timeout=90_000)
+
+            def connect() -> None:
+                page.get_by_role("textbox", name="KV events endpoints").fill(pub.endpoint)
+                page.get_by_role("textbox", name="Replay endpoints (optional)").fill(pub.replay_endpoint)
+                page.get_by_role("textbox", name="Replay endpoints (optional)").press("Tab")  # commit the value
+                page.get_by_role("button", name="Connect").click()
+
+            connect()
+            page.wait_for_selector("text=connected, waiting for events", timeout=60_000)
+            runner.start()
+            seen = set()
+
+            def followed() -> bool:
+                seen.add(cached_blocks(page))
+                return not runner.is_alive() and cached_blocks(page) == f"{expected():,}"
+
+            def expected() -> int:
+                return sum(len(b) for b in engine.block_manager.cached_blocks.values())
+
+            wait_for(followed, 120, "the page's cached blocks to reach the engine's count")
+            assert expected() > 10
+            assert len(seen - {None}) >= 2  # the count grew while the engine ran
+            assert page.locator(".js-plotly-plot").count() >= 3
+            tree = page.locator(".js-plotly-plot").first
+            assert re.search(r"rank 0: \d+ prefixes in 1 tree", tree.inner_text())
+            assert tree.locator("path.point").count() >= 10  # one marker per cached block
+            assert page.locator("[data-testid='stException']").count() == 0
+            page.screenshot(path=str(tmp_path / "server_live.png"))
+            with page.expect_download() as download:  # what was received, as a capture
+                page.get_by_role("button", name="Download capture").click()
+            capture = read_capture(Path(download.value.path()))
+            assert len(capture.batches) == pub.published and download.value.suggested_filename.endswith(".jsonl")
+
+            # a reload is a new session: connect again; the first session's subscriber is stopped
+            page.reload(wait_until="networkidle")
+            page.wait_for_selector("text=Not connected", timeout=60_000)
+            connect()
+            page.wait_for_selector("text=/watches 1 endpoint\\(s\\) for 1 browser session\\(s\\)/", timeout=60_000)
+            wait_for(lambda: cached_blocks(page) == f"{expected():,}", 60, "the reconnected view to catch up")
+            browser.close()
+    finally:
+        runner.join(timeout=120)
+        engine.close()

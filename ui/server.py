@@ -1,0 +1,632 @@
+"""Server: a real LLM server's prefix cache, rebuilt from its KV cache events, live or from a capture.
+
+Live: one ``engine.kv_subscriber.KVEventSubscriber`` per endpoint (one per data-parallel rank), made on
+Connect and kept in this browser session's ``st.session_state["server_live"]``; its background thread
+receives and applies the batches, and the view below re-reads ``view()`` on a timer (``st.fragment(
+run_every=...)``), so the page never waits on the network. A session holds at most one set: Connect to other
+endpoints stops the old set first, Stop stops it, and a process-wide registry (``st.cache_resource``) stops
+the set of a session whose browser tab went away (reload, closed tab), so no thread outlives its viewer.
+An optional ``/metrics`` URL is read by a poller thread of the same set every 2 s.
+
+Replay: a capture (``engine.capture``: a shipped one under ``assets/captures/`` or an upload) stepped batch
+by batch with ``CaptureReplay.state(k)``: Step / Back, a scrub slider over positions, Play at a speed.
+
+Every number is read from the mirrors (``engine.cache_mirror``), ``engine.metrics`` and the server's
+``/metrics`` through ``viz.server.rank_numbers`` / ``server_numbers``; the figures are ``viz.server``'s.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import streamlit as st
+
+from engine import EMBEDDED_MODEL
+from engine.capture import CaptureReplay, capture_from_raw, dumps_capture, new_header, read_capture
+from engine.config import ZMQ_TRANSPORTS
+from engine.kv_subscriber import KVEventSubscriber
+from engine.server_metrics import fetch_metrics
+from viz.server import (VLLM_EVENTS_FLAG, batch_activity_figure, batch_line, cache_size_figure, prefix_tree_figure,
+                        rank_numbers, server_numbers, state_line)
+
+ROOT = Path(__file__).resolve().parent.parent
+CAPTURES = ROOT / "assets" / "captures"
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
+REFRESH_S = 1.0          # the live view re-reads the subscribers this often
+METRICS_EVERY_S = 2.0    # the /metrics poller's period
+MAX_SCRAPES = 10_000     # /metrics scrapes kept for a downloaded capture
+SPEEDS = [1, 2, 5, 10, 25, 50]  # replay speeds, batches per second
+MODES = ["Live server", "Replay a capture"]
+COLOR_BY = {"age": "age (seconds since stored)", "root": "root prefix (one colour per tree)"}
+VLLM_COMMAND = f"python -m vllm.entrypoints.openai.api_server --model DIR \\\n    {VLLM_EVENTS_FLAG}"
+
+INTRO = (
+    "A server with automatic prefix caching keeps the KV blocks of prompts it has seen and publishes every "
+    "change over ZMQ, batch by batch, in vLLM's schema: **BlockStored** (full blocks cached, with their tokens "
+    "and parent hash), **BlockRemoved** (evicted when the pool needed them) and **AllBlocksCleared** (the "
+    "prefix cache was reset). This page reads a **real server's** KV events, live or from a capture, so it "
+    "shows vLLM V1's semantics, not the lab's engine; vLLM sends them when started with `--kv-events-config`.")
+
+
+# ------------------------------------------------------------------------------------------ live: state
+@dataclass
+class MetricsPoller:
+    """Reads a server's /metrics every ``METRICS_EVERY_S`` in its own thread (a slow or dead server never
+    holds up the page); ``latest()`` is (values, error, when)."""
+    url: str
+    values: dict | None = None
+    error: str | None = None
+    at: float | None = None
+    scrapes: list = field(default_factory=list)  # (time, values) for a downloaded capture
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start(self) -> MetricsPoller:
+        threading.Thread(target=self._loop, name=f"metrics-{self.url}", daemon=True).start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                values, error = fetch_metrics(self.url, timeout_s=METRICS_EVERY_S), None
+            except ValueError as exc:
+                values, error = None, str(exc)
+            with self._lock:
+                self.at = time.time()
+                self.error = error
+                if values is not None:
+                    self.values = values
+                    self.scrapes.append((self.at, values))
+                    del self.scrapes[:-MAX_SCRAPES]
+            self._stop.wait(METRICS_EVERY_S)
+
+    def latest(self) -> tuple[dict | None, str | None, float | None]:
+        with self._lock:
+            return self.values, self.error, self.at
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+@dataclass
+class LiveSet:
+    """One session's subscribers (one per endpoint, rank = position in the list) and /metrics poller."""
+    endpoints: list[str]
+    replays: list[str | None]
+    subs: list
+    poller: MetricsPoller | None = None
+    started: float = field(default_factory=time.time)
+    running: bool = True
+
+    def stop(self) -> None:
+        for s in self.subs:
+            s.stop()
+        if self.poller is not None:
+            self.poller.stop()
+        self.running = False
+
+    def num_gpu_blocks(self) -> int | None:
+        values = self.poller.latest()[0] if self.poller else None
+        return (values or {}).get("num_gpu_blocks")
+
+    def capture_text(self) -> str:
+        """What was received so far as a capture (``engine.capture``'s JSON lines), with the /metrics
+        scrapes; what the "Download capture" button sends."""
+        raws = [r for s in self.subs for r in s.raw_batches()]
+        dropped = sum(s.capture_dropped for s in self.subs)
+        notes = [f"the first {dropped:,} batches were dropped (more than each subscriber keeps)"] if dropped else []
+        block_sizes = {s.view().mirror.block_size for s in self.subs} - {None}
+        header = new_header("the Server page (live)", self.endpoints,
+                            block_size=block_sizes.pop() if len(block_sizes) == 1 else None,
+                            num_gpu_blocks=self.num_gpu_blocks(), notes=notes)
+        capture = capture_from_raw(raws, header)
+        if self.poller is not None and raws:
+            t0 = min(r.recv_ts for r in raws)
+            with self.poller._lock:
+                scrapes = list(self.poller.scrapes)
+            capture.metrics = [{"rank": 0, "t": round(at - t0, 6), "values": values}
+                               for at, values in scrapes if at >= t0]
+        return dumps_capture(capture)
+
+
+class _SessionToken:
+    """Lives in one session's state; when the session is gone its finalizer stops that session's sets."""
+
+
+@st.cache_resource
+def live_registry() -> dict:
+    """Process-wide: browser session id -> its LiveSet, and a lock; read by ``sweep``."""
+    return {"lock": threading.Lock(), "sets": {}}
+
+
+def session_id() -> str:
+    from streamlit.runtime.scriptrunner import get_script_run_ctx
+
+    ctx = get_script_run_ctx()
+    return ctx.session_id if ctx is not None else "no-session"
+
+
+def sweep() -> None:
+    """Stop the sets of sessions whose browser tab is gone (a reload opens a new session; a closed tab
+    leaves its session behind): no subscriber thread outlives its viewer."""
+    try:
+        from streamlit.runtime import Runtime
+
+        runtime = Runtime.instance() if Runtime.exists() else None
+    except Exception:  # no runtime (AppTest, bare mode): nothing to sweep
+        runtime = None
+    if runtime is None:
+        return
+    registry = live_registry()
+    with registry["lock"]:
+        for sid in [sid for sid in registry["sets"] if not runtime.is_active_session(sid)]:
+            registry["sets"].pop(sid).stop()
+
+
+def split_list(text: str) -> list[str]:
+    """Endpoints typed comma or newline separated, blanks dropped."""
+    return [p.strip() for p in text.replace("\n", ",").split(",") if p.strip()]
+
+
+def endpoint_problem(value: str) -> str | None:
+    """Why ``value`` cannot be connected to, or None."""
+    if not value.startswith(ZMQ_TRANSPORTS):
+        return (f"endpoint {value!r} is not a ZMQ endpoint: it must start with {', '.join(ZMQ_TRANSPORTS)} "
+                f"(e.g. {DEFAULT_ENDPOINT})")
+    if value.startswith("tcp://*") or value.startswith("tcp://0.0.0.0"):
+        return (f"endpoint {value!r} is the address the server binds; connect to the server's host instead, "
+                f"e.g. tcp://127.0.0.1:{value.rsplit(':', 1)[-1]}")
+    return None
+
+
+def connect() -> None:
+    """Connect's callback: validate, stop this session's old set, start one subscriber per endpoint."""
+    endpoints = split_list(st.session_state.get("server_endpoints", ""))
+    replays = split_list(st.session_state.get("server_replays", ""))
+    url = st.session_state.get("server_metrics_url", "").strip()
+    problems = [p for p in map(endpoint_problem, endpoints + replays) if p]
+    if not endpoints:
+        problems.append("no KV events endpoint given: type one per data-parallel rank, e.g. " + DEFAULT_ENDPOINT)
+    if replays and len(replays) != len(endpoints):
+        problems.append(f"{len(replays)} replay endpoint(s) for {len(endpoints)} endpoint(s): give one per "
+                        f"endpoint in the same order, or none")
+    if url and not url.startswith(("http://", "https://")):
+        problems.append(f"/metrics URL {url!r} must start with http:// or https:// "
+                        f"(e.g. http://127.0.0.1:8000/metrics)")
+    if problems:
+        st.session_state["server_error"] = "Not connected: " + "; ".join(problems) + "."
+        return
+    replays = replays or [None] * len(endpoints)
+    old = st.session_state.get("server_live")
+    if old is not None and old.running and old.endpoints == endpoints and old.replays == replays:
+        if (old.poller.url if old.poller else "") != url:  # same streams, another /metrics: keep the streams
+            if old.poller is not None:
+                old.poller.stop()
+            old.poller = MetricsPoller(url).start() if url else None
+        st.session_state["server_flash"] = f"Already connected to {', '.join(endpoints)}; Stop first to start afresh."
+        return
+    registry = live_registry()
+    sid = session_id()
+    with registry["lock"]:
+        if old is not None:
+            old.stop()
+        registry["sets"].pop(sid, None)
+        subs = []
+        try:
+            for rank, (e, r) in enumerate(zip(endpoints, replays)):
+                subs.append(KVEventSubscriber(e, r, rank=rank))
+        except ValueError as exc:  # the old set stays on screen, stopped: what it received is not lost
+            for s in subs:
+                s.stop()
+            st.session_state["server_error"] = f"Not connected: {exc}."
+            return
+        live = LiveSet(endpoints, replays, subs, MetricsPoller(url).start() if url else None)
+        registry["sets"][sid] = live
+    # when this session's state is dropped (its tab gone and no page run left to sweep it), stop its threads;
+    # one finalizer per session, for the current set only (an old one would keep an old set's mirrors alive)
+    token = st.session_state.setdefault("server_token", _SessionToken())
+    if (previous := st.session_state.get("server_finalizer")) is not None:
+        previous.detach()
+    st.session_state["server_finalizer"] = weakref.finalize(token, live.stop)
+    st.session_state["server_live"] = live
+
+
+def stop() -> None:
+    live = st.session_state.get("server_live")
+    if live is None:
+        return
+    live.stop()
+    registry = live_registry()
+    with registry["lock"]:
+        if registry["sets"].get(session_id()) is live:
+            registry["sets"].pop(session_id())
+
+
+# ---------------------------------------------------------------------------------------- shared views
+@st.cache_resource(show_spinner="Loading the tokenizer...")
+def load_tokenizer(folder: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def decoder():
+    """token ids -> text with the tokenizer folder of the sidebar, or None (with a warning saying why)."""
+    folder = st.session_state.get("server_tokenizer", EMBEDDED_MODEL).strip()
+    if not folder:
+        return None
+    if not Path(folder).is_dir():
+        st.sidebar.warning(f"Tokenizer folder {folder!r} does not exist; blocks show token ids only.")
+        return None
+    try:
+        tok = load_tokenizer(folder)
+    except Exception as exc:  # any loader failure is a message, never a traceback
+        st.sidebar.warning(f"No tokenizer could be loaded from {folder!r} ({type(exc).__name__}: "
+                           f"{str(exc)[:200]}); blocks show token ids only.")
+        return None
+    return lambda ids: tok.decode(ids)
+
+
+def server_row(values: dict | None, error: str | None, source: str) -> None:
+    """The server's own numbers from /metrics (live) or the capture's scrapes (replay)."""
+    if error and values is None:
+        st.warning(f"/metrics unreachable: {error}. The KV events do not depend on it.")
+        return
+    if values is None:
+        st.caption(f"/metrics: {source}")
+        return
+    n = server_numbers(values)
+    st.markdown("**The server's own counters** (/metrics)")
+    cols = st.columns(5)
+    cols[0].metric("KV cache usage", "-" if n["kv_cache_usage_pct"] is None else f"{n['kv_cache_usage_pct']:.1f}%",
+                   help="vllm:kv_cache_usage_perc: blocks in use by running requests over the pool (cached blocks "
+                        "that no request holds count as free)")
+    cols[1].metric("prefix cache hit rate", "-" if n["hit_rate_pct"] is None else f"{n['hit_rate_pct']:.1f}%",
+                   help="vllm:prefix_cache_hits / vllm:prefix_cache_queries, in tokens, first admissions "
+                        "(engine.metrics.server_hit_rate_pct)")
+    cols[2].metric("preemptions", "-" if n["preemptions"] is None else f"{n['preemptions']:,}")
+    cols[3].metric("running / waiting", f"{'-' if n['running'] is None else n['running']} / "
+                                        f"{'-' if n['waiting'] is None else n['waiting']}")
+    cols[4].metric("pool (blocks)", "-" if n["num_gpu_blocks"] is None else f"{n['num_gpu_blocks']:,}",
+                   help="vllm:cache_config_info's num_gpu_blocks, which counts vLLM's null block (never cached)")
+    if error:
+        st.caption(f"/metrics: the last read failed ({error}); showing the one before")
+    else:
+        st.caption(f"/metrics: {source}")
+
+
+def rank_panel(mirror, decode, num_gpu_blocks: int | None, key: str, wide: bool) -> None:
+    """One rank's numbers and figures (the same live and in a replay)."""
+    n = rank_numbers(mirror, num_gpu_blocks)
+    # one rank: the numbers stacked beside the tree (the tree stays in a projector's first screen); several
+    # ranks: a row of numbers above each rank's tree
+    if wide:
+        tree_place, numbers_place = st.columns([4.2, 1])
+    else:
+        numbers_place, tree_place = st.container(), st.container()
+    with numbers_place:
+        cols = [st.container() for _ in range(3)] if wide else st.columns(3)
+    cols[0].metric("cached blocks", f"{n['blocks']:,}",
+                   help=f"physical KV blocks holding a cached prefix (a hash held twice counts twice): "
+                        f"{n['prefixes']:,} distinct prefixes in {n['roots']:,} trees; stored {n['stored']:,} and "
+                        f"removed {n['removed']:,} over {n['batches']:,} batches")
+    cols[1].metric("tokens", f"{n['tokens']:,}", help=f"cached blocks x block size ({n['block_size'] or '-'})")
+    share = n["pool_share_pct"]
+    if share is not None:
+        cols[2].metric("share of pool", f"{share:.1f}%",
+                       help="cached blocks over the pool's usable blocks (num_gpu_blocks - 1: vLLM's null block is "
+                            "never cached), engine.metrics.cached_share_pct")
+    else:  # the pool's size comes only with /metrics or a capture header that has it
+        cols[2].metric("stored / removed", f"{n['stored']:,} / {n['removed']:,}",
+                       help=f"blocks stored and removed over {n['batches']:,} batches. The share of the pool needs "
+                            f"the pool's size (num_gpu_blocks), from /metrics or the capture's header.")
+    color_by = st.session_state.get("server_color_by", "age")
+    tree_place.plotly_chart(prefix_tree_figure(mirror, decode=decode, color_by=color_by), width="stretch",
+                            key=f"{key}_tree")
+    figs = [batch_activity_figure(mirror.history), cache_size_figure(mirror.history, num_gpu_blocks)]
+    places = st.columns(2) if wide else [st.container(), st.container()]
+    for i, (place, fig) in enumerate(zip(places, figs)):
+        with place:
+            st.plotly_chart(fig, width="stretch", key=f"{key}_fig{i}")
+    notes = list(mirror.notes)
+    if mirror.unknown_removals:
+        notes.append(f"{mirror.unknown_removals:,} removals of blocks this view never saw stored (stored before "
+                     f"the watch began, or in a lost batch)")
+    if mirror.orphan_stores:
+        notes.append(f"{mirror.orphan_stores:,} stores whose parent block this view does not hold (evicted, or "
+                     f"stored before the watch began): drawn as roots")
+    if notes:
+        with st.expander(f"notes ({len(notes)})"):
+            st.markdown("\n".join(f"- {x}" for x in notes[-50:]))
+
+
+def rank_columns(n: int) -> list:
+    """Side-by-side columns for n ranks, at most 3 to a row."""
+    cols = []
+    for start in range(0, n, 3):
+        cols += st.columns(min(3, n - start))
+    return cols
+
+
+# ------------------------------------------------------------------------------------------ live: views
+def live_sidebar() -> None:
+    sb = st.sidebar
+    sb.subheader("Server")
+    sb.text_area("KV events endpoints", DEFAULT_ENDPOINT, key="server_endpoints", height=68,
+                 help="The server's ZMQ PUB endpoint(s), one per data-parallel rank, comma or newline separated "
+                      "(vLLM binds the endpoint's port plus the rank). Connect to the server's host: the config's "
+                      "tcp://*:5557 is read at tcp://HOST:5557.")
+    sb.text_area("Replay endpoints (optional)", "", key="server_replays", height=68,
+                 help="The replay (ROUTER) endpoint of each, in the same order, e.g. tcp://127.0.0.1:5558: batches "
+                      "missed while connecting or in a gap are asked for there.")
+    sb.text_input("/metrics URL (optional)", "", key="server_metrics_url",
+                  placeholder="http://127.0.0.1:8000/metrics",
+                  help="The server's Prometheus /metrics: the pool's size, KV cache usage, its own hit rate.")
+    c1, c2 = sb.columns(2)
+    c1.button("Connect", type="primary", on_click=connect, width="stretch",
+              help="Start one subscriber per endpoint (stopping this tab's previous ones)")
+    c2.button("Stop", on_click=stop, width="stretch", help="Stop receiving; what was received stays on screen")
+
+
+def live_mode() -> None:
+    if err := st.session_state.pop("server_error", None):
+        st.error(err)
+    if msg := st.session_state.pop("server_flash", None):
+        st.toast(msg, icon=":material/info:")
+    live = st.session_state.get("server_live")
+    if live is None:
+        st.info(f"Not connected. Type the server's KV events endpoint(s) in the sidebar (default "
+                f"{DEFAULT_ENDPOINT}) and press **Connect**. Without vLLM, the lab's own engine publishes in "
+                f"vLLM's format: `python -m engine run --scenario shared-prefix --semantics v1 "
+                f"--kv-events-endpoint tcp://127.0.0.1:5557 --kv-events-replay-endpoint tcp://127.0.0.1:5558 "
+                f"--step-delay 0.3`.")
+        return
+    st.fragment(run_every=REFRESH_S if live.running else None)(live_view)(live)
+    # outside the timer: its data is made when clicked (what was received by then), and a button re-made
+    # every second could lose the click
+    st.download_button("Download capture", live.capture_text, file_name="kv_capture.jsonl",
+                       mime="application/jsonl", key="server_download", on_click="ignore",
+                       help="Everything received so far (and the /metrics scrapes) as a capture to replay here "
+                            "or with `python -m engine replay FILE`")
+
+
+def live_view(live: LiveSet) -> None:
+    """Re-run on a timer while connected: read each subscriber's view and draw it."""
+    sweep()
+    decode = decoder_cached()
+    views = [s.view() for s in live.subs]
+    now = time.time()
+    cols = rank_columns(len(views))
+    for col, v in zip(cols, views):
+        with col:
+            line = state_line(v, now)
+            if v.state in ("unreachable", "disconnected"):  # something to act on: a box that stands out
+                st.markdown(f"**rank {v.rank}** `{v.endpoint}`")
+                (st.error if v.state == "unreachable" else st.warning)(line)
+            else:  # one line, so the tree stays in the first screen
+                color = {"live": "green", "idle": "orange", "stopped": "gray"}.get(v.state, "blue")
+                st.markdown(f"**rank {v.rank}** `{v.endpoint}` :{color}-background[{line}]")
+            st.caption(f"batches {v.received:,} ({v.replayed:,} replayed) · malformed {v.malformed:,} · "
+                       f"gaps {v.gaps:,} · lost {v.lost:,}")
+            if v.last_error:
+                st.warning(f"last error: {v.last_error}")
+            rank_panel(v.mirror, decode, live.num_gpu_blocks(), f"live{v.rank}", wide=len(views) == 1)
+    if live.poller is not None:
+        values, error, at = live.poller.latest()
+        source = f"{live.poller.url}, read {now - at:.0f} s ago" if at else f"{live.poller.url}: reading..."
+        server_row(values, error, source)
+    registry = live_registry()
+    with registry["lock"]:
+        sets = [s for s in registry["sets"].values() if s.running]
+    st.caption(f"This app process watches {sum(len(s.subs) for s in sets)} endpoint(s) for {len(sets)} browser "
+               f"session(s); a closed or reloaded tab's subscribers are stopped.")
+
+
+# ---------------------------------------------------------------------------------------------- replay
+def shipped_captures() -> list[str]:
+    return sorted(p.name for p in CAPTURES.glob("*.jsonl")) if CAPTURES.is_dir() else []
+
+
+def load_replay(key: str, name: str, source) -> None:
+    """Read a capture (a path or an upload's bytes) into the session; on a bad file keep what was loaded and
+    say why."""
+    try:
+        capture = read_capture(source)
+    except ValueError as exc:
+        st.session_state["replay_error"] = (key, f"{name}: {exc}")
+        return
+    except OSError as exc:
+        st.session_state["replay_error"] = (key, f"{name}: cannot be read ({exc})")
+        return
+    st.session_state["replay"] = {"key": key, "name": name, "replay": CaptureReplay(capture)}
+    st.session_state["replay_pos"] = 0
+    st.session_state["replay_playing"] = False
+    st.session_state.pop("replay_error", None)
+
+
+def replay_sidebar() -> None:
+    sb = st.sidebar
+    sb.subheader("Capture")
+    shipped = shipped_captures()
+    choice = sb.selectbox("Shipped capture", ["(none)"] + shipped, index=1 if shipped else 0,
+                          key="replay_shipped", help=f"JSON-lines captures in {CAPTURES.relative_to(ROOT)}/")
+    upload = sb.file_uploader("Or upload a capture", key="replay_upload",
+                              help="A file written by this page's Download capture or `python -m engine watch "
+                                   "--record`")
+    if upload is not None and st.session_state.get("replay_upload_seen") != upload.file_id:
+        st.session_state["replay_upload_seen"] = upload.file_id
+        load_replay(f"upload:{upload.file_id}", upload.name, upload.getvalue())
+    elif choice != "(none)" and st.session_state.get("replay_shipped_seen") != choice:
+        st.session_state["replay_shipped_seen"] = choice
+        load_replay(f"shipped:{choice}", choice, CAPTURES / choice)
+    error = st.session_state.get("replay_error")
+    if error and error[0].startswith("upload:") and (upload is None or error[0] != f"upload:{upload.file_id}"):
+        st.session_state.pop("replay_error")  # the bad file was taken out of the uploader
+
+
+def replay_mode() -> None:
+    if err := st.session_state.get("replay_error"):
+        st.error(f"Capture not loaded: {err[1]}")
+    rep = st.session_state.get("replay")
+    if rep is None:
+        st.info("Choose a capture in the sidebar: a shipped one from assets/captures/ or your own upload (a file "
+                "from this page's **Download capture** or `python -m engine watch ... --record FILE`).")
+        return
+    replay: CaptureReplay = rep["replay"]
+    header = replay.capture.header
+    total = len(replay)
+    ranks = replay.capture.ranks
+    st.caption(f"**{rep['name']}**: {total:,} batches from rank{'s' * (len(ranks) != 1)} "
+               f"{', '.join(map(str, ranks)) or '-'}, recorded {str(header.get('created', '?'))[:10]} from "
+               f"{_clip(str(header.get('source') or '?'), 48)}",
+               help=f"source: {header.get('source')}; model: {header.get('model')}; endpoints: "
+                    f"{', '.join(header.get('endpoints') or []) or '-'}; block size {header.get('block_size')}; "
+                    f"num_gpu_blocks {header.get('num_gpu_blocks')}" + "".join(f"; {n}" for n in header.get("notes") or []))
+    if total == 0:
+        st.info("This capture holds no batch.")
+        return
+    playing = st.session_state.get("replay_playing", False)
+    speed = st.session_state.get("replay_speed", 2)
+    tick = max(1.0 / speed, 0.4)
+    # Step / Back / scrub re-run only this fragment (quick); Play re-runs it on a timer
+    st.fragment(run_every=tick if playing else None)(replay_view)(rep, speed, max(1, round(speed * tick)))
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _move(delta: int) -> None:
+    total = len(st.session_state["replay"]["replay"])
+    st.session_state["replay_pos"] = max(0, min(total, st.session_state.get("replay_pos", 0) + delta))
+
+
+def _scrubbed() -> None:
+    st.session_state["replay_pos"] = st.session_state["replay_scrub"]
+
+
+def replay_controls(total: int, armed_speed: float) -> None:
+    """Back / Step / Play and the speed, and the scrub slider, in one row."""
+    pos = st.session_state.get("replay_pos", 0)
+    c = st.columns([1.5, 1.6, 1.1, 1.3, 3.4], vertical_alignment="bottom")
+    c[0].button("Back", on_click=_move, args=(-1,), shortcut="PageUp", width="stretch", disabled=pos <= 0,
+                help="The cache one batch earlier (PageUp). Rebuilt from the capture, nothing re-runs.")
+    c[1].button("Step", on_click=_move, args=(1,), type="primary", shortcut="PageDown", width="stretch",
+                disabled=pos >= total, help="Apply the next batch (PageDown, or a presenter's clicker)")
+    playing = st.session_state.get("replay_playing", False)
+    if c[2].button("Pause" if playing else "Play", shortcut="P", width="stretch",
+                   help="Apply batches on a timer at the chosen speed (P)"):
+        if not playing and pos >= total:
+            st.session_state["replay_pos"] = 0  # Play at the end starts again
+        st.session_state["replay_playing"] = not playing
+        st.rerun()  # the whole page: the timer is set where the fragment is made
+    speed = c[3].select_slider("Batches / s", SPEEDS, value=2, key="replay_speed",
+                               help="Play's speed, in batches per second")
+    if playing and speed != armed_speed:
+        st.rerun()
+    st.session_state["replay_scrub"] = min(pos, total)  # set before the slider exists in this run
+    c[4].slider("Batch", 0, total, key="replay_scrub", on_change=_scrubbed,
+                help="Time travel over the capture: the cache after this many batches (0: before the first)")
+
+
+def replay_view(rep: dict, armed_speed: float, per_tick: int) -> None:
+    """The controls and the cache after the first ``replay_pos`` batches (re-run on a timer while playing)."""
+    replay: CaptureReplay = rep["replay"]
+    total = len(replay)
+    if st.session_state.get("replay_playing"):
+        pos = st.session_state.get("replay_pos", 0)
+        if pos >= total:
+            st.session_state["replay_playing"] = False
+            st.rerun()  # the whole page, so the button says Play again
+        st.session_state["replay_pos"] = min(total, pos + per_tick)
+    replay_controls(total, armed_speed)
+    pos = min(st.session_state.get("replay_pos", 0), total)
+    state = replay.state(pos)
+    if pos == 0:
+        st.markdown(f"**batch 0 of {total:,}**: before the first batch; press **Step** (or PageDown)")
+    else:
+        b = replay.capture.batches[pos - 1]
+        mirror = state.mirrors[b.rank]
+        said = (batch_line(b.rank, mirror.history[-1], pos, total)
+                if mirror.history and mirror.history[-1].seq == b.seq else
+                f"batch {pos:,} of {total:,}: rank {b.rank}, #{b.seq} could not be applied (see below)")
+        st.markdown(f"{said} · {b.t:.2f} s into the capture")
+    for e in state.errors[-3:]:
+        st.warning(e)
+    values = capture_metrics(replay, pos)
+    num_gpu_blocks = replay.capture.header.get("num_gpu_blocks") or (values or {}).get("num_gpu_blocks")
+    decode = decoder_cached()
+    mirrors = [state.mirrors[r] for r in sorted(state.mirrors)]
+    for col, mirror in zip(rank_columns(len(mirrors)), mirrors):
+        with col:
+            st.markdown(f"**rank {mirror.rank}**")
+            rank_panel(mirror, decode, num_gpu_blocks, f"replay{mirror.rank}", wide=len(mirrors) == 1)
+    if values is not None:
+        server_row(values, None, "the capture's last scrape at this point")
+
+
+def capture_metrics(replay: CaptureReplay, pos: int) -> dict | None:
+    """The capture's last /metrics scrape at or before the batch at ``pos``."""
+    if not replay.capture.metrics or pos == 0:
+        return None
+    t = replay.capture.batches[pos - 1].t
+    earlier = [m for m in replay.capture.metrics if m.get("t", 0) <= t and isinstance(m.get("values"), dict)]
+    return earlier[-1]["values"] if earlier else None
+
+
+# ---------------------------------------------------------------------------------------------- page
+def common_sidebar() -> None:
+    sb = st.sidebar
+    sb.text_input("Tokenizer (model folder)", EMBEDDED_MODEL, key="server_tokenizer",
+                  help="Decodes each block's token ids for the hover. Use the server's own model folder: another "
+                       "model's tokenizer turns the ids into the wrong text. Empty: ids only.")
+    sb.radio("Colour blocks by", list(COLOR_BY), format_func=COLOR_BY.get, key="server_color_by")
+    st.session_state["server_decode"] = decoder()
+
+
+def decoder_cached():
+    """The decoder chosen in this run's sidebar (the fragment re-runs without the sidebar)."""
+    return st.session_state.get("server_decode")
+
+
+def intro(showing: bool) -> None:
+    """The explanation; folded away while a cache is on screen, so the figures fit a projector's 720 px."""
+    def how_to() -> None:
+        st.code(VLLM_COMMAND, language="bash")
+        st.caption("One endpoint per data-parallel rank: rank r publishes on the endpoint's port + r. The replay "
+                   "endpoint lets this page ask for batches it missed. The API server serves /metrics on its own "
+                   "port (e.g. http://127.0.0.1:8000/metrics).")
+
+    if showing:
+        with st.expander("About this page: KV cache events from a real server, and how to turn them on in vLLM"):
+            st.markdown(INTRO)
+            how_to()
+    else:
+        st.markdown(INTRO)
+        with st.expander("Start vLLM with KV events on"):
+            how_to()
+
+
+def main() -> None:
+    sweep()
+    mode = st.session_state.get("server_mode", MODES[0])  # the radio below; its value is known before it is drawn
+    # the sidebar first: Connect's callback and a new upload take effect before the page is drawn
+    if mode == MODES[0]:
+        live_sidebar()
+    else:
+        replay_sidebar()
+    common_sidebar()
+    st.title("Server")
+    intro(st.session_state.get("server_live" if mode == MODES[0] else "replay") is not None)
+    st.radio("Mode", MODES, horizontal=True, key="server_mode", label_visibility="collapsed")
+    if mode == MODES[0]:
+        live_mode()
+    else:
+        replay_mode()
+
+
+main()

@@ -71,6 +71,7 @@ class PrefixCacheMirror:
     last_seq: int | None = None
     block_size: int | None = None
     _num_blocks: int = 0
+    version: int = 0  # +1 on every change (a batch applied, a note): readers copy only when it moved
 
     # --- applying events ---------------------------------------------------------------------------------
 
@@ -90,6 +91,7 @@ class PrefixCacheMirror:
                 self.blocks.clear()
                 self._num_blocks = 0
                 cleared = True
+        self.version += 1
         self.total_stored += stored
         self.total_removed += removed
         self.num_batches += 1
@@ -147,6 +149,7 @@ class PrefixCacheMirror:
                                                                           f"their blocks)" if lost else ""))
 
     def note(self, text: str) -> None:
+        self.version += 1
         self.notes.append(text)
         del self.notes[:-200]  # the last 200 are plenty to read
 
@@ -194,7 +197,7 @@ class PrefixCacheMirror:
         clone.history = deque(self.history)
         clone.notes = list(self.notes)
         for name in ("unknown_removals", "orphan_stores", "total_stored", "total_removed", "num_batches",
-                     "last_seq", "block_size", "_num_blocks"):
+                     "last_seq", "block_size", "_num_blocks", "version"):
             setattr(clone, name, getattr(self, name))
         return clone
 

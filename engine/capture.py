@@ -174,11 +174,14 @@ class ReplayState:
 class CaptureReplay:
     """Step through a capture as the Server page's Step / Back / scrub do: ``state(k)`` is every rank's
     cache after the first k batches (0 <= k <= len). Checkpoints every ``every`` batches keep Back and a
-    scrub cheap (apply at most ``every - 1`` batches from the nearest one) on captures of any length."""
+    scrub cheap (apply at most ``every - 1`` batches from the nearest one). At most ``max_checkpoints``
+    are kept: past that, ``every`` doubles and the checkpoints off the new grid are dropped, so memory
+    stays bounded (about ``max_checkpoints`` copies of the cache) on captures of any length."""
 
-    def __init__(self, capture: Capture, every: int = 64) -> None:
+    def __init__(self, capture: Capture, every: int = 64, max_checkpoints: int = 128) -> None:
         self.capture = capture
         self.every = every
+        self.max_checkpoints = max_checkpoints
         self._checkpoints: dict[int, tuple[dict[int, PrefixCacheMirror], list[str]]] = {
             0: ({r: PrefixCacheMirror(rank=r) for r in capture.ranks}, [])}
 
@@ -196,7 +199,13 @@ class CaptureReplay:
             self._apply(mirrors, errors, self.capture.batches[k])
             if (k + 1) % self.every == 0 and k + 1 not in self._checkpoints:
                 self._checkpoints[k + 1] = ({r: m.copy() for r, m in mirrors.items()}, list(errors))
+                self._thin()
         return ReplayState(position=position, mirrors=mirrors, errors=errors)
+
+    def _thin(self) -> None:
+        while len(self._checkpoints) > self.max_checkpoints:
+            self.every *= 2
+            self._checkpoints = {k: v for k, v in self._checkpoints.items() if k % self.every == 0}
 
     @staticmethod
     def _apply(mirrors: dict[int, PrefixCacheMirror], errors: list[str], b: CaptureBatch) -> None:

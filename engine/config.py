@@ -92,6 +92,8 @@ class EngineConfig:
         kv_events_replay_endpoint: the ROUTER socket that answers replay requests (needs
             ``kv_events_endpoint``).
         kv_events_topic: the first frame of every message (vLLM's default "").
+        kv_events_data_parallel_rank: the rank written into every published batch (vLLM's
+            ``data_parallel_rank``; a lab engine standing in for one rank of a data-parallel server).
 
     Raises:
         ValueError: a field is out of range, naming the field and the value.
@@ -119,6 +121,7 @@ class EngineConfig:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""
+    kv_events_data_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.semantics not in SEMANTICS:
@@ -176,6 +179,10 @@ class EngineConfig:
         if self.kv_events_endpoint is not None and self.allocator != "paged":
             raise ValueError(f"kv_events_endpoint {self.kv_events_endpoint!r}: the {self.allocator} allocator has "
                              f"no prefix cache, so it has no KV cache events to publish")
+        if (isinstance(self.kv_events_data_parallel_rank, bool) or not isinstance(self.kv_events_data_parallel_rank, int)
+                or self.kv_events_data_parallel_rank < 0):
+            raise ValueError(f"kv_events_data_parallel_rank must be an integer >= 0, got "
+                             f"{self.kv_events_data_parallel_rank!r}")
         if not isinstance(self.kv_events_topic, str):
             raise ValueError(f"kv_events_topic must be a string, got {self.kv_events_topic!r}")
 

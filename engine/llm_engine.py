@@ -153,7 +153,8 @@ class LLMEngine:
         if config.kv_events_endpoint is not None:
             from .kv_publisher import KVEventPublisher  # pyzmq only when publishing
             self.kv_event_publisher = KVEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint,
-                                                       topic=config.kv_events_topic)
+                                                       topic=config.kv_events_topic,
+                                                       data_parallel_rank=config.kv_events_data_parallel_rank)
 
     def close(self) -> None:
         """Release what outlives a step: the KV event publisher's sockets and thread (after sending what is

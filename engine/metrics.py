@@ -106,13 +106,25 @@ def server_hit_rate_pct(server_metrics: dict) -> float | None:
     return None if not queries else round(pct(server_metrics.get("prefix_cache_hits", 0.0), queries), 2)
 
 
+def usable_pool_blocks(num_gpu_blocks: int | None) -> int | None:
+    """Blocks of a vLLM pool that can hold KV: ``num_gpu_blocks`` (vLLM's ``cache_config_info`` count)
+    less its null block (``BlockPool`` keeps block 0 aside); None when the pool's size is not known."""
+    return num_gpu_blocks - 1 if num_gpu_blocks and num_gpu_blocks >= 2 else None
+
+
 def cached_share_pct(num_cached_blocks: int, num_gpu_blocks: int | None) -> float | None:
-    """Cached blocks a server's KV events describe, as a share of its pool. ``num_gpu_blocks`` is vLLM's
-    count, which includes its null block (never cached), so the usable pool is one less. None when the
-    pool's size is not known."""
-    if not num_gpu_blocks or num_gpu_blocks < 2:
-        return None
-    return round(pct(num_cached_blocks, num_gpu_blocks - 1), 2)
+    """Cached blocks a server's KV events describe, as a share of its usable pool (``usable_pool_blocks``),
+    in percent; None when the pool's size is not known."""
+    usable = usable_pool_blocks(num_gpu_blocks)
+    return None if usable is None else round(pct(num_cached_blocks, usable), 2)
+
+
+def server_kv_usage_pct(server_metrics: dict) -> float | None:
+    """vLLM's ``kv_cache_usage_perc`` gauge (0..1: blocks held by running requests over the usable pool,
+    ``BlockPool.get_usage``) in percent; cached blocks no request holds count as free, so it can read 0%
+    while the prefix cache fills the pool. None when absent."""
+    usage = server_metrics.get("kv_cache_usage")
+    return None if usage is None else round(pct(usage, 1.0), 2)
 
 
 # ------------------------------------------------------------------------------------------- a whole run

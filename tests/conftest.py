@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never try the network, even where one exists
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -79,3 +86,38 @@ def capture_logits(engine) -> dict[str, list[torch.Tensor]]:
 
     engine.runner.execute = wrapped
     return seen
+
+
+# --- the app in a real browser (tests marked ``browser``) ----------------------------------------------------
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app_url():
+    """`streamlit run app.py` on a free localhost port for one test module; its base URL."""
+    port = free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(port),
+                             "--server.address", "127.0.0.1", "--server.headless", "true"],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(url + "/_stcore/health", timeout=2)
+            break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("streamlit did not start within 90 s")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=20)

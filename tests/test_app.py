@@ -9,7 +9,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
-PAGES = ["ui/playground.py", "ui/compare.py", "ui/lessons.py", "ui/model_info.py"]
+PAGES = ["ui/playground.py", "ui/compare.py", "ui/lessons.py", "ui/model_info.py", "ui/server.py"]
 
 
 def new_app(timeout: float = 180) -> AppTest:

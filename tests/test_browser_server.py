@@ -5,52 +5,18 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+from conftest import CHROMIUM
+
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
         "--disable-sync", "--no-first-run"]
 pytestmark = [pytest.mark.browser,
               pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Chromium is not installed")]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def app_url():
-    port = free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(port),
-                             "--server.address", "127.0.0.1", "--server.headless", "true"],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 90
-    while time.time() < deadline:
-        try:
-            urllib.request.urlopen(url + "/_stcore/health", timeout=2)
-            break
-        except OSError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("streamlit did not start within 90 s")
-    yield url
-    proc.terminate()
-    proc.wait(timeout=20)
 
 
 def cached_blocks(page) -> str | None:
@@ -137,3 +103,57 @@ def test_the_live_stream_shows_up_in_the_page(app_url, tmp_path):
     finally:
         runner.join(timeout=120)
         engine.close()
+
+
+@pytest.mark.peer
+@pytest.mark.slow
+def test_a_real_vllm_server_live_in_the_page(app_url, tmp_path):
+    """The README's recipe: vLLM's OpenAI server with KV events on (``peer/vllm_server.py``), the Server page
+    connected to its endpoints and /metrics; while the shared-prefix workload runs through the server's
+    API, the page follows its cache to the count a second, independent subscriber in this test sees, and
+    shows vLLM's own hit rate from /metrics."""
+    from playwright.sync_api import sync_playwright
+
+    from engine.kv_subscriber import KVEventSubscriber
+    from engine.metrics import server_hit_rate_pct
+    from engine.server_metrics import fetch_metrics
+    from peer import vllm_server, workload
+
+    why = vllm_server.server_available()
+    if why:
+        pytest.skip(f"vLLM's server cannot run here: {why}")
+    with vllm_server.VllmServer(num_gpu_blocks=25, block_size=32) as server, \
+            KVEventSubscriber(server.events_endpoint, server.replay_endpoint) as witness, \
+            sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 720})
+        page.goto(app_url + "/server", wait_until="networkidle")
+        page.wait_for_selector("text=Not connected", timeout=90_000)
+        page.get_by_role("textbox", name="KV events endpoints").fill(server.events_endpoint)
+        page.get_by_role("textbox", name="Replay endpoints (optional)").fill(server.replay_endpoint)
+        page.get_by_role("textbox", name="/metrics URL (optional)").fill(server.metrics_url)
+        page.get_by_role("textbox", name="/metrics URL (optional)").press("Tab")
+        page.get_by_role("button", name="Connect").click()
+        page.wait_for_selector("text=connected, waiting for events", timeout=60_000)
+        sender = threading.Thread(target=workload.send, args=(server, workload.shared_prefix_requests()),
+                                  kwargs={"delay_s": 0.2}, daemon=True)
+        sender.start()
+        seen = set()
+
+        def followed() -> bool:
+            seen.add(cached_blocks(page))
+            v = witness.view()
+            quiet = v.last_batch_at is not None and time.time() - v.last_batch_at > 2
+            return not sender.is_alive() and quiet and cached_blocks(page) == f"{v.mirror.num_blocks:,}"
+
+        wait_for(followed, 180, "the page to follow vLLM's cache")
+        assert witness.view().mirror.total_removed > 0  # it filled and evicted
+        assert len(seen - {None}) >= 3  # the page moved while the server ran
+        rate = server_hit_rate_pct(fetch_metrics(server.metrics_url))
+        wait_for(lambda: page.locator("[data-testid='stMetric']").filter(has_text="prefix cache hit rate")
+                 .locator("[data-testid='stMetricValue']").inner_text().strip() == f"{rate:.1f}%", 30,
+                 "vLLM's hit rate from /metrics")
+        assert page.locator("[data-testid='stException']").count() == 0
+        page.screenshot(path=str(tmp_path / "server_vllm.png"), full_page=True)
+        page.get_by_role("button", name="Stop").click()
+        browser.close()

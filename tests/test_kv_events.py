@@ -449,3 +449,47 @@ def test_capture_writer_output_is_a_valid_capture_line_by_line(tmp_path):
     w.close()
     cap = read_capture(path)
     assert [b.t for b in cap.batches] == [0.0, 0.5]
+
+
+def test_replay_checkpoints_stay_bounded_on_a_long_capture():
+    e, _ = stored([1, 2], 2)
+    batches = [CaptureBatch(rank=0, seq=i, t=0.0, payload=encode_batch([e] if i % 2 == 0 else
+                                                                       [{"type": "AllBlocksCleared"}]))
+               for i in range(1000)]
+    replay = CaptureReplay(Capture(header=new_header("t", []), batches=batches), every=4, max_checkpoints=10)
+    assert replay.state(1000).mirrors[0].num_blocks == 0
+    assert len(replay._checkpoints) <= 10 and replay.every == 128
+    assert replay.state(999).mirrors[0].num_blocks == 1 and replay.state(3).mirrors[0].num_blocks == 1
+
+
+def test_a_view_is_copied_only_when_the_cache_changed(pub):
+    sub = connect(pub)
+    try:
+        pub.publish([stored([1, 2], 2)[0]])
+        assert sub.wait_for(lambda v: v.received == 1, 5)
+        a, b = sub.view(), sub.view()
+        assert a.mirror is b.mirror  # nothing changed: the same read-only copy
+        pub.publish([stored([3, 4], 2)[0]])
+        assert sub.wait_for(lambda v: v.received == 2, 5)
+        c = sub.view()
+        assert c.mirror is not a.mirror and (a.mirror.num_blocks, c.mirror.num_blocks) == (1, 2)
+    finally:
+        sub.stop()
+
+
+def test_the_published_rank_is_the_configured_one(make_engine, text_ids):
+    engine = make_engine(semantics="v1", block_size=8, num_blocks=16, kv_events_endpoint="tcp://127.0.0.1:0",
+                         kv_events_replay_endpoint="tcp://127.0.0.1:0", kv_events_data_parallel_rank=3)
+    try:
+        engine.add_request(text_ids[:17], SamplingParams(max_tokens=1))
+        while engine.has_unfinished():
+            engine.step()
+        engine.kv_event_publisher.flush()
+        sub = connect(engine.kv_event_publisher)
+        assert sub.wait_for(lambda v: v.received == 1, 5)
+        sub.stop()
+        assert decode_batch(sub.raw_batches()[0].payload).data_parallel_rank == 3
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="kv_events_data_parallel_rank must be an integer >= 0, got -1"):
+        EngineConfig(kv_events_data_parallel_rank=-1)

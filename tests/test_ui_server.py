@@ -305,8 +305,8 @@ def test_batch_figures_show_stores_evictions_clears_and_the_pool():
     assert not cache_size_figure(m.history).layout.shapes
     m.apply(3, 1003.0, [stored(["c"], None, [5, 6])], replayed=True)  # recovered from the replay socket
     traces = {t.name: t for t in batch_activity_figure(m.history).data}
-    assert list(traces["stored (replayed after a gap)"].x) == [3] and list(traces["stored"].x) == [0, 1, 2]
-    assert traces["stored (replayed after a gap)"].marker.pattern.shape == "/"
+    assert list(traces["stored (from the replay socket)"].x) == [3] and list(traces["stored"].x) == [0, 1, 2]
+    assert traces["stored (from the replay socket)"].marker.pattern.shape == "/"
 
 
 def test_rank_and_server_numbers_come_from_engine_metrics():

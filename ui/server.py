@@ -35,7 +35,10 @@ from viz.server import (VLLM_EVENTS_FLAG, batch_activity_figure, batch_line, cac
 
 ROOT = Path(__file__).resolve().parent.parent
 CAPTURES = ROOT / "assets" / "captures"
+# the endpoints `bash scripts/serve_vllm.sh` serves (peer/vllm_server.py's defaults), so Connect just works
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
+DEFAULT_REPLAY = "tcp://127.0.0.1:5558"
+DEFAULT_METRICS = "http://127.0.0.1:8000/metrics"
 REFRESH_S = 1.0          # the live view re-reads the subscribers this often
 METRICS_EVERY_S = 2.0    # the /metrics poller's period
 MAX_SCRAPES = 10_000     # /metrics scrapes kept for a downloaded capture
@@ -283,8 +286,10 @@ def server_row(values: dict | None, error: str | None, source: str) -> None:
     st.markdown("**The server's own counters** (/metrics)")
     cols = st.columns(5)
     cols[0].metric("KV cache usage", "-" if n["kv_cache_usage_pct"] is None else f"{n['kv_cache_usage_pct']:.1f}%",
-                   help="vllm:kv_cache_usage_perc: blocks in use by running requests over the pool (cached blocks "
-                        "that no request holds count as free)")
+                   help="vllm:kv_cache_usage_perc: blocks held by running requests over the usable pool. Cached "
+                        "blocks that no running request holds count as free (they are evicted when needed), so "
+                        "this can read 0% while the prefix cache fills the pool (engine.metrics."
+                        "server_kv_usage_pct)")
     cols[1].metric("prefix cache hit rate", "-" if n["hit_rate_pct"] is None else f"{n['hit_rate_pct']:.1f}%",
                    help="vllm:prefix_cache_hits / vllm:prefix_cache_queries, in tokens, first admissions "
                         "(engine.metrics.server_hit_rate_pct)")
@@ -360,10 +365,10 @@ def live_sidebar() -> None:
                  help="The server's ZMQ PUB endpoint(s), one per data-parallel rank, comma or newline separated "
                       "(vLLM binds the endpoint's port plus the rank). Connect to the server's host: the config's "
                       "tcp://*:5557 is read at tcp://HOST:5557.")
-    sb.text_area("Replay endpoints (optional)", "", key="server_replays", height=68,
+    sb.text_area("Replay endpoints (optional)", DEFAULT_REPLAY, key="server_replays", height=68,
                  help="The replay (ROUTER) endpoint of each, in the same order, e.g. tcp://127.0.0.1:5558: batches "
                       "missed while connecting or in a gap are asked for there.")
-    sb.text_input("/metrics URL (optional)", "", key="server_metrics_url",
+    sb.text_input("/metrics URL (optional)", DEFAULT_METRICS, key="server_metrics_url",
                   placeholder="http://127.0.0.1:8000/metrics",
                   help="The server's Prometheus /metrics: the pool's size, KV cache usage, its own hit rate.")
     c1, c2 = sb.columns(2)

@@ -43,12 +43,6 @@ VLLM_EVENTS_FLAG = ("--kv-events-config '{\"enable_kv_cache_events\": true, \"pu
 
 
 # ------------------------------------------------------------------------------------------------ numbers
-def usable_pool_blocks(num_gpu_blocks: int | None) -> int | None:
-    """Blocks of a vLLM pool that can hold KV: ``num_gpu_blocks`` less its null block (the same count
-    ``metrics.cached_share_pct`` divides by); None when the pool's size is not known."""
-    return num_gpu_blocks - 1 if num_gpu_blocks and num_gpu_blocks >= 2 else None
-
-
 def rank_numbers(mirror, num_gpu_blocks: int | None = None) -> dict:
     """One rank's cache in numbers: ``blocks`` (physical, copies counted), ``prefixes`` (distinct hashes),
     ``tokens``, ``roots`` (prefix trees), ``pool_share_pct`` (``metrics.cached_share_pct``; None without the
@@ -64,9 +58,8 @@ def server_numbers(values: dict) -> dict:
     """A server's ``/metrics`` (``engine.server_metrics.parse_metrics``) as the page shows them:
     ``kv_cache_usage_pct`` (vLLM's 0..1 gauge in %), ``hit_rate_pct`` (``metrics.server_hit_rate_pct``),
     ``preemptions``, ``running``, ``waiting``, ``num_gpu_blocks``, ``block_size``; None where absent."""
-    usage = values.get("kv_cache_usage")
     count = (lambda name: None if values.get(name) is None else int(values[name]))  # noqa: E731
-    return {"kv_cache_usage_pct": None if usage is None else round(metrics.pct(usage, 1.0), 2),
+    return {"kv_cache_usage_pct": metrics.server_kv_usage_pct(values),
             "hit_rate_pct": metrics.server_hit_rate_pct(values), "preemptions": count("num_preemptions"),
             "running": count("num_requests_running"), "waiting": count("num_requests_waiting"),
             "num_gpu_blocks": values.get("num_gpu_blocks"), "block_size": values.get("block_size")}
@@ -316,11 +309,11 @@ def batch_activity_figure(history, max_batches: int = MAX_BATCH_BARS, title: str
         for sign, name, color in ((1, "stored", STORED), (-1, "removed (evicted)", REMOVED)):
             fig.add_trace(go.Bar(x=[x for x, _, _ in part], y=[sign * (b.stored if sign > 0 else b.removed)
                                                                for _, b, _ in part],
-                                 name=f"{name} (replayed after a gap)" if replayed else name,
+                                 name=f"{name} (from the replay socket)" if replayed else name,
                                  marker={"color": color, **marker}, hovertext=[h for _, _, h in part],
                                  hoverinfo="text", showlegend=not replayed))
     if any(b.replayed for b in batches):  # one legend entry for the hatching, in neither colour
-        fig.add_trace(go.Bar(x=[None], y=[None], name="hatched: replayed after a gap", hoverinfo="skip",
+        fig.add_trace(go.Bar(x=[None], y=[None], name="hatched: from the replay socket (joined late or after a gap)", hoverinfo="skip",
                              marker={"color": "#FFFFFF", "line": {"color": "#555555", "width": 1},
                                      "pattern": {"shape": "/", "fgcolor": "#555555"}}))
     cleared = [(x, b) for x, b in zip(xs, batches) if b.cleared]
@@ -354,7 +347,7 @@ def cache_size_figure(history, num_gpu_blocks: int | None = None, max_batches: i
     fig.add_trace(go.Scatter(x=xs, y=[b.num_hashes for b in batches], name="distinct prefixes", mode="lines",
                              line={"color": "#56B4E9", "width": 1.5, "dash": "dot", "shape": "hv"},
                              hovertemplate="#%{x}: %{y:,} distinct<extra></extra>"))
-    usable = usable_pool_blocks(num_gpu_blocks)
+    usable = metrics.usable_pool_blocks(num_gpu_blocks)
     top = max([b.num_blocks for b in batches] + [usable or 0, 1])
     if usable is not None:
         fig.add_hline(y=usable, line={"color": POOL, "dash": "dash"},

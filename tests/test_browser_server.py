@@ -136,7 +136,7 @@ def test_a_real_vllm_server_live_in_the_page(app_url, tmp_path):
         page.get_by_role("button", name="Connect").click()
         page.wait_for_selector("text=connected, waiting for events", timeout=60_000)
         sender = threading.Thread(target=workload.send, args=(server, workload.shared_prefix_requests()),
-                                  kwargs={"delay_s": 0.2}, daemon=True)
+                                  kwargs={"delay_s": 0.5}, daemon=True)  # ~15 s: the page refreshes each second
         sender.start()
         seen = set()
 
@@ -148,7 +148,7 @@ def test_a_real_vllm_server_live_in_the_page(app_url, tmp_path):
 
         wait_for(followed, 180, "the page to follow vLLM's cache")
         assert witness.view().mirror.total_removed > 0  # it filled and evicted
-        assert len(seen - {None}) >= 3  # the page moved while the server ran
+        assert len(seen - {None}) >= 2  # the page moved while the server ran (a busy machine refreshes seldom)
         rate = server_hit_rate_pct(fetch_metrics(server.metrics_url))
         wait_for(lambda: page.locator("[data-testid='stMetric']").filter(has_text="prefix cache hit rate")
                  .locator("[data-testid='stMetricValue']").inner_text().strip() == f"{rate:.1f}%", 30,

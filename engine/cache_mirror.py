@@ -71,6 +71,7 @@ class PrefixCacheMirror:
     last_seq: int | None = None
     block_size: int | None = None
     _num_blocks: int = 0
+    _restarted: bool = False
     version: int = 0  # +1 on every change (a batch applied, a note): readers copy only when it moved
 
     # --- applying events ---------------------------------------------------------------------------------
@@ -96,6 +97,7 @@ class PrefixCacheMirror:
         self.total_removed += removed
         self.num_batches += 1
         self.last_seq = seq
+        cleared, self._restarted = cleared or self._restarted, False
         summary = BatchSummary(seq=seq, ts=ts, stored=stored, removed=removed, cleared=cleared,
                                num_blocks=self._num_blocks, num_tokens=self.num_tokens,
                                num_hashes=len(self.blocks), replayed=replayed)
@@ -139,6 +141,17 @@ class PrefixCacheMirror:
             self._num_blocks -= 1
             done += 1
         return done
+
+    def restart(self, seq: int) -> None:
+        """The publisher restarted (its sequence numbers began again, at ``seq``): a restarted server's
+        cache is empty, so the view forgets every block (not counted as removed: the server evicted
+        nothing) and the next batch's summary is marked ``cleared``."""
+        self.note(f"the publisher restarted (sequence numbers began again at {seq} after {self.last_seq}): "
+                  f"its cache starts empty, so the {self._num_blocks:,} blocks held before are dropped from the view")
+        self.blocks.clear()
+        self._num_blocks = 0
+        self.last_seq = None
+        self._restarted = True
 
     def note_gap(self, expected: int, got: int, recovered: int) -> None:
         """Sequence numbers ``expected`` .. ``got - 1`` did not arrive live; ``recovered`` of them came back

@@ -215,7 +215,9 @@ class CaptureReplay:
             errors.append(f"rank {b.rank} batch {b.seq}: skipped, {exc}")
             return
         mirror = mirrors[b.rank]
-        if mirror.last_seq is not None and b.seq > mirror.last_seq + 1:
+        if mirror.last_seq is not None and b.seq <= mirror.last_seq:
+            mirror.restart(b.seq)  # a capture holds each batch once, in the order applied: a restart
+        elif mirror.last_seq is not None and b.seq > mirror.last_seq + 1:
             mirror.note_gap(mirror.last_seq + 1, b.seq, 0)
         mirror.apply(b.seq, batch.ts, batch.events, replayed=b.replayed)
 

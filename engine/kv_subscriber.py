@@ -16,7 +16,7 @@ Robustness (each case counted, described in ``last_error`` / the mirror's notes,
 running, nothing applied is undone): a message that is not three frames or whose payload is not a batch
 (``malformed``); a batch of more than ``max_events`` events or a message over ``max_message_bytes``
 (refused unread by ZMQ, which drops that connection and reconnects); a publisher that restarts (its
-sequence numbers go back to 0); an endpoint nobody listens on (``state`` "unreachable": the TCP connect was
+sequence numbers start again: the view is cleared, as its cache is); an endpoint nobody listens on (``state`` "unreachable": the TCP connect was
 refused, read from ZMQ's socket monitor) or a server that goes away ("disconnected").
 """
 
@@ -100,7 +100,9 @@ class KVEventSubscriber:
         self.errors: deque[str] = deque(maxlen=50)
         self.last_error: str | None = None
         self.last_batch_at: float | None = None
-        self._last_seq: int | None = None
+        self._last_seq: int | None = None   # the last batch applied (live or replayed)
+        self._live_last: int | None = None  # the last batch received on the live socket
+        self.restarts = 0
         self._conn = "connecting"  # from the socket monitor
         self._sync_pending = False  # (re)connected: ask the replay socket for what the stream missed
         self._ctx = zmq.Context.instance()
@@ -212,6 +214,7 @@ class KVEventSubscriber:
         seq = int.from_bytes(frames[1], "big")
         if not replayed:
             self._check_sequence(seq)
+            self._live_last = seq
         if self._last_seq is not None and seq <= self._last_seq:
             return seq  # already applied (a replay overlapping the live stream)
         try:
@@ -235,18 +238,23 @@ class KVEventSubscriber:
         return seq
 
     def _check_sequence(self, seq: int) -> None:
+        if self._live_last is not None and seq <= self._live_last:
+            # One publisher's live sequence numbers only grow (PUB keeps order; a gap skips some), so a
+            # number not above the last live one means a new publisher: the server restarted.
+            with self._lock:
+                self.mirror.restart(seq)
+                self.restarts += 1
+            self._error(f"the publisher restarted (sequence number {seq} after {self._live_last}); the view "
+                        f"starts afresh")
+            self._last_seq = None
+            self._live_last = None
         last = self._last_seq
         if last is None:
-            if seq > 0 and self.replay_endpoint is not None and self.received == 0:
+            if seq > 0 and self.replay_endpoint is not None:
                 # joined a running publisher: fetch what it still buffers, so the view starts complete
                 got = self._replay(0, seq)
                 self.note(f"joined at batch {seq}; {got} earlier batches came from the replay "
                                       f"socket" + ("" if got == seq else f" ({seq - got} no longer buffered)"))
-            return
-        if seq < last and seq == 0:
-            self._error(f"the publisher restarted (sequence number back to 0 after {last}); "
-                        f"blocks it held before are no longer known to be cached")
-            self._last_seq = None
             return
         if seq > last + 1:
             recovered = self._replay(last + 1, seq)

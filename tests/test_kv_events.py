@@ -329,14 +329,18 @@ def test_a_publisher_restart_and_an_unreachable_endpoint_are_said():
     try:
         assert sub.wait_for(lambda v: v.state == "connected", 5)
         time.sleep(0.2)
-        for seq in (0, 1, 0):
-            raw.send_multipart((b"", seq.to_bytes(8, "big"), encode_batch([stored([seq, 9], 2)[0]])))
-        assert sub.wait_for(lambda v: v.received == 3, 5)
-        assert "the publisher restarted" in sub.view().last_error
+        for seq in (0, 1, 2, 1):  # a new publisher whose first batch we see is its seq 1 (not 0)
+            raw.send_multipart((b"", seq.to_bytes(8, "big"), encode_batch([stored([seq, 9 + seq], 2)[0]])))
+        assert sub.wait_for(lambda v: v.received == 4, 5)
+        v = sub.view()
+        assert "the publisher restarted (sequence number 1 after 2)" in v.last_error
+        # a restarted server's cache is empty: the view keeps only the new publisher's block
+        assert v.mirror.num_blocks == 1 and v.mirror.history[-1].cleared and v.mirror.total_removed == 0
+        assert v.mirror.prefixes() == {(1, 10)}
         raw.close(linger=0)
         assert sub.wait_for(lambda v: v.state == "disconnected", 5)
         assert nobody.wait_for(lambda v: v.state == "unreachable", 5)
-        assert sub.view().mirror.num_blocks == 3  # what was shown stays
+        assert sub.view().mirror.num_blocks == 1  # what was shown stays
     finally:
         sub.stop()
         nobody.stop()
@@ -493,3 +497,12 @@ def test_the_published_rank_is_the_configured_one(make_engine, text_ids):
         engine.close()
     with pytest.raises(ValueError, match="kv_events_data_parallel_rank must be an integer >= 0, got -1"):
         EngineConfig(kv_events_data_parallel_rank=-1)
+
+
+def test_a_capture_across_a_server_restart_replays_the_restart():
+    cap = small_capture()  # seq 0..3, ending with AllBlocksCleared
+    again = small_capture().batches[:2]  # a restarted server: seq 0, 1 again
+    cap.batches += [CaptureBatch(rank=0, seq=b.seq, t=1.0 + b.t, payload=b.payload) for b in again]
+    final = CaptureReplay(cap).state(len(cap.batches)).mirrors[0]
+    assert final.num_blocks == 3 and any("the publisher restarted" in n for n in final.notes)
+    assert [h.cleared for h in final.history] == [False, False, False, True, True, False]

@@ -61,10 +61,13 @@ class KVEventPublisher:
         self._pub.set_hwm(hwm)
         self._replay = None
         try:
-            self.endpoint = _bind(self._pub, endpoint)
+            self.endpoint = _bind(self._pub, endpoint, "endpoint")
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
-                self.replay_endpoint = _bind(self._replay, replay_endpoint)
+                # no send limit per client: the answer is bounded by buffer_steps anyway, and a ROUTER at
+                # its limit drops messages silently (vLLM's keeps the default 1,000: the subscriber copes)
+                self._replay.set_hwm(0)
+                self.replay_endpoint = _bind(self._replay, replay_endpoint, "replay endpoint")
             else:
                 self.replay_endpoint = None
         except ValueError:
@@ -152,7 +155,7 @@ class KVEventPublisher:
                 sock.close(linger=0)
 
 
-def _bind(sock: zmq.Socket, endpoint: str) -> str:
+def _bind(sock: zmq.Socket, endpoint: str, what: str) -> str:
     """Bind ``endpoint`` (a TCP port 0 means any free port) and return the endpoint actually bound."""
     target = endpoint
     if endpoint.startswith("tcp://") and endpoint.rsplit(":", 1)[-1] == "0":
@@ -160,6 +163,6 @@ def _bind(sock: zmq.Socket, endpoint: str) -> str:
     try:
         sock.bind(target)
     except zmq.ZMQError as exc:
-        raise ValueError(f"cannot bind KV events endpoint {endpoint!r}: {exc}") from None
+        raise ValueError(f"cannot bind KV events {what} {endpoint!r}: {exc}") from None
     bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     return bound.replace("tcp://0.0.0.0:", "tcp://*:") if endpoint.startswith("tcp://*") else bound

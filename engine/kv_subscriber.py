@@ -37,6 +37,23 @@ SILENT_AFTER_S = 5.0
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # "live" turns "idle" after this long without a batch
 
 
+MAX_REPLAY_ROUNDS = 100  # replay requests per gap (each round brings at least one batch, or ends)
+
+
+@dataclass
+class _ReplayResult:
+    applied: int = 0       # batches applied from the replay socket
+    skipped: int = 0       # batches asked for that the publisher no longer buffers
+    answered: bool = False  # the replay socket answered at all
+    rounds: int = 0        # extra requests made after holes
+
+
+def _n(count: int, one: str, many: str | None = None) -> str:
+    """'1 batch', '2 batches'."""
+    many = many or (one + "es" if one.endswith(("ch", "s")) else one + "s")
+    return f"{count:,} {one if count == 1 else many}"
+
+
 @dataclass
 class RawBatch:
     """One batch as received, for a capture: ``rank`` (the endpoint's index), ``seq``, ``recv_ts``
@@ -252,12 +269,19 @@ class KVEventSubscriber:
         if last is None:
             if seq > 0 and self.replay_endpoint is not None:
                 # joined a running publisher: fetch what it still buffers, so the view starts complete
-                got = self._replay(0, seq)
-                self.note(f"joined at batch {seq}; {got} earlier batches came from the replay "
-                                      f"socket" + ("" if got == seq else f" ({seq - got} no longer buffered)"))
+                r = self._replay(0, seq)
+                if not r.answered:
+                    with self._lock:
+                        self.lost += seq
+                    self.note(f"joined at batch {seq}; the replay socket {self.replay_endpoint} did not answer "
+                              f"within {self._replay_timeout_ms / 1000:g} s, so batches 0-{seq - 1} are missing")
+                    return
+                self._count_unbuffered(0, r)
+                self.note(f"joined at batch {seq}; {_n(r.applied, 'earlier batch', 'earlier batches')} came from "
+                          f"the replay socket")
             return
         if seq > last + 1:
-            recovered = self._replay(last + 1, seq)
+            recovered = self._replay(last + 1, seq).applied
             with self._lock:
                 self.gaps += 1
                 self.lost += seq - (last + 1) - recovered
@@ -270,40 +294,86 @@ class KVEventSubscriber:
         if self.replay_endpoint is None:
             return
         start = 0 if self._last_seq is None else self._last_seq + 1
-        got = self._replay(start, None)
-        if got:
-            self.note(f"(re)connected: {got} batches from {start} on came from the replay socket")
+        r = self._replay(start, None)
+        if not r.answered:
+            self.note(f"(re)connected; the replay socket {self.replay_endpoint} did not answer within "
+                      f"{self._replay_timeout_ms / 1000:g} s, so batches sent before the subscription are missing")
+            return
+        self._count_unbuffered(start, r)
+        if r.applied:
+            self.note(f"(re)connected: {_n(r.applied, 'batch')} from {start + r.skipped} on came from the replay "
+                      f"socket")
+
+    def _count_unbuffered(self, start: int, r: _ReplayResult) -> None:
+        if r.skipped:
+            with self._lock:
+                self.lost += r.skipped
+            self.note(f"batches {start}-{start + r.skipped - 1} are no longer buffered by the publisher (its replay "
+                      f"buffer starts later): blocks they stored that are still cached are missing from this view")
 
     def note(self, text: str) -> None:
         with self._lock:
             self.mirror.note(text)
 
-    def _replay(self, start: int, until: int | None) -> int:
-        """Ask the replay socket for batches from ``start`` (up to ``until - 1``, or all it has when None);
-        apply them in order; return how many were new."""
+    def _replay(self, start: int, until: int | None) -> _ReplayResult:
+        """Ask the replay socket for batches from ``start`` (up to ``until - 1``, or all it has when None)
+        and apply them in order.
+
+        A ROUTER drops messages for a client whose queue is full (ZMQ's send high-water mark: vLLM's replay
+        socket keeps the default 1,000), so a long answer can arrive with holes; measured on vLLM 0.32
+        joining a server with 3,000-10,000 buffered batches: jumps such as 1999 -> 2170 right after each
+        1,000 messages. A hole ends this round and the next asks again from the first missing batch; only
+        batches the publisher no longer buffers (the first one it sends is past the one asked for) are
+        given up, counted in ``skipped``."""
+        r = _ReplayResult()
         if self.replay_endpoint is None:
-            return 0
+            return r
+        expected = start
+        for _ in range(MAX_REPLAY_ROUNDS):
+            outcome, expected = self._replay_round(expected, until, r)
+            if outcome != "hole":
+                break
+            r.rounds += 1
+        return r
+
+    def _replay_round(self, expected: int, until: int | None, r: _ReplayResult) -> tuple[str, int]:
         # A DEALER, not the REQ of vLLM's example subscriber: the ROUTER answers one request with many
         # messages, and a REQ socket delivers only the first reply to each request (the rest are dropped).
         # The DEALER adds the empty delimiter frame a REQ would, so the ROUTER sees the same request.
         req = self._ctx.socket(zmq.DEALER)
         req.setsockopt(zmq.LINGER, 0)
+        req.setsockopt(zmq.RCVHWM, 0)  # never drop on our side
         before = self.received
+        first = True
         try:
             req.connect(self.replay_endpoint)
-            req.send_multipart((b"", start.to_bytes(8, "big")))
+            req.send_multipart((b"", expected.to_bytes(8, "big")))
             while req.poll(self._replay_timeout_ms):
                 frames = req.recv_multipart()[1:]  # drop the delimiter
+                r.answered = True
                 if len(frames) == 3 and frames[1] == END_SEQ:
-                    break  # the end marker
-                seq = self._receive(frames, replayed=True)
-                if seq is not None and until is not None and seq >= until - 1:
-                    break  # the rest arrives live; this socket is closed, a new one serves the next gap
+                    return "done", expected
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    self._receive(frames, replayed=True)  # counted as malformed
+                    continue
+                seq = int.from_bytes(frames[1], "big")
+                if seq < expected:
+                    continue
+                if seq > expected:
+                    if not first:
+                        return "hole", expected  # dropped on the way: ask again from the first missing one
+                    r.skipped += seq - expected  # the publisher's buffer starts after what was asked for
+                first = False
+                self._receive(frames, replayed=True)
+                expected = seq + 1
+                if until is not None and seq >= until - 1:
+                    return "done", expected  # the rest arrives live
         except zmq.ZMQError as exc:
             self._error(f"replay from {self.replay_endpoint} failed: {exc}")
         finally:
             req.close(linger=0)
-        return self.received - before
+            r.applied += self.received - before
+        return "done", expected
 
     def _malformed(self, text: str) -> None:
         with self._lock:

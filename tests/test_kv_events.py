@@ -506,3 +506,80 @@ def test_a_capture_across_a_server_restart_replays_the_restart():
     final = CaptureReplay(cap).state(len(cap.batches)).mirrors[0]
     assert final.num_blocks == 3 and any("the publisher restarted" in n for n in final.notes)
     assert [h.cleared for h in final.history] == [False, False, False, True, True, False]
+
+
+class LossyReplayPublisher(KVEventPublisher):
+    """A replay socket that loses messages on the way, as a ROUTER at its send limit does (vLLM's: 1,000):
+    the first answer skips the batches in ``lose``; later answers are whole."""
+
+    def __init__(self, *a, lose=(), **k):
+        self.lose, self.answers = set(lose), 0
+        super().__init__(*a, **k)
+
+    def _serve_replay(self):
+        send = self._replay.send_multipart
+        first = self.answers == 0
+
+        def maybe(frames):
+            if not (first and len(frames) == 5 and int.from_bytes(frames[3], "big", signed=True) in self.lose):
+                send(frames)
+        self._replay.send_multipart = maybe
+        try:
+            super()._serve_replay()
+        finally:
+            self._replay.send_multipart = send
+            self.answers += 1
+
+
+def test_holes_in_a_replay_answer_are_asked_for_again():
+    p = LossyReplayPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", lose={3, 4, 7})
+    try:
+        for i in range(10):
+            p.publish([stored([i, 100 + i], 2)[0]])
+        p.flush()
+        sub = KVEventSubscriber(p.endpoint, p.replay_endpoint)
+        try:
+            assert sub.wait_for(lambda v: v.received == 10, 10), sub.view()
+            v = sub.view()
+            assert [h.seq for h in v.mirror.history] == list(range(10))
+            assert v.lost == 0 and v.mirror.num_blocks == 10 and p.answers >= 2
+        finally:
+            sub.stop()
+    finally:
+        p.close()
+
+
+def test_batches_the_publisher_no_longer_buffers_are_counted_lost_and_said():
+    p = KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", buffer_steps=4)
+    try:
+        for i in range(10):
+            p.publish([stored([i, 100 + i], 2)[0]])
+        p.flush()
+        sub = KVEventSubscriber(p.endpoint, p.replay_endpoint)
+        try:
+            assert sub.wait_for(lambda v: v.received == 4, 10), sub.view()
+            v = sub.view()
+            assert [h.seq for h in v.mirror.history] == [6, 7, 8, 9] and v.lost == 6
+            assert any("batches 0-5 are no longer buffered" in n for n in v.mirror.notes)
+        finally:
+            sub.stop()
+    finally:
+        p.close()
+
+
+def test_a_silent_replay_socket_is_said():
+    p = KVEventPublisher("tcp://127.0.0.1:0")
+    dead = zmq.Context.instance().socket(zmq.ROUTER)  # bound, never answers
+    port = dead.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        sub = KVEventSubscriber(p.endpoint, f"tcp://127.0.0.1:{port}", replay_timeout_s=0.3)
+        try:
+            assert sub.wait_for(lambda v: any("did not answer" in n for n in v.mirror.notes), 10), sub.view()
+            time.sleep(0.2)
+            p.publish([stored([1, 2], 2)[0]])
+            assert sub.wait_for(lambda v: v.received == 1, 10)
+        finally:
+            sub.stop()
+    finally:
+        dead.close(linger=0)
+        p.close()

@@ -102,6 +102,8 @@ class CaptureWriter:
 def read_capture(source: str | Path | bytes) -> Capture:
     """Read a capture from a path or from its bytes (an upload). Raises ValueError naming the bad line."""
     if isinstance(source, (str, Path)):
+        if not Path(source).is_file():
+            raise ValueError(f"capture {str(source)!r}: no such file")
         size = Path(source).stat().st_size
         if size > MAX_CAPTURE_BYTES:
             raise ValueError(f"capture {source} is {size / 2**20:.0f} MiB, more than the "
@@ -209,12 +211,13 @@ class CaptureReplay:
 
     @staticmethod
     def _apply(mirrors: dict[int, PrefixCacheMirror], errors: list[str], b: CaptureBatch) -> None:
+        mirror = mirrors[b.rank]
         try:
             batch = decode_batch(b.payload)
         except MalformedBatch as exc:
             errors.append(f"rank {b.rank} batch {b.seq}: skipped, {exc}")
+            mirror.last_seq = b.seq  # it arrived (unreadable): not a gap in the sequence
             return
-        mirror = mirrors[b.rank]
         if mirror.last_seq is not None and b.seq <= mirror.last_seq:
             mirror.restart(b.seq)  # a capture holds each batch once, in the order applied: a restart
         elif mirror.last_seq is not None and b.seq > mirror.last_seq + 1:

@@ -32,6 +32,26 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS_V1 = 2048
 ZMQ_TRANSPORTS = ("tcp://", "ipc://", "inproc://")  # where KV events can be published  # V1's token budget when none is given
 
 
+def check_endpoint(value, name: str = "endpoint", bind: bool = False) -> str:
+    """A ZMQ endpoint as KV events use them, or ValueError naming ``name`` and the value: one of
+    ``ZMQ_TRANSPORTS``; for tcp, ``tcp://HOST:PORT`` with PORT 1..65535 (0 or ``*``, "any free port", and the
+    wildcard host ``*`` only where the socket binds: a subscriber connects to a real host)."""
+    if not isinstance(value, str) or not value.startswith(ZMQ_TRANSPORTS):
+        raise ValueError(f"{name} must be a ZMQ endpoint starting with one of {', '.join(ZMQ_TRANSPORTS)}, "
+                         f"got {value!r} (e.g. tcp://127.0.0.1:5557)")
+    if value.startswith("tcp://"):
+        host, _, port = value[len("tcp://"):].rpartition(":")
+        if not host:
+            raise ValueError(f"{name} {value!r} needs a host and a port, e.g. tcp://127.0.0.1:5557")
+        free = port in ("0", "*") and bind
+        if not free and (not port.isdigit() or not 1 <= int(port) <= 65535):
+            raise ValueError(f"{name} {value!r}: the port must be a number from 1 to 65535, got {port!r}")
+        if not bind and host in ("*", "0.0.0.0", "[::]", "::"):
+            raise ValueError(f"{name} {value!r} is the address a server binds; connect to the server's host "
+                             f"instead, e.g. tcp://127.0.0.1:{port}")
+    return value
+
+
 def _check_positive_int(name: str, value, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -169,10 +189,8 @@ class EngineConfig:
 
     def _check_kv_events(self) -> None:
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value.startswith(ZMQ_TRANSPORTS)):
-                raise ValueError(f"{name} must be a ZMQ endpoint starting with one of "
-                                 f"{', '.join(ZMQ_TRANSPORTS)}, got {value!r}")
+            if getattr(self, name) is not None:
+                check_endpoint(getattr(self, name), name, bind=True)
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ValueError(f"kv_events_replay_endpoint {self.kv_events_replay_endpoint!r} needs a "
                              f"kv_events_endpoint to publish on")

@@ -31,6 +31,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from .cache_mirror import PrefixCacheMirror
+from .config import check_endpoint
 from .kv_events import MalformedBatch, decode_batch
 
 SILENT_AFTER_S = 5.0
@@ -96,12 +97,16 @@ class KVEventSubscriber:
         max_capture: raw batches kept for a capture (oldest dropped first; ``capture_dropped`` counts).
         on_raw: called in the subscriber's thread with each RawBatch (e.g. a recorder writing a file).
 
-    Raises ValueError for an endpoint ZMQ cannot parse (checked before the thread starts).
+    Raises ValueError naming a malformed endpoint (``config.check_endpoint``) or one ZMQ refuses, before the
+    thread starts.
     """
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "", rank: int = 0,
                  max_events: int = 200_000, max_message_bytes: int = 256 * 2**20, max_capture: int = 50_000,
                  on_raw=None, replay_timeout_s: float = 1.0) -> None:
+        check_endpoint(endpoint, "KV events endpoint")
+        if replay_endpoint is not None:
+            check_endpoint(replay_endpoint, "replay endpoint")
         self.endpoint, self.replay_endpoint, self.rank = endpoint, replay_endpoint, rank
         self._topic = topic.encode()
         self._max_events = max_events

@@ -13,9 +13,11 @@ from __future__ import annotations
 import signal
 import sys
 import time
+from pathlib import Path
 
 from .cache_mirror import BatchSummary, PrefixCacheMirror
 from .capture import CaptureReplay, CaptureWriter, new_header, read_capture
+from .config import check_endpoint
 from .kv_subscriber import KVEventSubscriber
 
 
@@ -80,14 +82,38 @@ def _subtree_size(h: str, kids: dict) -> int:
 
 
 def _decoder(path: str | None):
+    """``--tokenizer``: a callable token ids -> text, or ValueError naming the folder."""
     if not path:
         return None
     from transformers import AutoTokenizer  # only when asked: the watch itself needs no model
-    tok = AutoTokenizer.from_pretrained(path)
+
+    if not Path(path).is_dir():
+        raise ValueError(f"--tokenizer {path!r} is not a folder (give a model folder with a tokenizer, e.g. "
+                         f"assets/tiny_model)")
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds; one line names the folder
+        raise ValueError(f"--tokenizer {path!r}: no tokenizer could be loaded from it ({type(exc).__name__})") from None
     return lambda ids: tok.decode(ids)
 
 
+def _check_args(args) -> None:
+    if getattr(args, "max_batches", None) is not None and args.max_batches < 1:
+        raise ValueError(f"--max-batches must be at least 1, got {args.max_batches}")
+    if getattr(args, "duration", None) is not None and not args.duration > 0:
+        raise ValueError(f"--duration must be a number of seconds > 0, got {args.duration}")
+    if getattr(args, "record", None):
+        folder = Path(args.record).resolve().parent
+        if not folder.is_dir():
+            raise ValueError(f"--record {args.record!r}: the folder {str(folder)!r} does not exist")
+
+
 def watch(args, out=sys.stdout) -> int:
+    _check_args(args)
+    for e in args.endpoints:
+        check_endpoint(e, "ENDPOINT")
+    for e in args.replay_endpoint:
+        check_endpoint(e, "--replay-endpoint")
     if args.replay_endpoint and len(args.replay_endpoint) != len(args.endpoints):
         raise ValueError(f"{len(args.replay_endpoint)} --replay-endpoint for {len(args.endpoints)} endpoints: "
                          f"give one per endpoint, in the same order")

@@ -344,8 +344,16 @@ def test_a_publisher_restart_and_an_unreachable_endpoint_are_said():
     finally:
         sub.stop()
         nobody.stop()
-    with pytest.raises(ValueError, match="cannot connect to KV events endpoint 'nonsense'"):
+    with pytest.raises(ValueError, match="KV events endpoint must be a ZMQ endpoint .* got 'nonsense'"):
         KVEventSubscriber("nonsense")
+    with pytest.raises(ValueError, match="the port must be a number from 1 to 65535, got '99999'"):
+        KVEventSubscriber("tcp://127.0.0.1:99999")
+    with pytest.raises(ValueError, match="is the address a server binds"):
+        KVEventSubscriber("tcp://*:5557")
+    with pytest.raises(ValueError, match="replay endpoint 'tcp://127.0.0.1' needs a host and a port"):
+        KVEventSubscriber("tcp://127.0.0.1:5557", "tcp://127.0.0.1")
+    with pytest.raises(ValueError, match="kv_events_endpoint 'tcp://127.0.0.1:70000': the port"):
+        EngineConfig(kv_events_endpoint="tcp://127.0.0.1:70000")
 
 
 def test_the_lab_engine_publishes_what_it_records(make_engine, text_ids):
@@ -583,3 +591,29 @@ def test_a_silent_replay_socket_is_said():
     finally:
         dead.close(linger=0)
         p.close()
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["replay", "/nonexistent/c.jsonl"], "no such file"),
+    (["replay", "/tmp"], "no such file"),
+    (["watch", "tcp://127.0.0.1:5557", "--max-batches", "0"], "--max-batches must be at least 1"),
+    (["watch", "tcp://127.0.0.1:5557", "--duration", "-1"], "--duration must be a number of seconds > 0"),
+    (["watch", "tcp://127.0.0.1:5557", "--record", "/nonexistent/dir/c.jsonl"], "does not exist"),
+    (["watch", "tcp://127.0.0.1:99999"], "the port must be a number from 1 to 65535"),
+    (["watch", "tcp://127.0.0.1:5557", "--tokenizer", "/nonexistent"], "is not a folder"),
+    (["replay", "--tokenizer", "/tmp", "assets/captures/vllm-shared-prefix.jsonl"], "no tokenizer could be loaded"),
+])
+def test_cli_bad_arguments_get_one_line(argv, words, capsys):
+    from engine.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_an_unreadable_batch_in_a_capture_is_not_a_gap():
+    cap = small_capture()
+    cap.batches[1] = CaptureBatch(rank=0, seq=1, t=0.1, payload=b"\xc1junk")
+    state = CaptureReplay(cap).state(len(cap.batches))
+    assert len(state.errors) == 1 and state.errors[0].startswith("rank 0 batch 1: skipped, not msgpack")
+    assert not any("gap" in n for n in state.mirrors[0].notes)

@@ -27,7 +27,7 @@ import streamlit as st
 
 from engine import EMBEDDED_MODEL
 from engine.capture import CaptureReplay, capture_from_raw, dumps_capture, new_header, read_capture
-from engine.config import ZMQ_TRANSPORTS
+from engine.config import check_endpoint
 from engine.kv_subscriber import KVEventSubscriber
 from engine.server_metrics import fetch_metrics
 from viz.server import (VLLM_EVENTS_FLAG, batch_activity_figure, batch_line, cache_size_figure, prefix_tree_figure,
@@ -175,14 +175,12 @@ def split_list(text: str) -> list[str]:
     return [p.strip() for p in text.replace("\n", ",").split(",") if p.strip()]
 
 
-def endpoint_problem(value: str) -> str | None:
-    """Why ``value`` cannot be connected to, or None."""
-    if not value.startswith(ZMQ_TRANSPORTS):
-        return (f"endpoint {value!r} is not a ZMQ endpoint: it must start with {', '.join(ZMQ_TRANSPORTS)} "
-                f"(e.g. {DEFAULT_ENDPOINT})")
-    if value.startswith("tcp://*") or value.startswith("tcp://0.0.0.0"):
-        return (f"endpoint {value!r} is the address the server binds; connect to the server's host instead, "
-                f"e.g. tcp://127.0.0.1:{value.rsplit(':', 1)[-1]}")
+def endpoint_problem(value: str, name: str = "endpoint") -> str | None:
+    """Why ``value`` cannot be connected to (``engine.config.check_endpoint``), or None."""
+    try:
+        check_endpoint(value, name)
+    except ValueError as exc:
+        return str(exc)
     return None
 
 
@@ -191,17 +189,20 @@ def connect() -> None:
     endpoints = split_list(st.session_state.get("server_endpoints", ""))
     replays = split_list(st.session_state.get("server_replays", ""))
     url = st.session_state.get("server_metrics_url", "").strip()
-    problems = [p for p in map(endpoint_problem, endpoints + replays) if p]
+    problems = [p for p in map(endpoint_problem, endpoints) if p]
+    problems += [p for p in (endpoint_problem(r, "replay endpoint") for r in replays) if p]
     if not endpoints:
         problems.append("no KV events endpoint given: type one per data-parallel rank, e.g. " + DEFAULT_ENDPOINT)
-    if replays and len(replays) != len(endpoints):
+    elif replays and len(replays) != len(endpoints):
         problems.append(f"{len(replays)} replay endpoint(s) for {len(endpoints)} endpoint(s): give one per "
                         f"endpoint in the same order, or none")
     if url and not url.startswith(("http://", "https://")):
         problems.append(f"/metrics URL {url!r} must start with http:// or https:// "
                         f"(e.g. http://127.0.0.1:8000/metrics)")
     if problems:
-        st.session_state["server_error"] = "Not connected: " + "; ".join(problems) + "."
+        old = st.session_state.get("server_live")
+        still = (f" Still watching {', '.join(old.endpoints)}." if old is not None and old.running else "")
+        st.session_state["server_error"] = "Not connected: " + "; ".join(problems) + "." + still
         return
     replays = replays or [None] * len(endpoints)
     old = st.session_state.get("server_live")

@@ -84,6 +84,7 @@ class CaptureWriter:
     one line per batch, flushed, so an interrupted recording is still a valid capture."""
 
     def __init__(self, path: str | Path, header: dict) -> None:
+        self.path, self.header = Path(path), header
         self._f = open(path, "w", encoding="utf-8")
         self._t0: float | None = None
         self._f.write(json.dumps(header) + "\n")
@@ -95,8 +96,16 @@ class CaptureWriter:
         self._f.write(batch_line(rank, seq, recv_ts - self._t0, payload, replayed) + "\n")
         self._f.flush()
 
-    def close(self) -> None:
+    def close(self, **header_updates) -> None:
+        """Close; ``header_updates`` (e.g. ``block_size`` learned from the events) are written into the
+        header line, where a value is still missing."""
         self._f.close()
+        fill = {k: v for k, v in header_updates.items() if v is not None and self.header.get(k) is None}
+        if fill:
+            lines = self.path.read_text(encoding="utf-8").split("\n", 1)
+            self.header.update(fill)
+            self.path.write_text(json.dumps(self.header) + "\n" + (lines[1] if len(lines) > 1 else ""),
+                                 encoding="utf-8")
 
 
 def read_capture(source: str | Path | bytes) -> Capture:

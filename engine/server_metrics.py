@@ -54,5 +54,8 @@ def fetch_metrics(url: str, timeout_s: float = 2.0) -> dict:
             text = response.read().decode("utf-8", "replace")
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise ValueError(f"cannot read metrics from {url}: {exc}") from None
-    return parse_metrics(text)
+    try:
+        return parse_metrics(text)
+    except ValueError as exc:  # e.g. an HTML page: prometheus_client says "invalid metric name:<!--"
+        raise ValueError(f"{url} is not a Prometheus /metrics page ({str(exc)[:60]})") from None
 

@@ -64,7 +64,8 @@ def state_lines(mirror: PrefixCacheMirror, decode=None, max_roots: int = 8) -> l
         b = mirror.blocks[h]
         subtree = _subtree_size(h, kids)
         text = f"  {decode(b.token_ids)!r}" if decode else ""
-        lines.append(f"  root {h[:12]} stored in batch {b.stored_seq}, {subtree} blocks below it{text}")
+        lines.append(f"  root {h[:12]} stored in batch {b.stored_seq}: a tree of {subtree} block{'s' * (subtree != 1)}"
+                     f"{text}")
     if len(roots) > max_roots:
         lines.append(f"  ... {len(roots) - max_roots} more roots")
     lines += [f"  note: {n}" for n in mirror.notes[-5:]]
@@ -118,7 +119,8 @@ def watch(args, out=sys.stdout) -> int:
         raise ValueError(f"{len(args.replay_endpoint)} --replay-endpoint for {len(args.endpoints)} endpoints: "
                          f"give one per endpoint, in the same order")
     decode = _decoder(args.tokenizer)
-    writer = CaptureWriter(args.record, new_header("python -m engine watch", args.endpoints)) if args.record else None
+    writer = (CaptureWriter(args.record, new_header("python -m engine watch", args.endpoints, model=args.tokenizer))
+              if args.record else None)
     on_raw = (lambda raw: writer.write(raw.rank, raw.seq, raw.recv_ts, raw.payload, raw.replayed)) if writer else None
     replays = args.replay_endpoint or [None] * len(args.endpoints)
     subs = [KVEventSubscriber(e, r, topic=args.topic, rank=i, on_raw=on_raw)
@@ -156,7 +158,8 @@ def watch(args, out=sys.stdout) -> int:
         for s in subs:
             s.stop()
         if writer:
-            writer.close()
+            sizes = {s.view().mirror.block_size for s in subs} - {None}
+            writer.close(block_size=sizes.pop() if len(sizes) == 1 else None)
     for s in subs:
         for line in state_lines(s.view().mirror, decode):
             print(line, file=out)

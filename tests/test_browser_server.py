@@ -27,6 +27,13 @@ def cached_blocks(page) -> str | None:
     return metric.locator("[data-testid='stMetricValue']").inner_text().strip()
 
 
+def open_more(page) -> None:
+    """Unfold "Replay endpoints and /metrics" (folded by default) unless it is open."""
+    if not page.get_by_role("textbox", name="Replay endpoints (optional)").is_visible():
+        page.get_by_text("Replay endpoints and /metrics").click()
+        page.get_by_role("textbox", name="Replay endpoints (optional)").wait_for(state="visible")
+
+
 def wait_for(predicate, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -63,6 +70,7 @@ def test_the_live_stream_shows_up_in_the_page(app_url, tmp_path):
 
             def connect() -> None:
                 page.get_by_role("textbox", name="KV events endpoints").fill(pub.endpoint)
+                open_more(page)
                 page.get_by_role("textbox", name="Replay endpoints (optional)").fill(pub.replay_endpoint)
                 page.get_by_role("textbox", name="Replay endpoints (optional)").press("Tab")  # commit the value
                 page.get_by_role("button", name="Connect").click()
@@ -130,6 +138,7 @@ def test_a_real_vllm_server_live_in_the_page(app_url, tmp_path):
         page.goto(app_url + "/server", wait_until="networkidle")
         page.wait_for_selector("text=Not connected", timeout=90_000)
         page.get_by_role("textbox", name="KV events endpoints").fill(server.events_endpoint)
+        open_more(page)
         page.get_by_role("textbox", name="Replay endpoints (optional)").fill(server.replay_endpoint)
         page.get_by_role("textbox", name="/metrics URL (optional)").fill(server.metrics_url)
         page.get_by_role("textbox", name="/metrics URL (optional)").press("Tab")

@@ -441,10 +441,12 @@ def test_cli_watch_records_and_replay_prints_the_same(pub, tmp_path):
     pub.publish([{"type": "BlockRemoved", "block_hashes": [h1[1]], "medium": "GPU"}])
     pub.flush()
     assert watch_cli(args, out=out) == 0
+    assert read_capture(path).header["block_size"] == 2  # learned from the events, written at the end
     text = out.getvalue()
     assert "#0      +2    stored  -0    removed  cache 2 blocks = 4 tokens  (replayed)" in text
     assert "#2      +0    stored  -1    removed  cache 2 blocks = 4 tokens" in text
     assert "rank 0: 2 cached blocks (2 distinct) = 4 tokens, 2 prefix roots" in text
+    assert "a tree of 1 block" in text
     out2 = io.StringIO()
     assert replay_cli(Namespace(file=str(path), speed=0.0, tokenizer=None), out=out2) == 0
     watched = [line.replace("  (replayed)", "") for line in text.splitlines() if line.startswith("rank 0  #")]
@@ -617,3 +619,38 @@ def test_an_unreadable_batch_in_a_capture_is_not_a_gap():
     state = CaptureReplay(cap).state(len(cap.batches))
     assert len(state.errors) == 1 and state.errors[0].startswith("rank 0 batch 1: skipped, not msgpack")
     assert not any("gap" in n for n in state.mirrors[0].notes)
+
+
+def test_metrics_parse_and_a_page_that_is_not_metrics():
+    import http.server
+    import threading as th
+
+    from engine.metrics import cached_share_pct, server_hit_rate_pct, server_kv_usage_pct, usable_pool_blocks
+    from engine.server_metrics import fetch_metrics, parse_metrics
+
+    text = ('# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{block_size="32",num_gpu_blocks="33"} 1.0\n'
+            '# TYPE vllm:prefix_cache_queries counter\nvllm:prefix_cache_queries_total{engine="0"} 200.0\n'
+            '# TYPE vllm:prefix_cache_hits counter\nvllm:prefix_cache_hits_total{engine="0"} 50.0\n'
+            '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine="0"} 0.25\n')
+    m = parse_metrics(text)
+    assert (m["num_gpu_blocks"], m["block_size"], m["prefix_cache_queries"], m["prefix_cache_hits"]) == (33, 32, 200, 50)
+    assert server_hit_rate_pct(m) == 25.0 and server_kv_usage_pct(m) == 25.0
+    assert usable_pool_blocks(33) == 32 and cached_share_pct(8, 33) == 25.0 and cached_share_pct(8, None) is None
+
+    class Html(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"<!-- not metrics --><html></html>")
+
+        def log_message(self, *a):
+            pass
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Html)
+    th.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ValueError, match="is not a Prometheus /metrics page"):
+            fetch_metrics(f"http://127.0.0.1:{srv.server_port}/metrics")
+    finally:
+        srv.shutdown()
+    with pytest.raises(ValueError, match="cannot read metrics from http://127.0.0.1:1/metrics"):
+        fetch_metrics("http://127.0.0.1:1/metrics")

@@ -159,9 +159,9 @@ def rerun_until(at, predicate, timeout_s: float = 30.0, pause_s: float = 0.2) ->
 
 
 def set_endpoints(at, endpoints: str, replays: str = "", url: str = "") -> None:
-    at.sidebar.text_area(key="server_endpoints").set_value(endpoints)
-    at.sidebar.text_area(key="server_replays").set_value(replays)
-    at.sidebar.text_input(key="server_metrics_url").set_value(url)
+    at.text_input(key="server_endpoints").set_value(endpoints)
+    at.text_input(key="server_replays").set_value(replays)
+    at.text_input(key="server_metrics_url").set_value(url)
 
 
 def connect(at, endpoints: str, replays: str = "", url: str = "") -> None:

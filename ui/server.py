@@ -30,7 +30,7 @@ from engine.capture import CaptureReplay, capture_from_raw, dumps_capture, new_h
 from engine.config import check_endpoint
 from engine.kv_subscriber import KVEventSubscriber
 from engine.server_metrics import fetch_metrics
-from viz.server import (VLLM_EVENTS_FLAG, batch_activity_figure, batch_line, cache_size_figure, prefix_tree_figure,
+from viz.server import (VLLM_EVENTS_FLAG, plural, batch_activity_figure, batch_line, cache_size_figure, prefix_tree_figure,
                         rank_numbers, server_numbers, state_line)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -318,8 +318,9 @@ def rank_panel(mirror, decode, num_gpu_blocks: int | None, key: str, wide: bool)
         cols = [st.container() for _ in range(3)] if wide else st.columns(3)
     cols[0].metric("cached blocks", f"{n['blocks']:,}",
                    help=f"physical KV blocks holding a cached prefix (a hash held twice counts twice): "
-                        f"{n['prefixes']:,} distinct prefixes in {n['roots']:,} trees; stored {n['stored']:,} and "
-                        f"removed {n['removed']:,} over {n['batches']:,} batches")
+                        f"{plural(n['prefixes'], 'distinct prefix', 'distinct prefixes')} in "
+                        f"{plural(n['roots'], 'tree')}; stored {n['stored']:,} and removed {n['removed']:,} over "
+                        f"{plural(n['batches'], 'batch', 'batches')}")
     cols[1].metric("tokens", f"{n['tokens']:,}", help=f"cached blocks x block size ({n['block_size'] or '-'})")
     share = n["pool_share_pct"]
     if share is not None:
@@ -359,23 +360,24 @@ def rank_columns(n: int) -> list:
 
 
 # ------------------------------------------------------------------------------------------ live: views
-def live_sidebar() -> None:
-    sb = st.sidebar
-    sb.subheader("Server")
-    sb.text_area("KV events endpoints", DEFAULT_ENDPOINT, key="server_endpoints", height=68,
-                 help="The server's ZMQ PUB endpoint(s), one per data-parallel rank, comma or newline separated "
-                      "(vLLM binds the endpoint's port plus the rank). Connect to the server's host: the config's "
-                      "tcp://*:5557 is read at tcp://HOST:5557.")
-    sb.text_area("Replay endpoints (optional)", DEFAULT_REPLAY, key="server_replays", height=68,
-                 help="The replay (ROUTER) endpoint of each, in the same order, e.g. tcp://127.0.0.1:5558: batches "
-                      "missed while connecting or in a gap are asked for there.")
-    sb.text_input("/metrics URL (optional)", DEFAULT_METRICS, key="server_metrics_url",
-                  placeholder="http://127.0.0.1:8000/metrics",
-                  help="The server's Prometheus /metrics: the pool's size, KV cache usage, its own hit rate.")
-    c1, c2 = sb.columns(2)
-    c1.button("Connect", type="primary", on_click=connect, width="stretch",
-              help="Start one subscriber per endpoint (stopping this tab's previous ones)")
-    c2.button("Stop", on_click=stop, width="stretch", help="Stop receiving; what was received stays on screen")
+def live_controls() -> None:
+    """The endpoints and Connect / Stop at the top of the page (on the first screen at 1280x720); the
+    replay endpoints and /metrics, filled with the demo server's, folded below."""
+    c = st.columns([5, 1, 1], vertical_alignment="bottom")
+    c[0].text_input("KV events endpoints", DEFAULT_ENDPOINT, key="server_endpoints",
+                    help="The server's ZMQ PUB endpoint(s), one per data-parallel rank, comma separated (vLLM "
+                         "binds the endpoint's port plus the rank). Connect to the server's host: the config's "
+                         "tcp://*:5557 is read at tcp://HOST:5557.")
+    c[1].button("Connect", type="primary", on_click=connect, width="stretch",
+                help="Start one subscriber per endpoint (stopping this tab's previous ones)")
+    c[2].button("Stop", on_click=stop, width="stretch", help="Stop receiving; what was received stays on screen")
+    with st.expander("Replay endpoints and /metrics"):
+        st.text_input("Replay endpoints (optional)", DEFAULT_REPLAY, key="server_replays",
+                      help="The replay (ROUTER) endpoint of each, in the same order, comma separated: batches "
+                           "missed while connecting or in a gap are asked for there. Empty: none.")
+        st.text_input("/metrics URL (optional)", DEFAULT_METRICS, key="server_metrics_url",
+                      help="The server's Prometheus /metrics: the pool's size, KV cache usage, its own hit rate. "
+                           "Empty: none.")
 
 
 def live_mode() -> None:
@@ -385,7 +387,7 @@ def live_mode() -> None:
         st.toast(msg, icon=":material/info:")
     live = st.session_state.get("server_live")
     if live is None:
-        st.info(f"Not connected. Type the server's KV events endpoint(s) in the sidebar (default "
+        st.info(f"Not connected. Type the server's KV events endpoint(s) above (default "
                 f"{DEFAULT_ENDPOINT}) and press **Connect**. Without vLLM, the lab's own engine publishes in "
                 f"vLLM's format: `python -m engine run --scenario shared-prefix --semantics v1 "
                 f"--kv-events-endpoint tcp://127.0.0.1:5557 --kv-events-replay-endpoint tcp://127.0.0.1:5558 "
@@ -423,7 +425,7 @@ def live_view(live: LiveSet) -> None:
             rank_panel(v.mirror, decode, live.num_gpu_blocks(), f"live{v.rank}", wide=len(views) == 1)
     if live.poller is not None:
         values, error, at = live.poller.latest()
-        source = f"{live.poller.url}, read {now - at:.0f} s ago" if at else f"{live.poller.url}: reading..."
+        source = f"{live.poller.url}, read {max(0.0, now - at):.0f} s ago" if at else f"{live.poller.url}: reading..."
         server_row(values, error, source)
     registry = live_registry()
     with registry["lock"]:
@@ -486,7 +488,7 @@ def replay_mode() -> None:
     header = replay.capture.header
     total = len(replay)
     ranks = replay.capture.ranks
-    st.caption(f"**{rep['name']}**: {total:,} batches from rank{'s' * (len(ranks) != 1)} "
+    st.caption(f"**{rep['name']}**: {plural(total, 'batch', 'batches')} from rank{'s' * (len(ranks) != 1)} "
                f"{', '.join(map(str, ranks)) or '-'}, recorded {str(header.get('created', '?'))[:10]} from "
                f"{_clip(str(header.get('source') or '?'), 48)}",
                help=f"source: {header.get('source')}; model: {header.get('model')}; endpoints: "
@@ -497,21 +499,37 @@ def replay_mode() -> None:
         return
     playing = st.session_state.get("replay_playing", False)
     speed = st.session_state.get("replay_speed", 2)
-    tick = max(1.0 / speed, 0.4)
+    tick = max(1.0 / speed, 0.25)
     # Step / Back / scrub re-run only this fragment (quick); Play re-runs it on a timer
-    st.fragment(run_every=tick if playing else None)(replay_view)(rep, speed, max(1, round(speed * tick)))
+    st.fragment(run_every=tick if playing else None)(replay_view)(rep, speed)
 
 
 def _clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def _played_position(pos: int, speed: float) -> int:
+    """Where Play is now: the batch reached at ``speed`` batches per second since Play started (or since
+    the last Step, Back, scrub or speed change), at least one past ``pos``. Timed from the clock, not by
+    counting ticks, so a page that renders slower than the timer still plays at the speed shown (it shows
+    fewer of the intermediate batches)."""
+    now = time.monotonic()
+    anchor = st.session_state.get("replay_anchor")
+    if anchor is None or anchor[2] != speed:
+        st.session_state["replay_anchor"] = (now, pos, speed)
+        return pos + 1
+    t0, pos0, _ = anchor
+    return max(pos + 1, pos0 + int((now - t0) * speed))
+
+
 def _move(delta: int) -> None:
+    st.session_state.pop("replay_anchor", None)
     total = len(st.session_state["replay"]["replay"])
     st.session_state["replay_pos"] = max(0, min(total, st.session_state.get("replay_pos", 0) + delta))
 
 
 def _scrubbed() -> None:
+    st.session_state.pop("replay_anchor", None)
     st.session_state["replay_pos"] = st.session_state["replay_scrub"]
 
 
@@ -526,6 +544,7 @@ def replay_controls(total: int, armed_speed: float) -> None:
     playing = st.session_state.get("replay_playing", False)
     if c[2].button("Pause" if playing else "Play", shortcut="P", width="stretch",
                    help="Apply batches on a timer at the chosen speed (P)"):
+        st.session_state.pop("replay_anchor", None)
         if not playing and pos >= total:
             st.session_state["replay_pos"] = 0  # Play at the end starts again
         st.session_state["replay_playing"] = not playing
@@ -539,7 +558,7 @@ def replay_controls(total: int, armed_speed: float) -> None:
                 help="Time travel over the capture: the cache after this many batches (0: before the first)")
 
 
-def replay_view(rep: dict, armed_speed: float, per_tick: int) -> None:
+def replay_view(rep: dict, armed_speed: float) -> None:
     """The controls and the cache after the first ``replay_pos`` batches (re-run on a timer while playing)."""
     replay: CaptureReplay = rep["replay"]
     total = len(replay)
@@ -547,8 +566,9 @@ def replay_view(rep: dict, armed_speed: float, per_tick: int) -> None:
         pos = st.session_state.get("replay_pos", 0)
         if pos >= total:
             st.session_state["replay_playing"] = False
+            st.session_state.pop("replay_anchor", None)
             st.rerun()  # the whole page, so the button says Play again
-        st.session_state["replay_pos"] = min(total, pos + per_tick)
+        st.session_state["replay_pos"] = min(total, _played_position(pos, armed_speed))
     replay_controls(total, armed_speed)
     pos = min(st.session_state.get("replay_pos", 0), total)
     state = replay.state(pos)
@@ -620,16 +640,15 @@ def intro(showing: bool) -> None:
 def main() -> None:
     sweep()
     mode = st.session_state.get("server_mode", MODES[0])  # the radio below; its value is known before it is drawn
-    # the sidebar first: Connect's callback and a new upload take effect before the page is drawn
-    if mode == MODES[0]:
-        live_sidebar()
-    else:
+    # the sidebar first: a new upload takes effect before the page is drawn
+    if mode != MODES[0]:
         replay_sidebar()
     common_sidebar()
     st.title("Server")
     intro(st.session_state.get("server_live" if mode == MODES[0] else "replay") is not None)
     st.radio("Mode", MODES, horizontal=True, key="server_mode", label_visibility="collapsed")
     if mode == MODES[0]:
+        live_controls()
         live_mode()
     else:
         replay_mode()

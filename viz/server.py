@@ -34,7 +34,8 @@ from engine import metrics
 from .colors import PALETTE
 
 MAX_TREE_BLOCKS = 1500    # the tree draws at most this many blocks (the most recently stored)
-MAX_BATCH_BARS = 2000     # the batch figures draw at most this many batches (the latest)
+MAX_BATCH_BARS = 300      # bars stay readable (a bar per batch) up to about this many: the latest are drawn
+MAX_BATCH_POINTS = 2000   # the cache-size line draws at most this many batches (the latest)
 # age colours: newest vermillion, then reddish purple, oldest blue (Okabe & Ito; all dark enough on white)
 AGE_SCALE = [[0.0, "#D55E00"], [0.5, "#CC79A7"], [1.0, "#0072B2"]]
 STORED, REMOVED, SIZE, POOL = "#0072B2", "#D55E00", "#009E73", "#7F7F7F"
@@ -43,6 +44,11 @@ VLLM_EVENTS_FLAG = ("--kv-events-config '{\"enable_kv_cache_events\": true, \"pu
 
 
 # ------------------------------------------------------------------------------------------------ numbers
+def plural(count: int, one: str, many: str | None = None) -> str:
+    """'1 block', '2 blocks', '1,000 prefixes' (with many='prefixes')."""
+    return f"{count:,} {one if count == 1 else (many or one + 's')}"
+
+
 def rank_numbers(mirror, num_gpu_blocks: int | None = None) -> dict:
     """One rank's cache in numbers: ``blocks`` (physical, copies counted), ``prefixes`` (distinct hashes),
     ``tokens``, ``roots`` (prefix trees), ``pool_share_pct`` (``metrics.cached_share_pct``; None without the
@@ -254,8 +260,8 @@ def prefix_tree_figure(mirror, decode: Callable[[list[int]], str] | None = None,
                              hovertext=hover, hoverinfo="text", showlegend=False, name="blocks"))
     total = lay["total"]
     trees = len(lay["roots"])
-    head = title or (f"{rank}{total:,} prefixes in {trees:,} tree{'s' * (trees != 1)} "
-                     f"({mirror.num_blocks:,} blocks = {mirror.num_tokens:,} tokens)")
+    head = title or (f"{rank}{plural(total, 'prefix', 'prefixes')} in {plural(trees, 'tree')} "
+                     f"({plural(mirror.num_blocks, 'block')} = {plural(mirror.num_tokens, 'token')})")
     sub = []
     if total > len(shown):
         sub.append(f"showing {len(shown):,} of {total:,} blocks (the most recently stored)")
@@ -334,7 +340,7 @@ def batch_activity_figure(history, max_batches: int = MAX_BATCH_BARS, title: str
     return fig
 
 
-def cache_size_figure(history, num_gpu_blocks: int | None = None, max_batches: int = MAX_BATCH_BARS,
+def cache_size_figure(history, num_gpu_blocks: int | None = None, max_batches: int = MAX_BATCH_POINTS,
                       title: str | None = None) -> go.Figure:
     """The cache's size after each batch: blocks (copies counted) and distinct prefixes; with the pool's
     usable size (vLLM's ``num_gpu_blocks`` less its null block) as a dashed line when known."""

@@ -1,5 +1,7 @@
 import sys
 
 from .cli import main
+from .threads import configure_threads
 
+configure_threads("cli")  # torch's intra-op threads, from the cores actually free (engine/threads.py)
 sys.exit(main())

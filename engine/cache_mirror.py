@@ -24,6 +24,8 @@ sequence number (``seq``).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -86,7 +88,7 @@ class PrefixCacheMirror:
             if kind == "BlockStored":
                 stored += self._store(seq, ts, e)
             elif kind == "BlockRemoved":
-                removed += self._remove(seq, e["block_hashes"])
+                removed += self._remove(e["block_hashes"])
             elif kind == "AllBlocksCleared":
                 removed += self._num_blocks
                 self.blocks.clear()
@@ -128,7 +130,7 @@ class PrefixCacheMirror:
         self._num_blocks += len(e["block_hashes"])
         return len(e["block_hashes"])
 
-    def _remove(self, seq: int, hashes: list[str]) -> int:
+    def _remove(self, hashes: list[str]) -> int:
         done = 0
         for h in hashes:
             block = self.blocks.get(h)
@@ -205,13 +207,10 @@ class PrefixCacheMirror:
     def copy(self) -> PrefixCacheMirror:
         """A snapshot for a reader in another thread (blocks and history copied, blocks themselves shared
         read-only: a block's fields change only through ``copies``, copied here)."""
-        clone = PrefixCacheMirror(rank=self.rank, max_history=self.max_history)
-        clone.blocks = {h: CachedBlock(**vars(b)) for h, b in self.blocks.items()}
+        clone = copy.copy(self)  # every scalar field, then fresh containers
+        clone.blocks = {h: dataclasses.replace(b) for h, b in self.blocks.items()}
         clone.history = deque(self.history)
         clone.notes = list(self.notes)
-        for name in ("unknown_removals", "orphan_stores", "total_stored", "total_removed", "num_batches",
-                     "last_seq", "block_size", "_num_blocks", "version"):
-            setattr(clone, name, getattr(self, name))
         return clone
 
 

@@ -207,7 +207,7 @@ class CaptureReplay:
         mirrors = {r: m.copy() for r, m in mirrors0.items()}
         errors = list(errors0)
         for k in range(base, position):
-            self._apply(mirrors, errors, self.capture.batches[k])
+            self.apply_batch(mirrors, errors, self.capture.batches[k])
             if (k + 1) % self.every == 0 and k + 1 not in self._checkpoints:
                 self._checkpoints[k + 1] = ({r: m.copy() for r, m in mirrors.items()}, list(errors))
                 self._thin()
@@ -219,7 +219,9 @@ class CaptureReplay:
             self._checkpoints = {k: v for k, v in self._checkpoints.items() if k % self.every == 0}
 
     @staticmethod
-    def _apply(mirrors: dict[int, PrefixCacheMirror], errors: list[str], b: CaptureBatch) -> None:
+    def apply_batch(mirrors: dict[int, PrefixCacheMirror], errors: list[str], b: CaptureBatch) -> None:
+        """Apply one capture batch to its rank's mirror: an unreadable one goes to ``errors``, a sequence
+        number not above the last is a publisher restart, a jump is a gap (nothing can be replayed)."""
         mirror = mirrors[b.rank]
         try:
             batch = decode_batch(b.payload)

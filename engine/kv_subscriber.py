@@ -33,11 +33,10 @@ from zmq.utils.monitor import recv_monitor_message
 from .cache_mirror import PrefixCacheMirror
 from .config import check_endpoint
 from .kv_events import MalformedBatch, decode_batch
+from .kv_publisher import END_SEQ
+from .records import plural
 
-SILENT_AFTER_S = 5.0
-END_SEQ = (-1).to_bytes(8, "big", signed=True)  # "live" turns "idle" after this long without a batch
-
-
+SILENT_AFTER_S = 5.0  # "live" turns "idle" after this long without a batch
 MAX_REPLAY_ROUNDS = 100  # replay requests per gap (each round brings at least one batch, or ends)
 
 
@@ -46,13 +45,6 @@ class _ReplayResult:
     applied: int = 0       # batches applied from the replay socket
     skipped: int = 0       # batches asked for that the publisher no longer buffers
     answered: bool = False  # the replay socket answered at all
-    rounds: int = 0        # extra requests made after holes
-
-
-def _n(count: int, one: str, many: str | None = None) -> str:
-    """'1 batch', '2 batches'."""
-    many = many or (one + "es" if one.endswith(("ch", "s")) else one + "s")
-    return f"{count:,} {one if count == 1 else many}"
 
 
 @dataclass
@@ -119,12 +111,10 @@ class KVEventSubscriber:
         self.capture: deque[RawBatch] = deque(maxlen=max_capture)
         self.capture_dropped = 0
         self.received = self.replayed = self.malformed = self.gaps = self.lost = 0
-        self.errors: deque[str] = deque(maxlen=50)
-        self.last_error: str | None = None
+        self.errors: deque[str] = deque(maxlen=50)  # the last is ``last_error``
         self.last_batch_at: float | None = None
         self._last_seq: int | None = None   # the last batch applied (live or replayed)
         self._live_last: int | None = None  # the last batch received on the live socket
-        self.restarts = 0
         self._conn = "connecting"  # from the socket monitor
         self._sync_pending = False  # (re)connected: ask the replay socket for what the stream missed
         self._ctx = zmq.Context.instance()
@@ -162,6 +152,10 @@ class KVEventSubscriber:
         """The raw batches kept so far (for a capture), oldest first."""
         with self._lock:
             return list(self.capture)
+
+    @property
+    def last_error(self) -> str | None:
+        return self.errors[-1] if self.errors else None
 
     @property
     def state(self) -> str:
@@ -265,7 +259,6 @@ class KVEventSubscriber:
             # number not above the last live one means a new publisher: the server restarted.
             with self._lock:
                 self.mirror.restart(seq)
-                self.restarts += 1
             self._error(f"the publisher restarted (sequence number {seq} after {self._live_last}); the view "
                         f"starts afresh")
             self._last_seq = None
@@ -282,7 +275,7 @@ class KVEventSubscriber:
                               f"within {self._replay_timeout_ms / 1000:g} s, so batches 0-{seq - 1} are missing")
                     return
                 self._count_unbuffered(0, r)
-                self.note(f"joined at batch {seq}; {_n(r.applied, 'earlier batch', 'earlier batches')} came from "
+                self.note(f"joined at batch {seq}; {plural(r.applied, 'earlier batch', 'earlier batches')} came from "
                           f"the replay socket")
             return
         if seq > last + 1:
@@ -306,7 +299,7 @@ class KVEventSubscriber:
             return
         self._count_unbuffered(start, r)
         if r.applied:
-            self.note(f"(re)connected: {_n(r.applied, 'batch')} from {start + r.skipped} on came from the replay "
+            self.note(f"(re)connected: {plural(r.applied, 'batch', 'batches')} from {start + r.skipped} on came from the replay "
                       f"socket")
 
     def _count_unbuffered(self, start: int, r: _ReplayResult) -> None:
@@ -338,7 +331,6 @@ class KVEventSubscriber:
             outcome, expected = self._replay_round(expected, until, r)
             if outcome != "hole":
                 break
-            r.rounds += 1
         return r
 
     def _replay_round(self, expected: int, until: int | None, r: _ReplayResult) -> tuple[str, int]:
@@ -387,7 +379,6 @@ class KVEventSubscriber:
 
     def _error(self, text: str) -> None:
         with self._lock:
-            self.last_error = text
             self.errors.append(text)
 
     def _close(self) -> None:

@@ -20,6 +20,11 @@ from typing import Iterable, Iterator
 
 from pydantic import TypeAdapter, ValidationError
 
+
+def plural(count: int, one: str, many: str | None = None) -> str:
+    """'1 block', '2 blocks', '1,000 prefixes' (``many`` where adding "s" is wrong)."""
+    return f"{count:,} {one if count == 1 else (many or one + 's')}"
+
 class EventKind(StrEnum):
     """Kinds of allocator / scheduler event a StepRecord may carry (a ``str``: compares equal to its value)."""
 

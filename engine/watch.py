@@ -184,7 +184,7 @@ def replay(args, out=sys.stdout) -> int:
             time.sleep(max(0.0, (b.t - previous_t) / args.speed))
         previous_t = b.t
         n_errors = len(errors)
-        CaptureReplay._apply(mirrors, errors, b)
+        CaptureReplay.apply_batch(mirrors, errors, b)
         for e in errors[n_errors:]:
             print(e, file=out)
         if len(errors) == n_errors:

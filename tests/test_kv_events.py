@@ -541,13 +541,18 @@ class LossyReplayPublisher(KVEventPublisher):
             self.answers += 1
 
 
+def join_after(p: KVEventPublisher, n: int) -> KVEventSubscriber:
+    """Publish ``n`` one-block batches, then subscribe: everything must come from the replay socket."""
+    for i in range(n):
+        p.publish([stored([i, 100 + i], 2)[0]])
+    p.flush()
+    return KVEventSubscriber(p.endpoint, p.replay_endpoint)
+
+
 def test_holes_in_a_replay_answer_are_asked_for_again():
     p = LossyReplayPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", lose={3, 4, 7})
     try:
-        for i in range(10):
-            p.publish([stored([i, 100 + i], 2)[0]])
-        p.flush()
-        sub = KVEventSubscriber(p.endpoint, p.replay_endpoint)
+        sub = join_after(p, 10)
         try:
             assert sub.wait_for(lambda v: v.received == 10, 10), sub.view()
             v = sub.view()
@@ -562,10 +567,7 @@ def test_holes_in_a_replay_answer_are_asked_for_again():
 def test_batches_the_publisher_no_longer_buffers_are_counted_lost_and_said():
     p = KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", buffer_steps=4)
     try:
-        for i in range(10):
-            p.publish([stored([i, 100 + i], 2)[0]])
-        p.flush()
-        sub = KVEventSubscriber(p.endpoint, p.replay_endpoint)
+        sub = join_after(p, 10)
         try:
             assert sub.wait_for(lambda v: v.received == 4, 10), sub.view()
             v = sub.view()
@@ -654,3 +656,12 @@ def test_metrics_parse_and_a_page_that_is_not_metrics():
         srv.shutdown()
     with pytest.raises(ValueError, match="cannot read metrics from http://127.0.0.1:1/metrics"):
         fetch_metrics("http://127.0.0.1:1/metrics")
+
+
+def test_a_copy_taken_between_a_restart_and_the_next_batch_keeps_the_restart():
+    m = PrefixCacheMirror()
+    m.apply(0, 1.0, [stored([1, 2], 2)[0]])
+    m.restart(0)
+    clone = m.copy()
+    assert clone.apply(0, 2.0, []).cleared  # the restart marks the next batch, in the copy too
+    assert clone.blocks is not m.blocks and clone.history is not m.history

@@ -87,6 +87,11 @@ class MetricsPoller:
                     del self.scrapes[:-MAX_SCRAPES]
             self._stop.wait(METRICS_EVERY_S)
 
+    def history(self) -> list:
+        """(time, values) of every scrape kept, oldest first."""
+        with self._lock:
+            return list(self.scrapes)
+
     def latest(self) -> tuple[dict | None, str | None, float | None]:
         with self._lock:
             return self.values, self.error, self.at
@@ -129,8 +134,7 @@ class LiveSet:
         capture = capture_from_raw(raws, header)
         if self.poller is not None and raws:
             t0 = min(r.recv_ts for r in raws)
-            with self.poller._lock:
-                scrapes = list(self.poller.scrapes)
+            scrapes = self.poller.history()
             capture.metrics = [{"rank": 0, "t": round(at - t0, 6), "values": values}
                                for at, values in scrapes if at >= t0]
         return dumps_capture(capture)

@@ -30,6 +30,7 @@ from typing import Callable, Iterable
 import plotly.graph_objects as go
 
 from engine import metrics
+from engine.records import plural  # noqa: F401  (the Server page reads it from here too)
 
 from .colors import PALETTE
 
@@ -44,11 +45,6 @@ VLLM_EVENTS_FLAG = ("--kv-events-config '{\"enable_kv_cache_events\": true, \"pu
 
 
 # ------------------------------------------------------------------------------------------------ numbers
-def plural(count: int, one: str, many: str | None = None) -> str:
-    """'1 block', '2 blocks', '1,000 prefixes' (with many='prefixes')."""
-    return f"{count:,} {one if count == 1 else (many or one + 's')}"
-
-
 def rank_numbers(mirror, num_gpu_blocks: int | None = None) -> dict:
     """One rank's cache in numbers: ``blocks`` (physical, copies counted), ``prefixes`` (distinct hashes),
     ``tokens``, ``roots`` (prefix trees), ``pool_share_pct`` (``metrics.cached_share_pct``; None without the

@@ -52,9 +52,28 @@ import hashlib
 from collections import OrderedDict
 
 from .metrics import blocks_for
-from .records import EventKind, EventLog
+from .records import EventKind, EventLog, PoolDelta
 
 NONE_HASH = ""
+
+
+class TrackedList(list):
+    """A list of fixed length that adds the index of every item write to ``dirty`` (a set shared by the
+    lists it tracks), so the block manager knows which blocks a step changed without scanning the pool.
+    Reads stay those of a plain list."""
+
+    __slots__ = ("dirty",)
+
+    def __init__(self, values=(), dirty: set[int] | None = None) -> None:
+        super().__init__(values)
+        self.dirty = dirty if dirty is not None else set()
+
+    def __setitem__(self, index, value) -> None:
+        if isinstance(index, slice):
+            self.dirty.update(range(*index.indices(len(self))))
+        else:
+            self.dirty.add(index % len(self))  # a negative index names the same block
+        super().__setitem__(index, value)
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -104,13 +123,18 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.evict_uncached_first = evict_uncached_first
         self.free_block_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        self.ref_counts = [0] * num_blocks
-        self.fills = [0] * num_blocks
+        # Writes to the per-block lists mark the block in ``_dirty``, so a step's snapshot records only the
+        # blocks it changed (``snapshot_fields``); ``_snapshot`` is the last one taken (None: next is full).
+        self._dirty: set[int] = set()
+        self._swap_dirty: set[int] = set()
+        self._snapshot = None
+        self.ref_counts = TrackedList([0] * num_blocks, self._dirty)
+        self.fills = TrackedList([0] * num_blocks, self._dirty)
         self.block_tables: dict[str, list[int]] = {}
         self.num_tokens: dict[str, int] = {}
         # prefix caching
         self.token_ids: dict[str, list[int]] = {}  # tokens of sequences that gave them (for hashing)
-        self.block_hashes: list[str | None] = [None] * num_blocks
+        self.block_hashes: list[str | None] = TrackedList([None] * num_blocks, self._dirty)
         self.cached_blocks: dict[str, dict[int, None]] = {}  # hash -> every block with it (an ordered set)
         self.stats = {"requests": 0, "queries": 0, "hits": 0, "preempted_requests": 0, "preempted_queries": 0,
                       "preempted_hits": 0, "evictions": 0}
@@ -119,7 +143,7 @@ class BlockManager:
         self.num_swap_blocks = num_swap_blocks
         self.swap_free: list[int] = list(range(num_swap_blocks))
         self.swap_ref_counts = [0] * num_swap_blocks
-        self.swap_fills = [0] * num_swap_blocks
+        self.swap_fills = TrackedList([0] * num_swap_blocks, self._swap_dirty)
         self.swap_tables: dict[str, list[int]] = {}
         self.swap_num_tokens: dict[str, int] = {}
         self.pending_ops: list[tuple[str, int, int]] = []
@@ -244,8 +268,28 @@ class BlockManager:
     max_seqs_per_request = None  # any number of samples / beams share blocks
 
     def snapshot_fields(self) -> dict:
-        """The allocator's part of a ``records.Snapshot``."""
-        return self.pool_fields()
+        """The allocator's part of a ``records.Snapshot`` for ``records.make_snapshot``: the full per-block
+        lists the first time, afterwards only the blocks written since the previous call (a ``PoolDelta``),
+        so its cost follows what the step changed, not the pool's size."""
+        if self._snapshot is None:
+            fields = self.pool_fields()
+        else:
+            owners: dict[int, list[str]] = {b: [] for b in self._dirty}
+            for seq_id, table in self.block_tables.items():
+                for b in table:
+                    if b in owners:
+                        owners[b].append(seq_id)
+            blocks = {b: (self.ref_counts[b], self.fills[b], owners[b], self.block_hashes[b]) for b in self._dirty}
+            swap = {c: self.swap_fills[c] for c in self._swap_dirty}
+            fields = self.pool_fields(lists=False)
+            fields["pool_delta"] = PoolDelta(self._snapshot, blocks, swap)
+        self._dirty.clear()
+        self._swap_dirty.clear()
+        return fields
+
+    def snapshot_taken(self, snapshot) -> None:
+        """Called with the snapshot built from the last ``snapshot_fields``: the next one is relative to it."""
+        self._snapshot = snapshot
 
     def invariant_violations(self) -> list[str]:
         """Broken invariants (empty when consistent): counts equal table references, free exactly at count
@@ -271,14 +315,17 @@ class BlockManager:
                     for b in blocks if self.block_hashes[b] != h]
         return bad
 
-    def pool_fields(self) -> dict:
+    def pool_fields(self, lists: bool = True) -> dict:
         """The pool's part of a ``records.Snapshot`` (per-block lists indexed by physical block id), so a
-        lesson driving a bare manager draws it with the same figures as the engine's snapshots."""
-        return dict(num_blocks=self.num_blocks, block_size=self.block_size, num_free_blocks=self.num_free_blocks,
-                    ref_counts=list(self.ref_counts), fills=list(self.fills), owners=self.owners(),
-                    block_hashes=list(self.block_hashes), num_swap_blocks=self.num_swap_blocks,
-                    num_free_swap_blocks=self.num_free_swap_blocks, swap_fills=list(self.swap_fills),
-                    prefix_cache=dict(self.stats))
+        lesson driving a bare manager draws it with the same figures as the engine's snapshots.
+        ``lists=False``: only the fields that are not per-block lists."""
+        fields = dict(num_blocks=self.num_blocks, block_size=self.block_size, num_free_blocks=self.num_free_blocks,
+                      num_swap_blocks=self.num_swap_blocks, num_free_swap_blocks=self.num_free_swap_blocks,
+                      prefix_cache=dict(self.stats))
+        if lists:
+            fields.update(ref_counts=list(self.ref_counts), fills=list(self.fills), owners=self.owners(),
+                          block_hashes=list(self.block_hashes), swap_fills=list(self.swap_fills))
+        return fields
 
     # ----------------------------------------------------------------------------------------- changes
     def allocate(self, seq_id: str, num_tokens: int, token_ids: list[int] | None = None) -> list[int]:
@@ -543,9 +590,10 @@ class BlockManager:
         if self.num_used_blocks:
             return False
         dropped = sum(h is not None for h in self.block_hashes)
-        self.block_hashes = [None] * self.num_blocks
+        self.block_hashes = TrackedList([None] * self.num_blocks, self._dirty)
         self.cached_blocks = {}
-        self.fills = [0] * self.num_blocks
+        self.fills = TrackedList([0] * self.num_blocks, self._dirty)
+        self._snapshot = None  # every block changed: the next snapshot is a full one
         self.stats.update({k: 0 for k in self.stats if k != "evictions"})
         self.kv_events.append({"type": "AllBlocksCleared"})
         self.log.emit(EventKind.RESET_PREFIX_CACHE, None, [],

@@ -32,7 +32,7 @@ from .config import DEFAULT_MAX_NUM_BATCHED_TOKENS_V1, EngineConfig, SamplingPar
 from .kv_cache import KVCache, num_blocks_for_budget
 from .model_loader import geometry_from_config, load_model, resolve_device, resolve_dtype
 from .model_runner import ModelRunner, SeqInput
-from .records import EventLog, ScheduledSequence, SequenceState, Snapshot, StepRecord
+from .records import EventLog, ScheduledSequence, SequenceState, Snapshot, StepRecord, make_snapshot
 from .sampler import sample_batch
 from .scheduler import Scheduler
 from .scheduler_v1 import SchedulerV1
@@ -145,6 +145,7 @@ class LLMEngine:
             self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, max_batched,
                                        config.preemption_mode, log=self.log)
         self.requests: dict[str, Request] = {}
+        self._token_text: dict[int, str] = {}  # token id -> its text alone (StepRecord.new_text)
         self.parents: dict[str, list[str]] = {}  # V1: a request with n > 1 -> its child requests' ids
         self._arrivals = 0
         self.step_count = 0
@@ -447,7 +448,10 @@ class LLMEngine:
 
     def _emit(self, out: "_StepOutput", seq: Sequence, token: int) -> None:
         out.tokens[seq.seq_id] = token
-        out.text[seq.seq_id] = self.tokenizer.decode([token])
+        text = self._token_text.get(token)
+        if text is None:  # decoded once per token id: a step emits one text per sequence
+            text = self._token_text[token] = self.tokenizer.decode([token])
+        out.text[seq.seq_id] = text
 
     def _fork_samples(self, req: Request, rows: dict) -> None:
         """Parallel sampling: right after the prompt's prefill, fork the ``n - 1`` other samples off the
@@ -613,7 +617,10 @@ class LLMEngine:
         queues = dict(waiting=[r.request_id for r in self.scheduler.waiting],
                       running=[r.request_id for r in self.scheduler.running],
                       swapped=[r.request_id for r in self.scheduler.swapped])
-        return Snapshot(sequences=states, **bm.snapshot_fields(), **queues)
+        snapshot = make_snapshot(sequences=states, **bm.snapshot_fields(), **queues)
+        if hasattr(bm, "snapshot_taken"):  # the paged manager records relative to its last snapshot
+            bm.snapshot_taken(snapshot)
+        return snapshot
 
     def get_output(self, request_id: str) -> RequestOutput:
         """The request's output so far (``finish_reason`` None while it runs). Raises KeyError if unknown.

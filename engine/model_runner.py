@@ -17,9 +17,11 @@ code short, and it stays the model's math: our tests check greedy tokens and log
 from __future__ import annotations
 
 import sys
+import threading
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 import kernels
 
@@ -56,6 +58,7 @@ class ModelRunner:
         # The model's own RoPE function (Qwen, Mistral, Llama each define theirs in their module).
         self.apply_rope = sys.modules[type(first_attn).__module__].apply_rotary_pos_emb
         self.head_dim = first_attn.head_dim
+        self.layers = [_fused_layer(layer) for layer in base.layers]
 
     @torch.inference_mode()
     def execute(self, seqs: list[SeqInput]) -> torch.Tensor:
@@ -91,25 +94,94 @@ class ModelRunner:
         num_tokens = input_ids.shape[0]
         h = base.embed_tokens(input_ids)[None]  # [1, T, hidden]: the modules expect a batch dim
         cos, sin = base.rotary_emb(h, positions[None])
-        for layer_idx, layer in enumerate(base.layers):
+        for layer_idx, fl in enumerate(self.layers):
             residual = h
-            x = layer.input_layernorm(h)
-            attn = layer.self_attn
-            q = attn.q_proj(x).view(1, num_tokens, -1, self.head_dim)
-            k = attn.k_proj(x).view(1, num_tokens, -1, self.head_dim)
-            v = attn.v_proj(x).view(1, num_tokens, -1, self.head_dim)
-            if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over head_dim before RoPE
-                q, k = attn.q_norm(q), attn.k_norm(k)
+            x = fl.input_layernorm(h)
+            q, k, v = F.linear(x, fl.qkv_weight, fl.qkv_bias).split(fl.qkv_sizes, dim=-1)
+            q = q.view(1, num_tokens, -1, self.head_dim)
+            k = k.view(1, num_tokens, -1, self.head_dim)
+            v = v.view(1, num_tokens, -1, self.head_dim)
+            if fl.q_norm is not None:  # Qwen3: RMSNorm over head_dim before RoPE
+                q, k = fl.q_norm(q), fl.k_norm(k)
             q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [1, heads, T, D]
             q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0]  # [T, heads, D]
             kc, vc = self.kv_cache.key_cache[layer_idx], self.kv_cache.value_cache[layer_idx]
             kernels.write_kv(k, v, kc, vc, slot_mapping, backend=self.backend)
             if self.contiguous:
                 o = kernels.contiguous_attention(q, kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:]), *meta,
-                                                 scale=attn.scaling)
+                                                 scale=fl.scaling)
             else:
-                o = kernels.paged_attention(q.contiguous(), kc, vc, *meta, scale=attn.scaling, backend=self.backend,
+                o = kernels.paged_attention(q.contiguous(), kc, vc, *meta, scale=fl.scaling, backend=self.backend,
                                             **maxima)
-            h = residual + attn.o_proj(o.reshape(1, num_tokens, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = residual + fl.o_proj(o.reshape(1, num_tokens, -1))
+            gate, up = F.linear(fl.post_attention_layernorm(h), fl.gate_up_weight, fl.gate_up_bias).chunk(2, dim=-1)
+            h = h + fl.down_proj(fl.act_fn(gate) * up)
         return base.norm(h)[0]
+
+
+@dataclass
+class _FusedLayer:
+    """One decoder layer's modules and its projections as one matrix each: q, k and v in one ``[q+k+v,
+    hidden]`` weight and the MLP's gate and up in one ``[2 x intermediate, hidden]`` weight (vLLM's
+    ``QKVParallelLinear`` and ``MergedColumnParallelLinear``): 2 matrix products where there were 5."""
+
+    input_layernorm: torch.nn.Module
+    post_attention_layernorm: torch.nn.Module
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    qkv_sizes: list[int]
+    q_norm: torch.nn.Module | None
+    k_norm: torch.nn.Module | None
+    o_proj: torch.nn.Module
+    scaling: float
+    gate_up_weight: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down_proj: torch.nn.Module
+    act_fn: torch.nn.Module
+
+
+_FUSE_LOCK = threading.Lock()
+
+
+def _fused_layer(layer) -> _FusedLayer:
+    attn, mlp = layer.self_attn, layer.mlp
+    with _FUSE_LOCK:  # the app shares one model between sessions; the first runner fuses it, once
+        qkv_w, qkv_b = _fuse(attn.q_proj, attn.k_proj, attn.v_proj)
+        gate_up_w, gate_up_b = _fuse(mlp.gate_proj, mlp.up_proj)
+    return _FusedLayer(layer.input_layernorm, layer.post_attention_layernorm, qkv_w, qkv_b,
+                       [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features],
+                       getattr(attn, "q_norm", None), getattr(attn, "k_norm", None), attn.o_proj, attn.scaling,
+                       gate_up_w, gate_up_b, mlp.down_proj, mlp.act_fn)
+
+
+def _fuse(*linears: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One ``[sum of out_features, in]`` weight (and bias) for ``linears``, without a second copy: their
+    own weights become views into it, so the model (``generate`` included) reads the same memory and
+    stays as it was. Idempotent: already fused linears return the tensor they share."""
+    weights = [m.weight for m in linears]
+    base = weights[0].data
+    if all(w.data.data_ptr() == base.data_ptr() + sum(x.numel() for x in weights[:i]) * base.element_size()
+           and w.data.is_contiguous() for i, w in enumerate(weights)) and base._base is not None:
+        fused_w = base._base
+    else:
+        fused_w = torch.cat([w.data for w in weights], dim=0)
+        _point_into(weights, fused_w)
+    biases = [m.bias for m in linears]
+    if any(b is None for b in biases):
+        if any(b is not None for b in biases):  # mixed: keep the biases apart, add them after the product
+            raise ValueError("cannot fuse projections of which only some have a bias")
+        return fused_w, None
+    b0 = biases[0].data
+    if b0._base is not None and b0._base.numel() == sum(b.numel() for b in biases):
+        return fused_w, b0._base
+    fused_b = torch.cat([b.data for b in biases], dim=0)
+    _point_into(biases, fused_b)
+    return fused_w, fused_b
+
+
+def _point_into(params: list[torch.nn.Parameter], fused: torch.Tensor) -> None:
+    start = 0
+    for p in params:
+        n = p.shape[0]
+        p.data = fused[start:start + n]
+        start += n

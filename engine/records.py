@@ -13,7 +13,8 @@ from __future__ import annotations
 import functools
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field
+from dataclasses import fields as dataclass_fields
 from enum import StrEnum
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -192,6 +193,14 @@ class Snapshot:
     allocator: str = "paged"
     contiguous: dict | None = None
 
+    def __getattr__(self, name: str):
+        # Only reached for an attribute not set yet: the per-block lists of a snapshot built from a
+        # ``PoolDelta`` (``make_snapshot``), filled in on first read.
+        if name in POOL_LIST_FIELDS and "_pool_delta" in self.__dict__:
+            _materialize(self)
+            return self.__dict__[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
@@ -211,6 +220,58 @@ class Snapshot:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+
+POOL_LIST_FIELDS = ("ref_counts", "fills", "owners", "block_hashes", "swap_fills")
+
+
+@dataclass
+class PoolDelta:
+    """What changed in the pool's per-block lists since the previous step's snapshot ``prev``.
+
+    ``blocks``: physical block id -> (reference count, fill, owners, hash) after the step; ``swap_fills``:
+    swap-pool block id -> fill. A step touches a handful of blocks, so recording only those keeps a step's
+    cost independent of the pool's size (a full snapshot of a 65,536-block pool took ~8 ms a step); the
+    full lists are built when a view first reads them (``Snapshot.__getattr__``).
+    """
+
+    prev: "Snapshot"
+    blocks: dict[int, tuple[int, int, list[str], str | None]]
+    swap_fills: dict[int, int]
+
+
+def make_snapshot(**fields) -> "Snapshot":
+    """A ``Snapshot`` from an allocator's ``snapshot_fields`` plus the engine's: when they carry a
+    ``pool_delta`` instead of the per-block lists, those lists are left to be built on first read."""
+    delta = fields.pop("pool_delta", None)
+    if delta is None:
+        return Snapshot(**fields)
+    snap = object.__new__(Snapshot)
+    defaults = {f.name: (f.default_factory() if f.default_factory is not MISSING else f.default)
+                for f in dataclass_fields(Snapshot) if f.name not in POOL_LIST_FIELDS}
+    snap.__dict__.update({k: v for k, v in defaults.items() if v is not MISSING})
+    snap.__dict__.update(fields)
+    snap.__dict__["_pool_delta"] = delta
+    return snap
+
+
+def _materialize(snap: "Snapshot") -> None:
+    """Build ``snap``'s per-block lists: copy the nearest snapshot back whose lists exist, then apply every
+    delta since, oldest first. Iterative, so a long unviewed run costs no recursion depth."""
+    chain, base = [], snap
+    while "ref_counts" not in base.__dict__:
+        delta = base.__dict__["_pool_delta"]
+        chain.append(delta)
+        base = delta.prev
+    counts, fills, owners = list(base.ref_counts), list(base.fills), list(base.owners)
+    hashes, swap_fills = list(base.block_hashes), list(base.swap_fills)
+    for delta in reversed(chain):
+        for b, (count, fill, who, h) in delta.blocks.items():
+            counts[b], fills[b], owners[b], hashes[b] = count, fill, who, h
+        for c, fill in delta.swap_fills.items():
+            swap_fills[c] = fill
+    snap.__dict__.update(ref_counts=counts, fills=fills, owners=owners, block_hashes=hashes, swap_fills=swap_fills)
+    del snap.__dict__["_pool_delta"]  # its lists exist now; the chain behind it is not needed for them
 
 
 @dataclass

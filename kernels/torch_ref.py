@@ -1,12 +1,15 @@
 """Pure-PyTorch reference paged attention and KV write: the CPU backend and the kernels' test oracle.
 
-Readable rather than fast: for each sequence it gathers K/V through the block table into a contiguous
-tensor and runs ordinary causal attention on it, in float32. The Triton kernels must match it.
+It gathers K/V through the block tables into contiguous, padded tensors (one indexed read of the pool) and
+runs ordinary masked attention on them in float32: a whole decode batch in one call, prefill chunks one
+sequence at a time (``causal_attention``). The Triton kernels
+must match it.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -54,39 +57,76 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
 
     A decode step (one query per sequence) is computed for the whole batch at once, over contexts padded to
-    the longest; prefill goes sequence by sequence.
+    the longest; prefill chunks one by one (a padded batch of 27 prompts of up to 160 tokens measured 132-162
+    ms a step against 109-117 ms one by one: the padding and the explicit mask cost more than the calls).
     """
     num_seqs = context_lens.shape[0]
     max_q = max_query_len or int((query_start_loc[1:] - query_start_loc[:-1]).max())
     if max_q == 1 and query.shape[0] == num_seqs:
-        max_ctx = max_context_len or int(context_lens.max())
-        block_size = key_cache.shape[1]
-        tables = block_tables[:, : -(-max_ctx // block_size)].long().clamp(min=0)  # -1 padding is masked below
-        k = key_cache[tables].flatten(1, 2)  # [num_seqs, padded_ctx, Hk, D]
-        v = value_cache[tables].flatten(1, 2)
-        return _decode(query, k, v, context_lens, scale)
+        return _paged_decode(query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len)
+    # A mixed step (vLLM V1: decode tokens and prefill chunks together): the one-query rows as one decode
+    # batch, each longer chunk on its own (measured: padding prefill chunks into one call was not faster).
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
-    for i, ctx in enumerate(context_lens.tolist()):
-        k = gather_kv(key_cache, block_tables[i], ctx)
-        v = gather_kv(value_cache, block_tables[i], ctx)
-        out[starts[i]:starts[i + 1]] = causal_attention(query[starts[i]:starts[i + 1]], k, v, scale)
+    q_lens = [starts[i + 1] - starts[i] for i in range(num_seqs)]
+    ctxs = context_lens.tolist()
+    single = [i for i in range(num_seqs) if q_lens[i] == 1]
+    if single:
+        rows = torch.tensor([starts[i] for i in single], device=query.device)
+        idx = torch.tensor(single, device=query.device)
+        out[rows] = _paged_decode(query[rows], key_cache, value_cache, block_tables[idx], context_lens[idx], scale,
+                                  max(ctxs[i] for i in single))
+    for i in range(num_seqs):
+        if q_lens[i] > 1:  # one by one: SDPA's causal mask skips half the work, no padding to pay
+            k = gather_kv(key_cache, block_tables[i], ctxs[i])
+            v = gather_kv(value_cache, block_tables[i], ctxs[i])
+            out[starts[i]:starts[i + 1]] = causal_attention(query[starts[i]:starts[i + 1]], k, v, scale)
     return out
+
+
+def _paged_decode(query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len) -> torch.Tensor:
+    """One query token per sequence: every context gathered in one indexed read, padded to the longest.
+
+    The gathered K/V stay in the pool's ``[token, kv_head, D]`` order and are multiplied one KV head at a
+    time: each head's ``[seqs, tokens, D]`` slice is a strided matrix BLAS reads in place, where one
+    batched matmul over ``[seqs, kv_heads]`` would first copy it (measured 1.4 ms vs 2.5 ms for 8 x 1,564
+    tokens; the results are bit-identical)."""
+    max_ctx = max_context_len or int(context_lens.max())
+    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+    tables = block_tables[:, : -(-max_ctx // block_size)].long().clamp(min=0).flatten()  # -1 padding: masked
+    num_seqs, num_heads = query.shape[:2]
+    length = tables.shape[0] // num_seqs * block_size
+    k = key_cache.index_select(0, tables).view(num_seqs, length, num_kv_heads, head_dim).float()
+    v = value_cache.index_select(0, tables).view(num_seqs, length, num_kv_heads, head_dim).float()
+    q = query.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    pad = (torch.arange(length, device=query.device)[None, :] >= context_lens[:, None])[:, None, :]
+    out = torch.empty_like(q)
+    for h in range(num_kv_heads):
+        scores = torch.matmul(q[:, h], k[:, :, h].transpose(1, 2))  # [S, G, L]
+        scores.mul_(scale)
+        scores.masked_fill_(pad, float("-inf"))
+        out[:, h] = torch.matmul(torch.softmax(scores, dim=-1), v[:, :, h])  # [S, G, D]
+    return out.view(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """One sequence: queries ``[q_len, Hq, D]`` are its last q_len positions; ``k, v`` ``[ctx, Hk, D]``.
-    Float32 math, grouped-query heads; returns ``[q_len, Hq, D]`` in the query's dtype."""
-    q_len, num_heads, head_dim = q.shape
-    ctx, num_kv_heads, _ = k.shape
-    group = num_heads // num_kv_heads
-    qg = q.float().view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hk, G, q_len, D]
-    scores = torch.matmul(qg, k.float().permute(1, 2, 0)[:, None]) * scale  # [Hk, G, q_len, ctx]
-    q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
-    k_pos = torch.arange(ctx, device=q.device)
-    scores.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), v.float().permute(1, 0, 2)[:, None])  # [Hk, G, q_len, D]
-    return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim).to(q.dtype)
+    Float32 math, grouped-query heads; returns ``[q_len, Hq, D]`` in the query's dtype.
+
+    PyTorch's ``scaled_dot_product_attention`` with the causal mask aligned to the context's end (query
+    ``i`` sits at position ``ctx - q_len + i``): its CPU kernel works tile by tile instead of materialising
+    the ``[heads, q_len, ctx]`` scores (4.4x faster for a 1,000-token chunk over 1,500 tokens, same result
+    within 4e-7)."""
+    q_len, ctx = q.shape[0], k.shape[0]
+    if q_len == ctx:  # a whole prompt: SDPA's own causal mask skips the masked tiles (2x faster, same bits)
+        mask = {"is_causal": True}
+    else:  # a later chunk: every earlier token, then causal within the chunk
+        mask = {"attn_mask": torch.arange(ctx, device=q.device)[None, :]
+                <= torch.arange(ctx - q_len, ctx, device=q.device)[:, None]}
+    out = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None],
+                                         v.float().transpose(0, 1)[None], scale=scale, enable_gqa=True,
+                                         **mask)  # [1, Hq, q_len, D]
+    return out[0].transpose(0, 1).to(q.dtype)
 
 
 def _decode(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_lens: torch.Tensor,

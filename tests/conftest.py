@@ -18,6 +18,11 @@ import pytest
 import torch
 
 from engine import EMBEDDED_MODEL, EngineConfig, LLMEngine
+from engine.threads import configure_threads
+
+# The cores free right now, as the CLI does: with torch's default (all cores) a test run on a machine busy with
+# other work slowed down up to 10x while its thread pool fought for the cores (docs/benchmarks.md, cpu-threads).
+configure_threads("cli")
 
 # A fixed English text; tests cut prompts of exact token lengths from its encoding.
 TEXT = (

@@ -478,7 +478,8 @@ def render(args, cores: int, cases: list[dict], workloads: list[BenchWorkload], 
         f"in-process, `enforce_eager`, async scheduling off, outputs streamed per step (`RequestOutputKind.DELTA`), "
         f"one engine per workload built and warmed up untimed, `reset_prefix_cache()` before every run. "
         f"Torch/OpenMP threads for both engines: `engine.threads.choose_num_threads(\"cli\")` at each case's start "
-        f"({threads_why}). Busy: {args.burners} processes spinning on a core each; cores busy measured over 1 s "
+        f"({threads_why}); the lab's process with the app's garbage-collector setting "
+        f"(`engine.threads.configure_gc`). Busy: {args.burners} processes spinning on a core each; cores busy measured over 1 s "
         f"from /proc/stat at the case's start.")
     method = (
         f"Runs alternate vLLM, lab (records on), lab (records off), {args.runs} each; tokens/s: the median (range) "
@@ -518,7 +519,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from engine.threads import available_cores, busy_cores, choose_num_threads
+    from engine.threads import available_cores, busy_cores, choose_num_threads, configure_gc
+
+    configure_gc()  # the lab runs as the app and the CLI run it (engine/threads.py)
 
     from .report import write_section
     from .threads import burners

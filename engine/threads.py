@@ -20,6 +20,13 @@ The choice (``choose_num_threads``), by role:
 
 ``configure_threads`` applies it once, at a program's start (``python -m engine``, ``app.py``); the library
 (``LLMEngine``) never changes a process-wide setting behind its caller's back.
+
+The garbage collector is the other process-wide setting (``configure_gc``, same callers): every step makes a
+few thousand small objects (its record's sequence states and token lists), so CPython's youngest generation
+(700 allocations by default) was collected several times a step, each pass walking the records kept so far.
+A threshold of 20,000 took `chat-workload` with step records kept from 2,012-2,223 to 2,115-2,282 tokens/s
+(3 alternated runs each, 1 thread; records dropped: 2,217-2,269), i.e. keeping records costs no longer
+measurably. vLLM freezes its startup heap (``gc.freeze``) for the same reason; ``configure_gc`` does that too.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from __future__ import annotations
 import os
 
 ENV = "PAL_NUM_THREADS"
+_gc_configured = False
+GC_THRESHOLD0 = 20_000  # allocations between collections of the youngest generation (CPython's default: 700)
 
 
 def available_cores() -> int:
@@ -87,3 +96,19 @@ def configure_threads(role: str = "cli") -> tuple[int, str]:
     n, why = choose_num_threads(role)
     torch.set_num_threads(n)
     return n, why
+
+
+def configure_gc() -> None:
+    """Collect once, freeze what is alive now (the loaded modules: never garbage, never walked again) and
+    collect the youngest generation every ``GC_THRESHOLD0`` allocations instead of 700 (see above). Once per
+    process: Streamlit runs ``app.py`` again on every interaction, and a full collection is not free."""
+    import gc
+
+    global _gc_configured
+    if _gc_configured:
+        return
+    _gc_configured = True
+    gc.collect()
+    gc.freeze()
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(GC_THRESHOLD0, gen1, gen2)

@@ -38,3 +38,22 @@ def test_busy_cores_sees_a_spinning_process():
         assert busy_cores(0.5) >= 0.6  # one core spinning (other work on the machine may add more)
     finally:
         spin.kill()
+
+
+def test_configure_gc_raises_the_threshold_once(monkeypatch):
+    import gc
+
+    from engine import threads
+
+    calls = []
+    monkeypatch.setattr(threads, "_gc_configured", False)
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append("collect") or 0)
+    monkeypatch.setattr(gc, "freeze", lambda: calls.append("freeze"))
+    before = gc.get_threshold()
+    try:
+        threads.configure_gc()
+        threads.configure_gc()  # Streamlit reruns app.py on every interaction: the second call does nothing
+        assert gc.get_threshold()[0] == threads.GC_THRESHOLD0
+        assert calls == ["collect", "freeze"]
+    finally:
+        gc.set_threshold(*before)

@@ -7,10 +7,11 @@ The lesson pages come from ``lessons.catalog()``: adding a lesson under ``lesson
 
 import streamlit as st
 
-from engine.threads import configure_threads
+from engine.threads import configure_gc, configure_threads
 from lessons import catalog
 from lessons.render import keep_widget_state
 
+configure_gc()  # fewer garbage collections per step (engine/threads.py)
 configure_threads("app")  # one intra-op thread per step: sessions step at once (engine/threads.py)
 st.set_page_config(page_title="Paged Attention Lab", page_icon=":material/grid_view:", layout="wide")
 

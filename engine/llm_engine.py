@@ -41,9 +41,10 @@ from .sequence import FINISHED, RUNNING, BeamState, CompletionOutput, Request, R
 BEAM_NEG = -1.0e9  # transformers' "impossible" beam score
 
 DEFAULT_POOL_REQUESTS = 4  # with neither num_blocks nor a budget, the pool holds 4 x max_model_len tokens
-# Every step's record lists every block of the pool (count, fill, owners, hash): measured 5.5 MB a step at
-# 65,536 blocks (tracemalloc, CPython 3.11), so a 3-million-block pool kept ~250 MB a step until the
-# process was killed. A larger pool is refused; the same memory at a larger block size is allowed.
+# A step's record keeps only the blocks the step changed, but a step a view draws builds its full per-block
+# lists (count, fill, owners, hash): 5.5 MB a step at 65,536 blocks (tracemalloc, CPython 3.11), so a
+# 3-million-block pool, when every step was built, kept ~250 MB a step until the process was killed. A
+# larger pool is refused; the same memory at a larger block size is allowed.
 MAX_RECORDED_BLOCKS = 65_536
 
 
@@ -101,7 +102,7 @@ class LLMEngine:
         self.num_blocks = self._pool_blocks(config, model_max)
         if self.num_blocks > MAX_RECORDED_BLOCKS:
             raise ValueError(f"a pool of {self.num_blocks:,} blocks is more than the {MAX_RECORDED_BLOCKS:,} the engine "
-                             f"can record step by step (every step's snapshot lists every block); use a larger "
+                             f"can record step by step (a step drawn lists every block); use a larger "
                              f"block_size than {self.block_size} for the same memory, or a smaller pool")
         capacity = self.num_blocks * self.block_size
         if config.max_model_len is not None and config.max_model_len > capacity:
@@ -145,6 +146,9 @@ class LLMEngine:
             self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, max_batched,
                                        config.preemption_mode, log=self.log)
         self.requests: dict[str, Request] = {}
+        # the requests a snapshot lists: every unfinished one and those finished this step (in add order);
+        # a finished request leaves it, so a step's cost does not grow with every request ever served
+        self._listed: dict[str, Request] = {}
         self._token_text: dict[int, str] = {}  # token id -> its text alone (StepRecord.new_text)
         self.parents: dict[str, list[str]] = {}  # V1: a request with n > 1 -> its child requests' ids
         self._arrivals = 0
@@ -305,6 +309,7 @@ class LLMEngine:
             self._arrivals += 1
         request.arrival = self._arrivals
         self.requests[request.request_id] = request
+        self._listed[request.request_id] = request
         if request.parent_id is not None:
             self.parents.setdefault(request.parent_id, []).append(request.request_id)
         self.scheduler.add(request)
@@ -603,8 +608,9 @@ class LLMEngine:
         live batch."""
         bm = self.block_manager
         states = []
-        for req in self.requests.values():
+        for req in list(self._listed.values()):
             if req.status == FINISHED and req.finish_step != self.step_count:
+                del self._listed[req.request_id]
                 continue
             for seq in req.seqs:
                 held = bm.table_of(seq.seq_id)

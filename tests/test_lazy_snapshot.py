@@ -115,3 +115,22 @@ def test_reset_prefix_cache_makes_the_next_snapshot_full():
     bm.snapshot_taken(object())
     bm.reset_prefix_cache()
     assert "pool_delta" not in bm.snapshot_fields()
+
+
+def test_finished_requests_leave_the_per_step_loops(loaded_model):
+    engine = LLMEngine(EngineConfig(device="cpu", semantics="v1", block_size=16, num_blocks=256, max_model_len=128),
+                       loaded=loaded_model)
+    from engine import SamplingParams
+
+    for i in range(6):
+        engine.add_request([9 + i] * 10, SamplingParams(max_tokens=2 + i, temperature=0.0, ignore_eos=True))
+    seen = []
+    while engine.has_unfinished():
+        rec = engine.step()
+        seen.append({s.request_id for s in rec.snapshot.sequences})
+        finished_now = {engine.requests[r].request_id for r in engine.requests
+                        if engine.requests[r].finish_step == engine.step_count}
+        assert finished_now <= seen[-1]  # a request finishing this step is still listed in its step
+    engine.step()  # idle: everything finished in an earlier step
+    assert engine.snapshot().sequences == [] and not engine._listed
+    assert len(seen[0]) == 6 and len(seen[-1]) == 1

@@ -252,10 +252,13 @@ def run_lab(wl: BenchWorkload, loaded, threads: int, records: bool,
         for rid, r, sp in zip(ids, reqs, params):
             engine.add_request(r.prompt_token_ids, sp, request_id=rid)
         now = t0
+        step_s: list[float] = []
         while engine.has_unfinished():
+            before = time.perf_counter()
             rec = engine.step()
             steps += 1
             now = time.perf_counter()
+            step_s.append(now - before)
             for sid in rec.new_tokens:
                 if sid not in first:
                     first[sid] = now - t0
@@ -270,7 +273,7 @@ def run_lab(wl: BenchWorkload, loaded, threads: int, records: bool,
     if missing:
         raise RuntimeError(f"lab: no first token seen for {missing[:5]}")
     res = summarize(wall, steps, sum(len(o) for o in outputs), [first[rid] for rid in ids])
-    res.update(outputs=outputs, threads=int(torch.get_num_threads()), records_kept=n_records)
+    res.update(outputs=outputs, threads=int(torch.get_num_threads()), records_kept=n_records, step_s=step_s)
     return res
 
 
@@ -343,7 +346,7 @@ class VllmPeer:
         if any(t is None for t in out["ttft_s"]):
             raise PeerError("vLLM: a request returned no token")
         res = summarize(out["wall_s"], out["steps"], out["tokens"], out["ttft_s"])
-        res.update(outputs=out["outputs"], threads=out["threads"])
+        res.update(outputs=out["outputs"], threads=out["threads"], step_s=out["step_s"])
         return res
 
     def close(self) -> None:

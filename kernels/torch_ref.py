@@ -84,6 +84,32 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     return out
 
 
+# A later prefill chunk of at least this many tokens attends in two parts (``_split_chunk_attention``).
+SPLIT_CHUNK_MIN_TOKENS = 512
+# PyTorch's CPU flash-attention kernel, which also returns each row's log-sum-exp (what merging two partial
+# attentions needs); the public ``scaled_dot_product_attention`` runs the same kernel without returning it.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _split_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """A chunk of ``q_len`` tokens after ``ctx - q_len`` cached ones, as ``causal_attention``: against the
+    cached prefix with no mask, against itself with the kernel's own causal mask (which skips the masked
+    half), the two merged by their log-sum-exp as flash-decoding merges splits. An explicit mask would make
+    the kernel compute every one of the ``q_len x ctx`` scores: a 952-token chunk over 1,500 tokens took
+    22.9 ms that way and 15.7 ms split, 1,359 over 1,500 32.5 and 19.6 ms (within 4e-7 of each other)."""
+    q_len, ctx = q.shape[0], k.shape[0]
+    prefix, group = ctx - q_len, q.shape[1] // k.shape[1]
+    qh = q.float().transpose(0, 1)[None]  # [1, Hq, q_len, D]
+    kh = k.float().transpose(0, 1).repeat_interleave(group, 0)[None]  # [1, Hq, ctx, D]: the kernel has no GQA
+    vh = v.float().transpose(0, 1).repeat_interleave(group, 0)[None]
+    out_a, lse_a = _FLASH_CPU(qh, kh[:, :, :prefix], vh[:, :, :prefix], 0.0, False, scale=scale)
+    out_b, lse_b = _FLASH_CPU(qh, kh[:, :, prefix:], vh[:, :, prefix:], 0.0, True, scale=scale)
+    top = torch.maximum(lse_a, lse_b)
+    w_a, w_b = torch.exp(lse_a - top)[..., None], torch.exp(lse_b - top)[..., None]
+    out = (out_a * w_a + out_b * w_b) / (w_a + w_b)
+    return out[0].transpose(0, 1).to(q.dtype)
+
+
 def _paged_decode(query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len) -> torch.Tensor:
     """One query token per sequence: every context gathered in one indexed read, padded to the longest.
 
@@ -118,6 +144,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     the ``[heads, q_len, ctx]`` scores (4.4x faster for a 1,000-token chunk over 1,500 tokens, same result
     within 4e-7)."""
     q_len, ctx = q.shape[0], k.shape[0]
+    if SPLIT_CHUNK_MIN_TOKENS <= q_len < ctx and q.device.type == "cpu" and _FLASH_CPU is not None:
+        return _split_chunk_attention(q, k, v, scale)
     if q_len == ctx:  # a whole prompt: SDPA's own causal mask skips the masked tiles (2x faster, same bits)
         mask = {"is_causal": True}
     else:  # a later chunk: every earlier token, then causal within the chunk

@@ -173,10 +173,13 @@ class Bench:
             for rid, r, sp in zip(ids, requests, params):
                 engine.add_request(rid, {"prompt_token_ids": r["prompt_token_ids"]}, sp)
             t_end = t0
+            step_s: list[float] = []
             while engine.has_unfinished_requests():
+                before = time.perf_counter()
                 outs = engine.step()
                 steps += 1
                 now = time.perf_counter()
+                step_s.append(now - before)
                 for ro in outs:
                     i = index[ro.request_id]
                     new = ro.outputs[0].token_ids
@@ -194,7 +197,7 @@ class Bench:
             raise
         wall = t_end - t0
         return {"wall_s": wall, "steps": steps, "tokens": sum(len(o) for o in outputs), "ttft_s": ttft,
-                "outputs": outputs}
+                "outputs": outputs, "step_s": step_s}
 
     def run(self, cmd: dict) -> dict:
         import torch

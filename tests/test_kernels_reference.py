@@ -56,3 +56,20 @@ def test_write_kv_skips_padding_slots():
     write_kv(k, 2 * k, kc, vc, torch.tensor([3, -1, 0]))
     assert kc.view(-1, 1, 3)[:, 0, 0].tolist() == [1, 0, 0, 1]
     assert vc.view(-1, 1, 3)[:, 0, 0].tolist() == [2, 0, 0, 2]
+
+
+def test_a_long_later_chunk_split_in_two_equals_one_masked_pass():
+    """Chunks of >= SPLIT_CHUNK_MIN_TOKENS after a cached prefix attend in two merged parts on the CPU; the
+    result must be the plain masked computation's (written out here with matmul and softmax)."""
+    from kernels import torch_ref
+
+    torch.manual_seed(0)
+    for q_len, ctx in ((torch_ref.SPLIT_CHUNK_MIN_TOKENS, 700), (900, 1400)):
+        q, k, v = torch.randn(q_len, 8, 32), torch.randn(ctx, 2, 32), torch.randn(ctx, 2, 32)
+        qg = q.view(q_len, 2, 4, 32).permute(1, 2, 0, 3)
+        scores = torch.matmul(qg, k.permute(1, 2, 0)[:, None]) * 32 ** -0.5
+        future = torch.arange(ctx)[None, :] > torch.arange(ctx - q_len, ctx)[:, None]
+        scores.masked_fill_(future, float("-inf"))
+        want = torch.matmul(torch.softmax(scores, -1), v.permute(1, 0, 2)[:, None]).permute(2, 0, 1, 3)
+        got = torch_ref.causal_attention(q, k, v, 32 ** -0.5)
+        torch.testing.assert_close(got, want.reshape(q_len, 8, 32), atol=1e-5, rtol=1e-5)

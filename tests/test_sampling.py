@@ -53,3 +53,18 @@ def test_seed_reproduces_a_request_in_any_batch(make_engine, text_ids):
     different = make_engine(block_size=4, num_blocks=64).generate(
         [text_ids[:7]], SamplingParams(max_tokens=12, temperature=1.0, seed=4321, ignore_eos=True))[0]
     assert different.output_token_ids != alone.output_token_ids
+
+
+def test_greedy_takes_the_first_of_equal_maxima():
+    """Greedy ties resolve as ``argmax`` does (the lowest token id), whatever reduction the sampler uses."""
+    import torch
+
+    from engine.config import SamplingParams
+    from engine.sampler import sample_batch
+
+    logits = torch.zeros(3, 64)
+    logits[0, [5, 9]] = 1.0
+    logits[1, [0, 63]] = 2.0
+    logits[2, 40] = 0.5
+    gens = [torch.Generator().manual_seed(0) for _ in range(3)]
+    assert sample_batch(logits, [SamplingParams(temperature=0.0)] * 3, gens) == [5, 0, 40]

@@ -12,3 +12,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_triton.py 2>&1 | tee "$OUT/gpu_tests.log"
 fi
 "$PY" bench/kernels.py --out "$OUT/benchmarks_gpu.md" --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+# A real-size architecture (SmolLM2-135M's config from the lessons, random weights) on the lab's engine against
+# transformers' generate_batch on the same GPU (issue 14).
+"$PY" -m bench.real_size --device cuda --batch 64 --prompt-len 128 --max-tokens 128 \
+    --out "$OUT/real_size.md" --json "$OUT/real_size.json" 2>&1 | tee "$OUT/real_size.log"

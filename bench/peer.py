@@ -392,7 +392,9 @@ def measure_workload(wl: BenchWorkload, loaded, peer: VllmPeer, threads: int, ru
             requests=[BenchRequest(r.prompt_token_ids, 4) for r in wl.requests[:2]])  # lab warm-up, untimed
     results: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     same = [True] * len(wl.requests)
+    others: list[float] = []  # cores busy with other work, measured before each round (nothing of ours runs)
     for i in range(runs):
+        others.append(_busy_now())
         for variant in VARIANTS:
             if variant == "vllm":
                 r = peer.run(threads)
@@ -406,8 +408,14 @@ def measure_workload(wl: BenchWorkload, loaded, peer: VllmPeer, threads: int, ru
             same = [a and b for a, b in zip(same, compare_outputs(results[variant][-1]["outputs"], ref))]
     log(f"  {wl.name}: {time.perf_counter() - t:.0f} s")
     return {"workload": wl.name, "settings": built["settings"], "threads": threads, "runs": results,
-            "identical": sum(same), "requests": len(wl.requests),
+            "identical": sum(same), "requests": len(wl.requests), "busy_during": max(others),
             "tokens_expected": wl.total_output_tokens}
+
+
+def _busy_now() -> float:
+    from engine.threads import busy_cores
+
+    return busy_cores(0.25)
 
 
 def _fmt_tps(vals: list[float]) -> str:
@@ -429,7 +437,8 @@ def table_row(case: str, load: float, m: dict) -> str:
     steps_lab = on[0]["steps"]
     steps_vllm = vl[0]["steps"]
     ms = lambda runs, key: f"{_med(runs, key) * 1000:,.0f}"  # noqa: E731
-    return (f"| {case} ({load:.1f} busy) | `{m['workload']}` | {m['threads']} | {_fmt_tps(tps['lab_records'])} | "
+    during = m.get("busy_during", load)
+    return (f"| {case} ({load:.1f} busy, {during:.1f} before a round) | `{m['workload']}` | {m['threads']} | {_fmt_tps(tps['lab_records'])} | "
             f"{_fmt_tps(tps['lab_no_records'])} | {_fmt_tps(tps['vllm'])} | {statistics.median(ratios):.2f} | "
             f"{_med(on, 'steps_per_s'):,.0f} / {_med(vl, 'steps_per_s'):,.0f} | {steps_lab} / {steps_vllm} | "
             f"{ms(on, 'ttft_median_s')} / {ms(vl, 'ttft_median_s')} | "
@@ -438,7 +447,7 @@ def table_row(case: str, load: float, m: dict) -> str:
 
 
 TABLE_HEAD = [
-    "| machine (cores busy) | workload | threads | lab tokens/s, records on | lab tokens/s, records off | "
+    "| machine (cores busy with other work: at the start, most before a round) | workload | threads | lab tokens/s, records on | lab tokens/s, records off | "
     "vLLM tokens/s | lab / vLLM (records on) | steps/s lab / vLLM | steps lab / vLLM | TTFT median ms lab / vLLM | "
     "TTFT p90 ms lab / vLLM | identical outputs |",
     "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",

@@ -10,9 +10,11 @@ import streamlit as st
 from engine.threads import configure_gc, configure_threads
 from lessons import catalog
 from lessons.render import keep_widget_state
+from lessons.runs import preload_model
 
 configure_gc()  # fewer garbage collections per step (engine/threads.py)
 configure_threads("app")  # one intra-op thread per step: sessions step at once (engine/threads.py)
+preload_model()  # the embedded model loads in the background from the server's first page view, once per process
 st.set_page_config(page_title="Paged Attention Lab", page_icon=":material/grid_view:", layout="wide")
 
 pages = {

@@ -3,6 +3,8 @@ plain data (snapshots, step records). No Streamlit here."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -11,35 +13,64 @@ from engine.block_manager import BlockManager
 from engine.records import Snapshot, SequenceState, StepRecord
 
 
-@dataclass
 class LessonContext:
     """What a lesson module gets.
 
-    ``loaded``: (model, tokenizer) of the embedded model, shared read-only; ``memo(fn, *args)`` returns
-    ``fn(*args)``, cached by the app across sessions (the tests pass a plain call).
+    ``loaded``: (model, tokenizer) of the embedded model, shared read-only; with ``loader`` instead, the
+    model is loaded by ``loader()`` when a lesson first reads ``loaded`` (a lesson that runs no engine never
+    waits for it). ``memo(fn, *args)`` returns ``fn(*args)``, cached by the app across sessions (the tests
+    pass a plain call).
     """
 
-    loaded: Any = None
-    memo: Callable = lambda fn, *args: fn(*args)  # noqa: E731
+    def __init__(self, loaded: Any = None, memo: Callable | None = None, loader: Callable | None = None) -> None:
+        self._loaded, self._loader = loaded, loader
+        self.memo = memo if memo is not None else (lambda fn, *args: fn(*args))
+
+    @property
+    def loaded(self):
+        if self._loaded is None and self._loader is not None:
+            self._loaded = self._loader()
+        return self._loaded
 
     def run(self, fn: Callable, *args):
-        """``fn(loaded, *args)`` through the memo (``loaded`` itself is not part of the cache key)."""
-        return self.memo(_Bound(fn, self.loaded), *args)
+        """``fn(loaded, *args)`` through the memo (``loaded`` itself is not part of the cache key, and is only
+        read when the memo has to run ``fn``)."""
+        return self.memo(_Bound(fn, self), *args)
 
 
 class _Bound:
     """``fn`` with the model bound; its cache ``key`` names ``fn`` alone (the model is the same for every
     call)."""
 
-    def __init__(self, fn: Callable, loaded) -> None:
-        self.fn, self.loaded = fn, loaded
+    def __init__(self, fn: Callable, ctx: LessonContext) -> None:
+        self.fn, self.ctx = fn, ctx
 
     def __call__(self, *args):
-        return self.fn(self.loaded, *args)
+        return self.fn(self.ctx.loaded, *args)
+
+    def prepare(self) -> None:
+        """Load the model now (a memo calls it before running ``fn`` elsewhere, e.g. in a worker thread)."""
+        self.ctx.loaded  # noqa: B018
 
     @property
     def key(self) -> str:
         return f"{self.fn.__module__}.{self.fn.__qualname__}"
+
+
+# Progress of the engine runs below, for the page that waits for them (``lessons.runs.ProgressBox``): a
+# ``report(what, fraction, detail)`` function, set per thread (each Streamlit session runs in its own), None
+# outside the app.
+_REPORT: ContextVar[Callable | None] = ContextVar("lesson_run_progress", default=None)
+
+
+@contextmanager
+def reporting(report: Callable | None):
+    """Within this block, ``run_engine`` calls ``report(what, fraction, detail)`` after every engine step."""
+    token = _REPORT.set(report)
+    try:
+        yield
+    finally:
+        _REPORT.reset(token)
 
 
 def manager_snapshot(bm: BlockManager, tokens: dict[str, list[int]] | None = None) -> Snapshot:
@@ -76,17 +107,26 @@ class EngineRun:
         return [e for rec in self.records for e in rec.events if e.kind == kind]
 
 
-def run_engine(loaded, requests: list[tuple[Any, SamplingParams]], max_steps: int = 2000, **config) -> EngineRun:
+def run_engine(loaded, requests: list[tuple[Any, SamplingParams]], max_steps: int = 2000, label: str = "the engine",
+               **config) -> EngineRun:
     """Run ``requests`` (prompt text or token ids, params) to completion on a fresh engine built from
     ``config`` (``EngineConfig`` fields) and the shared ``loaded`` model; every request is added before the
-    first step. Raises ValueError for bad settings or requests, RuntimeError if it does not finish."""
+    first step. ``label`` names the run in the progress reported after each step (``reporting``). Raises
+    ValueError for bad settings or requests, RuntimeError if it does not finish."""
     engine = LLMEngine(EngineConfig(device="auto", **config), loaded)
     ids = [engine.add_request(p, sp) for p, sp in requests]
-    records = []
+    report = _REPORT.get()
+    total = sum(sp.max_tokens * sp.num_seqs for _, sp in requests)  # at most: a reply may end earlier
+    known = all(sp.length_known for _, sp in requests)
+    records, tokens = [], 0
     while engine.has_unfinished():
         if len(records) >= max_steps:
             raise RuntimeError(f"the run did not finish in {max_steps} steps")
         records.append(engine.step())
+        if report is not None:
+            tokens += len(records[-1].new_tokens)
+            report(f"Running {label}", tokens / total if total else 0.0,
+                   f"step {len(records)}, {tokens:,} of {'' if known else 'at most '}{total:,} tokens")
     return EngineRun(records, ids, {r: engine.get_output(r) for r in ids}, engine.block_size,
                      records[-1].snapshot.num_blocks if records else 0)
 
@@ -107,4 +147,5 @@ def scenario_run(loaded, name: str, **overrides) -> EngineRun:
 
     config = {k: v for k, v in get_scenario(name).engine_defaults.items() if k != "reservation_tokens"}
     config.update(overrides)
-    return run_engine(loaded, scenario_requests(loaded, name), **config)
+    label = name + (f" ({', '.join(f'{k}={v}' for k, v in overrides.items())})" if overrides else "")
+    return run_engine(loaded, scenario_requests(loaded, name), label=label, **config)

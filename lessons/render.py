@@ -11,8 +11,9 @@ import streamlit as st
 from engine import EMBEDDED_MODEL
 
 from . import Lesson, catalog
-from .common import LessonContext
+from .common import LessonContext, reporting
 from .exercise import Exercise, format_value
+from .runs import LESSON_RUNS, ProgressBox, preload_model, shared_model
 from .text import fill, split_body
 
 PROGRESS = "lesson_progress"  # session_state: "slug:exercise id" -> {"raw": answer, "correct": bool}
@@ -35,25 +36,40 @@ def keep_widget_state() -> None:
         st.session_state[key] = st.session_state[key]
 
 
-@st.cache_resource(show_spinner="Running the engine...", max_entries=128)
-def _cached(key: str, args: tuple, _fn):
-    return _fn(*args)
+_MISSING = object()
+RUNS_TITLE = "Running the engine for this lesson (once per server start; later visits reuse its runs)"
 
 
-def _memo(fn, *args):
-    """``fn(*args)`` cached for every session (lesson runs are deterministic: same arguments, same run)."""
-    key = getattr(fn, "key", None) or f"{fn.__module__}.{fn.__qualname__}"
-    return _cached(key, args, fn)
+def _memo_key(fn, args: tuple) -> tuple:
+    """Everything that decides a lesson run: the function, its arguments and the model (the runs are
+    deterministic: the same key, the same records)."""
+    return (EMBEDDED_MODEL, getattr(fn, "key", None) or f"{fn.__module__}.{fn.__qualname__}", args)
 
 
-def context() -> LessonContext:
-    """The lesson's engine context: the process-wide shared model (``engine.model_loader.load_shared``, the
-    same copy the Playground's sessions use) and the cross-session run cache."""
-    from engine.model_loader import load_shared
+def memo_for(box: ProgressBox):
+    """A ``LessonContext.memo``: ``fn(*args)`` computed once per process for every session
+    (``lessons.runs.LESSON_RUNS``), its engine steps shown in ``box`` while it runs."""
 
-    with st.spinner("Loading the model..."):
-        loaded = load_shared(EMBEDDED_MODEL)
-    return LessonContext(loaded=loaded, memo=_memo)
+    def memo(fn, *args):
+        key = _memo_key(fn, args)
+        kept = LESSON_RUNS.peek(key, _MISSING)
+        if kept is not _MISSING:
+            return kept
+        getattr(fn, "prepare", lambda: None)()  # the model, loaded here: its progress is drawn by this thread
+
+        def compute(report):  # in RunCache's worker thread: no drawing
+            with reporting(report):
+                return fn(*args)
+        return LESSON_RUNS.get(key, compute, on_progress=box)
+    return memo
+
+
+def context(where=None) -> tuple[LessonContext, ProgressBox]:
+    """The lesson's engine context: the process-wide shared model (``lessons.runs.shared_model``, the same
+    copy the Playground's sessions use; loaded when the lesson first needs it) and the cross-session run
+    cache; and the box (in ``where``) that shows the engine's progress while a run is not cached yet."""
+    box = ProgressBox(RUNS_TITLE, where)
+    return LessonContext(memo=memo_for(box), loader=lambda: shared_model(EMBEDDED_MODEL, where)), box
 
 
 def progress() -> dict:
@@ -168,12 +184,14 @@ def render_lesson(page_file: str) -> None:
     index = next(i for i, l in enumerate(lessons) if l.slug == slug)
     lesson = lessons[index]
     module = importlib.import_module(lesson.module_name)
-    ctx = context()
-    exercises = module.exercises(ctx)
-    facts = module.facts(ctx)
+    preload_model(EMBEDDED_MODEL)  # in the background: the next lesson finds it loaded, even if this one runs none
 
     st.title(f"Lesson {lesson.number}: {lesson.title}")
     header = st.container()  # filled last, so it counts the answer committed in this run
+    ctx, box = context(st.container())  # the first visit since the server started shows its runs' progress here
+    exercises = module.exercises(ctx)
+    facts = module.facts(ctx)
+    box.close()
     # One question at a time: the page stops at the first question not yet answered, so nothing below it
     # (text, a widget, the next question's wording) can give its answer away.
     parts = split_body(lesson.body)
@@ -189,6 +207,7 @@ def render_lesson(page_file: str) -> None:
             if not gate(slug, value):
                 break
 
+    box.close()  # a widget or reveal that ran the engine
     answered, right, first = lesson_progress(lesson, exercises)
     with header:
         st.caption(f"Lesson {index + 1} of {len(lessons)} · about {lesson.minutes} minutes · "

@@ -405,8 +405,11 @@ def test_replay_play_advances_and_stops_at_the_end():
     assert not at.exception and at.session_state["replay_playing"]
     first = at.session_state["replay_pos"]
     assert first > 0
-    for _ in range(10):
+    for _ in range(60):  # ticks until the end (50 batches/s by the clock, each run one tick)
         at.run()
+        if not at.session_state["replay_playing"]:
+            break
+        time.sleep(0.05)
     assert not at.exception
     assert at.session_state["replay_pos"] == len(at.session_state["replay"]["replay"])
     assert not at.session_state["replay_playing"]  # stopped at the end

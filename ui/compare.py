@@ -10,20 +10,28 @@ The paged engine runs the semantics chosen on the page (the paper's, vLLM V0, or
 budget); the contiguous baselines always run the paper's scheduler. In V1, "pow2" and "oracle" learn the
 final lengths from a paged run in the paper's semantics, the scheduler the baselines run (sampled tokens
 could differ under another batching), when the workload's lengths are not known in advance.
+
+A finished comparison is kept once per server process under everything that decides it (``run_key``) and
+shared by every session (``cached_run_all``, ``lessons.runs.COMPARE_RUNS``): the runs are deterministic, and
+five whole runs of ``lesson-lengths`` take 20-30 s on 2 cores with one torch thread each. While they run, a
+progress box says which run and how far (``lessons.runs.ProgressBox``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pandas as pd
 import streamlit as st
 
 from engine import LLMEngine, metrics
 from engine.cli import contiguous_summary, paged_summary
+from engine.model_loader import load_shared
 from engine.config import CONTIGUOUS_POLICIES, DEFAULT_MAX_NUM_BATCHED_TOKENS_V1, FINAL_LENGTH_POLICIES, SEMANTICS
 from engine.scenarios import SCENARIOS
 from engine.workloads import learn_final_lengths, run_workload
+from lessons.runs import COMPARE_RUNS, ProgressBox, preload_model, token_detail
 from ui.lab import (POLICY_LABELS, POLICY_RESERVES, SEMANTICS_LABELS, Lab, engine_semantics_line,
                     fit_semantics, max_num_seqs_for, semantics_line)
 from ui.state import preset_settings, shared_model
@@ -58,51 +66,126 @@ def paged_column(semantics: str) -> str:
     return "paged" if semantics == "paper" else f"paged ({SEMANTICS_LABELS[semantics]})"
 
 
-def run_all(name: str, seed: int, semantics: str = "paper", budget: int | None = None) -> dict:
+def settings_for(name: str, seed: int, semantics: str = "paper", budget: int | None = None):
+    """(settings in effect, note): the preset's Playground settings for ``semantics`` and V1 ``budget``, fitted
+    to the semantics (a workload V1 cannot run runs in the paper's; the note says why). Raises ValueError."""
+    return fit_semantics(preset_settings(name, seed=seed, semantics=semantics, max_num_batched_tokens=budget))
+
+
+def run_key(name: str, seed: int, semantics: str = "paper", budget: int | None = None) -> tuple:
+    """Everything that decides ``run_all``'s result (the runs are deterministic: the same key, the same
+    records): the workload, seed, the requested semantics and budget, and every fitted setting."""
+    settings, _ = settings_for(name, seed, semantics, budget)
+    return ("compare", name, seed, semantics, budget, dataclasses.astuple(settings))
+
+
+class _Runs:
+    """Progress over the runs of one comparison: ``report(what, fraction, detail)`` after every step, the
+    fraction over all runs (each counts alike; within a run, tokens generated of the most it can generate)."""
+
+    def __init__(self, report, count: int, total_tokens: int, known: bool) -> None:
+        self.report, self.count, self.total, self.known = report, count, total_tokens, known
+        self.done = 0
+
+    def on_step(self, what: str, records: list):
+        state = {"tokens": 0}
+
+        def on_step(record) -> None:
+            records.append(record)
+            if self.report is None:
+                return
+            state["tokens"] += len(record.new_tokens)
+            within = state["tokens"] / self.total if self.total else 0.0
+            self.report(f"{what} (run {self.done + 1} of {self.count})", (self.done + min(within, 1.0)) / self.count,
+                        token_detail(len(records), state["tokens"], self.total, self.known))
+        return on_step
+
+
+def run_all(name: str, seed: int, semantics: str = "paper", budget: int | None = None, report=None) -> dict:
     """Run ``name`` on the paged engine in ``semantics`` ("paper" | "v1"; ``budget``: V1's token budget per
-    step), then on the contiguous baseline under every policy (the paper's scheduler).
+    step), then on the contiguous baseline under every policy (the paper's scheduler). ``report(what,
+    fraction, detail)``, if given, is called after every engine step (``lessons.runs.RunCache.get``'s).
 
     Returns {"name", "seed", "settings", "semantics", "semantics_line", "semantics_note", "budget", "paged":
-    (records, summary), "policies": {policy: (records, summary)}, "skipped": {policy: reason}}; the settings
-    are those in effect (a workload V1 cannot run runs in the paper's semantics, "semantics_note" says why).
+    (records, summary), "policies": {policy: (records, summary)}, "skipped": {policy: reason}, "seconds":
+    {"paged", "learn", "contiguous": {policy: s}, "total"}}; the settings are those in effect (a workload V1
+    cannot run runs in the paper's semantics, "semantics_note" says why). The result may be shared by every
+    session (``cached_run_all``): read it, never change it.
     Raises ValueError (settings, or the paged engine refusing a request); a policy that cannot run is listed
     in "skipped" with the engine's reason.
     """
-    settings, note = fit_semantics(preset_settings(name, seed=seed, semantics=semantics,
-                                                   max_num_batched_tokens=budget))
+    start = time.perf_counter()
+    settings, note = settings_for(name, seed, semantics, budget)
     scenario = SCENARIOS[name]
-    loaded = shared_model(settings.model)
+    loaded = load_shared(settings.model)  # no drawing: this may run in a worker thread (the page loaded it)
     paged = LLMEngine(settings.config("paged"), loaded)
     workload = scenario.make(seed, _tokenize(paged.tokenizer))
     n = len(workload.requests)
+    paper = dataclasses.replace(settings, semantics="paper", scheduling_policy="fcfs", max_num_batched_tokens=None)
+    learn = paged.semantics != "paper" and Lab.needs_final_lengths(dataclasses.replace(paper, contiguous_policy="oracle"))
+    progress = _Runs(report, 1 + learn + len(CONTIGUOUS_POLICIES),
+                     sum(r.params.max_tokens * r.params.num_seqs for r in workload.requests),
+                     all(r.params.length_known for r in workload.requests))
     records: list = []
-    with st.spinner(f"Running {n} request{'s' * (n != 1)} of {name} on the paged engine "
-                    f"({SEMANTICS_LABELS[paged.semantics]})..."):
-        outputs = run_workload(paged, workload, on_step=records.append)
+    outputs = run_workload(paged, workload, on_step=progress.on_step(
+        f"Running {n} request{'s' * (n != 1)} of {name} on the paged engine ({SEMANTICS_LABELS[paged.semantics]})",
+        records))
+    progress.done += 1
+    seconds = {"paged": time.perf_counter() - start, "learn": 0.0, "contiguous": {}}
     result = {"name": name, "seed": seed, "settings": settings, "semantics": paged.semantics,
               "semantics_line": engine_semantics_line(paged), "semantics_note": note,
               "budget": paged.max_num_batched_tokens if paged.semantics == "v1" else None,
-              "paged": (records, paged_summary(paged, records, outputs)), "policies": {}, "skipped": {}}
+              "paged": (records, paged_summary(paged, records, outputs)), "policies": {}, "skipped": {},
+              "seconds": seconds}
     finals = learn_final_lengths(outputs)
-    paper = dataclasses.replace(settings, semantics="paper", scheduling_policy="fcfs", max_num_batched_tokens=None)
-    if paged.semantics != "paper" and Lab.needs_final_lengths(dataclasses.replace(paper, contiguous_policy="oracle")):
-        with st.spinner("Learning the final lengths the baselines' scheduler (the paper's) reaches..."):
-            finals = learn_final_lengths(run_workload(LLMEngine(paper.config("paged"), loaded), workload))
+    if learn:
+        t0 = time.perf_counter()
+        finals = learn_final_lengths(run_workload(
+            LLMEngine(paper.config("paged"), loaded), workload,
+            on_step=progress.on_step("Learning the final lengths the baselines' scheduler (the paper's) reaches", [])))
+        progress.done += 1
+        seconds["learn"] = time.perf_counter() - t0
     for policy in CONTIGUOUS_POLICIES:
-        label = POLICY_LABELS[policy]
+        t0 = time.perf_counter()
         records = []
         try:
-            with st.spinner(f"Running the same {n} request{'s' * (n != 1)} on the contiguous baseline, {label}: "
-                            f"it reserves {POLICY_RESERVES[policy]}..."):
-                config = dataclasses.replace(settings, contiguous_policy=policy).config("contiguous")
-                engine = LLMEngine(config, loaded)
-                outputs = run_workload(engine, workload, on_step=records.append,
-                                       final_lens=finals if policy in FINAL_LENGTH_POLICIES else None)
+            config = dataclasses.replace(settings, contiguous_policy=policy).config("contiguous")
+            engine = LLMEngine(config, loaded)
+            outputs = run_workload(engine, workload, on_step=progress.on_step(
+                f"Running the same requests on the contiguous baseline, {POLICY_LABELS[policy]}: it reserves "
+                f"{POLICY_RESERVES[policy]}", records),
+                final_lens=finals if policy in FINAL_LENGTH_POLICIES else None)
         except ValueError as exc:
             result["skipped"][policy] = str(exc)
             continue
+        finally:
+            progress.done += 1
         result["policies"][policy] = (records, contiguous_summary(engine, records, outputs))
+        seconds["contiguous"][policy] = time.perf_counter() - t0
+    seconds["total"] = time.perf_counter() - start
     return result
+
+
+def cached_run_all(name: str, seed: int, semantics: str = "paper", budget: int | None = None,
+                   on_progress=None) -> dict:
+    """``run_all``, computed once per process for these settings (``run_key``) and shared by every session
+    (``lessons.runs.COMPARE_RUNS``); ``on_progress`` follows it while it runs. Raises as ``run_all``."""
+    return COMPARE_RUNS.get(run_key(name, seed, semantics, budget),
+                            lambda report: run_all(name, seed, semantics, budget, report), on_progress=on_progress)
+
+
+def timing_line(result: dict, cached: bool) -> str:
+    """How long the runs took, and whether this page computed them or found them kept."""
+    sec = result.get("seconds")
+    if not sec:
+        return ""
+    contiguous = sum(sec["contiguous"].values())
+    steps = len(result["paged"][0]) + sum(len(r) for r, _ in result["policies"].values())
+    line = (f"{1 + len(result['policies'])} runs, {steps:,} engine steps in {sec['total']:.1f} s (paged "
+            f"{sec['paged']:.1f} s, " + (f"learning final lengths {sec['learn']:.1f} s, " if sec["learn"] else "")
+            + f"contiguous {contiguous:.1f} s)")
+    return (f"Kept from an earlier run with the same settings on this server: {line}." if cached
+            else f"Ran now: {line}; kept for anyone running the same settings.")
 
 
 def column(summary: dict, paged: bool, caching: bool) -> list[str]:
@@ -147,6 +230,8 @@ def show(result: dict) -> None:
                f"prefix caching {'on' if settings.enable_prefix_caching else 'off'}, preemption by "
                f"{settings.preemption_mode}, seed {result['seed']}.")
     st.table(table(result))
+    if line := timing_line(result, st.session_state.get("compare_cached", False)):
+        st.caption(line)
     st.caption("Policies (the vLLM paper's baselines, Kwon et al., SOSP 2023, section 6): "
                + "; ".join(f"**{POLICY_LABELS[p]}** reserves {POLICY_RESERVES[p]}"
                            + (f" (R = {settings.reservation:,} slots)" if p == "max" else "")
@@ -221,16 +306,22 @@ def main() -> None:
                         format_func=lambda n: n if SCENARIOS[n].compare else f"{n} (a Playground preset)")
     st.caption(SCENARIOS[name].description)
     seed = int(st.number_input("Seed", value=0, min_value=0, step=1))
+    model = preset_settings(name).model
+    preload_model(model)  # in the background while the learner picks: "Run all" then finds it loaded
     if st.button("Run all", type="primary"):
         st.session_state.pop("compare", None)
         try:
-            tokenizer = shared_model(preset_settings(name).model)[1]
+            tokenizer = shared_model(model)[1]
             workload = SCENARIOS[name].make(seed, _tokenize(tokenizer))
             refusal = single_sequence_refusal(workload)
             if refusal:
                 st.session_state["compare_error"] = f"{name} cannot run on the contiguous baseline: {refusal}"
             else:
-                st.session_state["compare"] = run_all(name, seed, semantics, budget)
+                cached = run_key(name, seed, semantics, budget) in COMPARE_RUNS
+                with ProgressBox(f"Running {name} on the paged engine, then on the contiguous baseline under "
+                                 f"each of its {len(CONTIGUOUS_POLICIES)} policies") as box:
+                    st.session_state["compare"] = cached_run_all(name, seed, semantics, budget, on_progress=box)
+                st.session_state["compare_cached"] = cached
         except ValueError as exc:
             st.session_state["compare_error"] = f"{name} cannot run here: {exc}"
     if err := st.session_state.pop("compare_error", None):
@@ -243,4 +334,5 @@ def main() -> None:
         show(result)
 
 
-main()
+if __name__ == "__main__":  # Streamlit runs the page as __main__; tests import run_all
+    main()

@@ -191,9 +191,10 @@ class Lab:
         return not all(r.params.length_known for r in workload.requests if r.params.num_seqs == 1)
 
     @classmethod
-    def create(cls, settings: LabSettings, loaded=None) -> "Lab":
+    def create(cls, settings: LabSettings, loaded=None, on_step=None) -> "Lab":
         """Build both engines and queue the preset's requests (under "pow2" / "oracle" with the final
-        lengths a headless paged run of the same requests reached: ``needs_final_lengths``). The settings
+        lengths a headless paged run of the same requests reached: ``needs_final_lengths``; ``on_step``
+        receives each of that run's StepRecords, for a progress bar). The settings
         are first fitted to their semantics (``fit_semantics``): ``lab.settings`` are those in effect and
         ``lab.semantics_note`` says what changed.
 
@@ -219,7 +220,7 @@ class Lab:
                 # the paper's semantics, as the contiguous baseline runs: the same scheduler, the same tokens
                 paper = dataclasses.replace(settings, semantics="paper", scheduling_policy="fcfs")
                 headless = LLMEngine(paper.config("paged"), (paged.model, paged.tokenizer))
-                finals = learn_final_lengths(run_workload(headless, workload))
+                finals = learn_final_lengths(run_workload(headless, workload, on_step=on_step))
             lab.pending = sorted(zip(workload.requests, finals), key=lambda rf: rf[0].arrival_step)
         return lab
 

@@ -2,8 +2,12 @@
 
 import streamlit as st
 
+from engine import EMBEDDED_MODEL
 from lessons import catalog
 from lessons.render import FIRST, PROGRESS, SHOWN, lesson_progress
+from lessons.runs import preload_model
+
+preload_model(EMBEDDED_MODEL)  # in the background while the learner reads: the lessons find the model loaded
 
 st.title("Lessons")
 st.markdown(

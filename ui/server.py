@@ -573,6 +573,10 @@ def replay_view(rep: dict, armed_speed: float) -> None:
             st.session_state.pop("replay_anchor", None)
             st.rerun()  # the whole page, so the button says Play again
         st.session_state["replay_pos"] = min(total, _played_position(pos, armed_speed))
+        if st.session_state["replay_pos"] >= total:  # the last batch: stop on this tick, not the next
+            st.session_state["replay_playing"] = False
+            st.session_state.pop("replay_anchor", None)
+            st.rerun()  # the whole page, so the timer stops and the button says Play again
     replay_controls(total, armed_speed)
     pos = min(st.session_state.get("replay_pos", 0), total)
     state = replay.state(pos)

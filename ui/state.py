@@ -1,21 +1,20 @@
-"""Streamlit glue: the shared read-only model (``engine.model_loader.load_shared``, behind a spinner) and
-each session's ``Lab``."""
+"""Streamlit glue: the shared read-only model (``lessons.runs.shared_model``: loaded once per process, its
+progress shown the first time) and each session's ``Lab``."""
 
 from __future__ import annotations
 
 import streamlit as st
 
 from engine import EMBEDDED_MODEL
-from engine.model_loader import load_shared
+from lessons import runs
 
-from .lab import POLICY_LABELS, Lab, LabSettings
+from .lab import POLICY_LABELS, Lab, LabSettings, count_only_tokenizer
 
 
-@st.cache_resource(show_spinner="Loading the model...")
 def shared_model(model: str):
     """(model, tokenizer), loaded once per process and shared read-only by every session and the lessons
-    (``load_shared`` is the process-wide cache; ``st.cache_resource`` adds the spinner on first load)."""
-    return load_shared(model)
+    (``lessons.runs.shared_model``: ``engine.model_loader.load_shared`` with a progress box on first load)."""
+    return runs.shared_model(model)
 
 
 def get_lab() -> Lab | None:
@@ -26,11 +25,13 @@ def build_lab(settings: LabSettings) -> bool:
     """Replace the session's lab; on bad settings show the error and keep the previous lab."""
     try:
         loaded = shared_model(settings.model)
-        busy = (f"Learning each request's final length with a paged run of {settings.preset} first (the "
-                f"{POLICY_LABELS.get(settings.contiguous_policy, settings.contiguous_policy)} policy reserves by it)..."
-                if Lab.needs_final_lengths(settings) else "Building the engines...")
-        with st.spinner(busy):
-            lab = Lab.create(settings, loaded)
+        if Lab.needs_final_lengths(settings):  # a whole headless run first: seconds, so its progress is shown
+            with runs.ProgressBox("Learning each request's final length first: the "
+                                  f"{POLICY_LABELS.get(settings.contiguous_policy, settings.contiguous_policy)} "
+                                  "policy reserves by it") as box:
+                lab = Lab.create(settings, loaded, on_step=learning_progress(settings, box))
+        else:
+            lab = Lab.create(settings, loaded)  # builds two engines: well under a second
     except ValueError as exc:
         st.session_state["lab_error"] = str(exc)
         return False
@@ -40,6 +41,23 @@ def build_lab(settings: LabSettings) -> bool:
     st.session_state["playing"] = False  # a new run starts paused: Play on a preset nobody has seen yet surprises
     st.session_state.pop("lab_error", None)
     return True
+
+
+def learning_progress(settings: LabSettings, box: runs.ProgressBox):
+    """An ``on_step`` for ``Lab.create``'s headless paged run of the preset: its steps and tokens in ``box``."""
+    from engine.scenarios import get_scenario
+
+    requests = get_scenario(settings.preset).make(settings.seed, count_only_tokenizer).requests
+    total = sum(r.params.max_tokens * r.params.num_seqs for r in requests)
+    state = {"step": 0, "tokens": 0}
+
+    def on_step(record) -> None:
+        state["step"] += 1
+        state["tokens"] += len(record.new_tokens)
+        box(runs.Progress(f"Running {settings.preset} on a paged engine (the paper's scheduler)",
+                          state["tokens"] / total if total else 0.0,
+                          runs.token_detail(state["step"], state["tokens"], total, known=False)))
+    return on_step
 
 
 def preset_settings(preset: str, model: str = EMBEDDED_MODEL, **overrides) -> LabSettings:

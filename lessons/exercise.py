@@ -13,11 +13,35 @@ from dataclasses import dataclass, field
 from typing import Any
 
 KINDS = ("number", "choice", "list", "set")
+_UNSET = object()
+
+
+TAGS = ("transfer", "allocator")  # what kind of thinking a question asks for (tests count them per lesson)
 
 
 @dataclass(frozen=True)
 class Verdict:
+    """The outcome of one committed answer: right or not, the message to show, and the slip (a ``Slip.name``)
+    the wrong answer revealed, if it matched one."""
+
     correct: bool
+    message: str
+    slip: str | None = None
+
+
+@dataclass(frozen=True)
+class Slip:
+    """A usual mistake and the wrong answer it produces, computed from the same engine run as the right one.
+
+    Attributes:
+        name: a short id (e.g. ``"logical-block"``), tested per exercise.
+        answer: the value a learner who makes this slip gives (same kind as the exercise's ``expected``).
+        message: Markdown naming the slip, e.g. "That is the **logical** block number; the table maps it to
+            the physical one." Shown before the engine's answer.
+    """
+
+    name: str
+    answer: Any
     message: str
 
 
@@ -34,6 +58,11 @@ class Exercise:
         expected: the engine's answer (a number, an option, or a list of integers).
         explanation: Markdown shown after the reveal, written with the engine's numbers.
         unit: shown next to a number input (e.g. "KiB").
+        slips: the usual wrong answers with the mistake each reveals (``Slip``); a wrong answer equal to a
+            slip's answer gets that slip's message. A slip whose answer equals ``expected`` is refused.
+        tags: "transfer" (a situation the text has not worked through, answered by the engine running it)
+            and/or "allocator" (the learner acts as the block manager or scheduler: picks blocks, writes a
+            table, names a victim).
     """
 
     id: str
@@ -45,12 +74,21 @@ class Exercise:
     tolerance: float = 0.0
     rel_tolerance: float = 0.0
     unit: str = ""
+    slips: list[Slip] = field(default_factory=list)
+    tags: frozenset = frozenset()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"exercise {self.id!r}: kind {self.kind!r} is not one of {', '.join(KINDS)}")
         if self.kind == "choice" and self.expected not in self.options:
             raise ValueError(f"exercise {self.id!r}: the engine's answer {self.expected!r} is not among the options")
+        self.tags = frozenset(self.tags)
+        if not self.tags <= set(TAGS):
+            raise ValueError(f"exercise {self.id!r}: tags {sorted(self.tags - set(TAGS))} are not among {TAGS}")
+        for slip in self.slips:
+            if self._matches(self.parse(slip.answer)):
+                raise ValueError(f"exercise {self.id!r}: slip {slip.name!r} gives the engine's own answer "
+                                 f"{slip.answer!r}; a slip must be a wrong answer")
 
     # ------------------------------------------------------------------------------------------ checking
     def parse(self, answer: Any) -> Any:
@@ -79,17 +117,30 @@ class Exercise:
     def check(self, answer: Any) -> Verdict:
         """Compare a committed answer with the engine's. Raises ValueError if the answer cannot be read."""
         value = self.parse(answer)
-        if self.kind == "number":
-            slack = max(self.tolerance, self.rel_tolerance * abs(self.expected))
-            ok = abs(value - self.expected) <= slack + 1e-9
-        elif self.kind == "set":
-            ok = sorted(set(value)) == sorted(set(self.expected)) and len(value) == len(set(value))
-        else:
-            ok = value == self.expected
         shown = format_value(self.expected, self.unit)
-        if ok:
+        if self._matches(value):
             return Verdict(True, f"Correct: the engine agrees, {shown}.")
+        slip = self.slip_for(value)
+        if slip is not None:
+            return Verdict(False, f"{slip.message} The engine says {shown}.", slip.name)
         return Verdict(False, f"Not quite: the engine says {shown}.")
+
+    def _matches(self, value: Any, target: Any = _UNSET) -> bool:
+        """Whether a parsed answer equals ``target`` (default: the engine's answer), by this kind's rule."""
+        target = self.expected if target is _UNSET else target
+        if self.kind == "number":
+            slack = max(self.tolerance, self.rel_tolerance * abs(target))
+            return abs(value - target) <= slack + 1e-9
+        if self.kind == "set":
+            return sorted(set(value)) == sorted(set(target)) and len(value) == len(set(value))
+        return value == target
+
+    def slip_for(self, value: Any) -> Slip | None:
+        """The first slip whose answer a parsed wrong ``value`` equals (same rule as the right answer)."""
+        for slip in self.slips:
+            if self._matches(value, self.parse(slip.answer)):
+                return slip
+        return None
 
 
 _NUMBER = re.compile(r"[+-]?(\d{1,3}(,\d{3})+|\d+)(\.\d+)?|[+-]?\.\d+")  # 512, 5,126, 68.7, .5

@@ -21,6 +21,19 @@ from .config import EMBEDDED_MODEL
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_IMPORT_LOCK = threading.Lock()
+
+
+def transformers_api():
+    """The ``transformers`` module, imported under one process-wide lock. Its lazy top-level module is not
+    safe to import from two threads at once: while a background thread's first import runs, another
+    thread's ``from transformers import AutoConfig`` raises ImportError (3 of 3 tries with transformers
+    5.24). The app imports it from page threads and from the background model preload, so every import of
+    transformers in the project goes through here."""
+    with _IMPORT_LOCK:
+        import transformers
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: F401  resolved once, here
+    return transformers
 
 
 @dataclass(frozen=True)
@@ -152,7 +165,8 @@ def load_model(model: str, device: torch.device, dtype: str):
 
 
 def _load_model(model: str, device: torch.device, dtype: str):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    tf = transformers_api()
+    AutoConfig, AutoModelForCausalLM, AutoTokenizer = tf.AutoConfig, tf.AutoModelForCausalLM, tf.AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the weight-loading bar would clutter the CLI and test logs

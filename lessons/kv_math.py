@@ -55,8 +55,9 @@ def _freeze(d: dict) -> tuple:
 
 @lru_cache(maxsize=None)
 def _config(fields: tuple):
-    from transformers import AutoConfig
+    from engine.model_loader import transformers_api
 
+    AutoConfig = transformers_api().AutoConfig
     d = {k: list(v) if isinstance(v, tuple) else v for k, v in fields}
     model_type = d.pop("model_type")
     d.pop("architectures", None)
@@ -97,7 +98,10 @@ def bytes_per_token(config, dtype: str) -> int:
 @lru_cache(maxsize=32)
 def _count_parameters(fields: tuple) -> int:
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from engine.model_loader import transformers_api
+
+    AutoModelForCausalLM = transformers_api().AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(_config(fields))

@@ -221,11 +221,10 @@ MODELS = RunCache(max_entries=4)
 
 def load_reporting(model: str, report) -> tuple:
     """``load_shared(model)``, saying what it does through ``report(what, fraction)``."""
-    from engine.model_loader import load_shared
+    from engine.model_loader import load_shared, transformers_api
 
     report("Importing transformers and PyTorch (once per server start)", 0.05)
-    import transformers  # noqa: F401  the slow part of a first load: about 2 s of imports on 2 cores
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+    transformers_api()  # the slow part of a first load: about 2 s of imports on 2 cores
 
     report(f"Reading the weights and tokenizer of {model}", 0.7)
     loaded = load_shared(model)

@@ -131,3 +131,25 @@ def test_qwen2_architecture_runs_exactly(tmp_path, model_path):
     ids = torch.tensor([prompt])
     ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=10)
     assert out.output_token_ids == ref[0, len(prompt):].tolist()
+
+
+def test_transformers_imported_from_two_threads_at_once():
+    """The app imports transformers from a page thread while the background preload imports it too;
+    transformers' lazy module raised ImportError for the second thread ("cannot import name 'AutoConfig'")
+    until every import went through ``engine.model_loader.transformers_api``. A fresh interpreter, since
+    this one has imported transformers already."""
+    code = """
+import threading, time
+from engine.model_loader import transformers_api  # torch imported; transformers not yet
+from lessons import kv_math
+t = threading.Thread(target=transformers_api)  # as the background preload does (lessons.runs.load_reporting)
+t.start()
+time.sleep(0.3)
+preset = next(iter(kv_math.model_presets().values()))
+preset.config  # AutoConfig, from this thread, while the other thread imports transformers
+t.join()
+print("ok")
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

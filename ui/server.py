@@ -257,9 +257,9 @@ def stop() -> None:
 # ---------------------------------------------------------------------------------------- shared views
 @st.cache_resource(show_spinner="Loading the tokenizer...")
 def load_tokenizer(folder: str):
-    from transformers import AutoTokenizer
+    from engine.model_loader import transformers_api  # the import lock: a model may be loading in the background
 
-    return AutoTokenizer.from_pretrained(folder)
+    return transformers_api().AutoTokenizer.from_pretrained(folder)
 
 
 def decoder():

@@ -5,17 +5,27 @@
 The lesson pages come from ``lessons.catalog()``: adding a lesson under ``lessons/`` adds its page here.
 """
 
+import sys
+
 import streamlit as st
 
-from engine.threads import configure_gc, configure_threads
-from lessons import catalog
-from lessons.render import keep_widget_state
-from lessons.runs import preload_model
+st.set_page_config(page_title="Paged Attention Lab", page_icon=":material/grid_view:", layout="wide")
+starting = None
+if "torch" not in sys.modules:  # the server's first page view: importing PyTorch and the engine takes seconds
+    starting = st.empty()  # so a learner on a fresh server's direct link sees why, not a blank page
+    starting.info("Starting the lab: importing PyTorch and the engine (once per server start, a few seconds on "
+                  "2 cores)...", icon=":material/hourglass_top:")
 
+from engine.threads import configure_gc, configure_threads  # noqa: E402  (after the note above is drawn)
+from lessons import catalog  # noqa: E402
+from lessons.render import keep_widget_state, sync_progress_url  # noqa: E402
+from lessons.runs import preload_model  # noqa: E402
+
+if starting is not None:
+    starting.empty()
 configure_gc()  # fewer garbage collections per step (engine/threads.py)
 configure_threads("app")  # one intra-op thread per step: sessions step at once (engine/threads.py)
 preload_model()  # the embedded model loads in the background from the server's first page view, once per process
-st.set_page_config(page_title="Paged Attention Lab", page_icon=":material/grid_view:", layout="wide")
 
 pages = {
     "Explore": [
@@ -30,4 +40,5 @@ pages = {
     ],
 }
 keep_widget_state()  # the lessons' explore widgets keep their values across pages
+sync_progress_url()  # lesson progress: restored from the URL after a reload, written back on every page
 st.navigation(pages).run()

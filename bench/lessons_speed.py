@@ -9,8 +9,10 @@ side; the browser's own drawing is not counted); medians of ``--reps`` processes
 
 Lessons, nothing answered yet (a learner arriving): the Lessons overview is opened first (untimed), then
 the lesson (timed):
-  * "first visit, model not loaded": a fresh server whose model nobody has loaded yet, as a direct link to
-    the lesson finds it (the overview's background preload is switched off for this one);
+  * "first visit, model not loaded": a fresh server whose model nobody has loaded yet (the overview's
+    background preload is switched off for this one); the process has already imported PyTorch and drawn
+    the overview, so a browser's direct link to a server that has served nothing yet waits longer by
+    Streamlit's session start and those imports (3.5-4.4 s more, measured in Chromium at load 1-2);
   * "first visit, model loaded": the model already loaded (by the Playground, the app's landing page, or by
     the background preload the overview and the lessons start), the lesson's engine runs not yet;
   * "repeat visit": the same session back on the page after the overview (its runs kept).

@@ -20,11 +20,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.model_loader import load_model
-
 from .report import write_section
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,7 +27,8 @@ POOLS = (256, 4096, 65536)
 
 
 def one_run(num_blocks: int, loaded) -> tuple[float, float]:
-    """(median decode step ms, ms to read the last step's full per-block lists)."""
+    """(median decode step ms, ms to read a mid-run step's ``ref_counts``: its full per-block lists built)."""
+    from engine import EngineConfig, LLMEngine, SamplingParams
     engine = LLMEngine(EngineConfig(semantics="v1", block_size=16, num_blocks=num_blocks, max_model_len=256,
                                     device="cpu", dtype="float32"), loaded=loaded)
     for i in range(16):
@@ -50,33 +46,44 @@ def one_run(num_blocks: int, loaded) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.pool_size")
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--write", action="store_true")
+    ap = argparse.ArgumentParser(prog="python -m bench.pool_size", description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=5,
+                    help="rounds; each round runs every pool once, in a rotated order (default 5)")
+    ap.add_argument("--write", action="store_true", help="write section cpu-pool-size of docs/benchmarks.md")
     args = ap.parse_args(argv)
+    if args.runs < 1:
+        ap.error(f"--runs must be at least 1, got {args.runs}")
+    import torch
+
+    from engine.model_loader import load_model
+
     torch.set_num_threads(1)  # as the app runs its engines (engine/threads.py)
     loaded = load_model(str(ROOT / "assets" / "tiny_model"), torch.device("cpu"), "float32")
+    load_start = os.getloadavg()[0]
     one_run(256, loaded)  # warm-up
     step_ms: dict[int, list[float]] = {n: [] for n in POOLS}
     read_ms: dict[int, list[float]] = {n: [] for n in POOLS}
-    for _ in range(args.runs):
-        for n in POOLS:
-            s, r = one_run(n, loaded)
+    for r in range(args.runs):
+        for n in POOLS[r % len(POOLS):] + POOLS[:r % len(POOLS)]:  # rotated: a load spike hits every pool
+            s, r_ms = one_run(n, loaded)
             step_ms[n].append(s)
-            read_ms[n].append(r)
+            read_ms[n].append(r_ms)
     base = statistics.median(step_ms[POOLS[0]])
     rows = [f"| {n:,} | {statistics.median(step_ms[n]):.2f} ({min(step_ms[n]):.2f}-{max(step_ms[n]):.2f}) | "
             f"{statistics.median(step_ms[n]) / base:.2f}x | {statistics.median(read_ms[n]):.2f} |" for n in POOLS]
     text = (f"## CPU: a decode step against the pool's size (section `cpu-pool-size`)\n\n"
-            f"`python -m bench.pool_size --runs {args.runs}` ({len(os.sched_getaffinity(0))} cores, 1 torch thread): "
-            f"16 sequences decoding in V1 mode with step records on; median decode step per run, median of runs "
-            f"(range). Goal: 65,536 blocks within 1.2x of 256.\n\n"
-            f"| pool (blocks of 16) | decode step, ms | vs 256 blocks | reading one step's full pool lists, ms |\n"
+            f"`python -m bench.pool_size --runs {args.runs}` ({len(os.sched_getaffinity(0))} cores, 1 torch thread, "
+            f"load average {load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end): 16 sequences of "
+            f"40 prompt tokens decoding 120 greedy tokens each in V1 mode with step records on; the median decode "
+            f"step of each run (the first and last 5 steps left out), median of runs (range); each round runs the "
+            f"pools in a rotated order. Goal: 65,536 blocks within 1.2x of 256.\n\n"
+            f"| pool (blocks of 16) | decode step, ms | vs 256 blocks | reading a mid-run step's full pool lists, ms |\n"
             f"| --- | --- | --- | --- |\n" + "\n".join(rows) + "\n\n"
             f"Each step records only the blocks it changed (`engine.records.PoolDelta`, from writes the block manager "
             f"tracks); a view that draws a step builds that step's full lists on first read (the last column), from "
             f"the nearest step already built. Before this, every step copied every block's count, fill, owners and "
-            f"hash: 4.3-4.5 ms a step at 256 blocks and 11.9-12.1 ms at 65,536 on this machine.\n")
+            f"hash: 4.3-4.5 ms a step at 256 blocks and 11.9-12.1 ms at 65,536 (measured once, on an earlier machine of this "
+            f"kind, with the code before commit 47c09d5).\n")
     print(text)
     if args.write:
         write_section(ROOT / "docs" / "benchmarks.md", "cpu-pool-size", text)

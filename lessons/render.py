@@ -13,6 +13,8 @@ from engine import EMBEDDED_MODEL
 from . import Lesson, catalog
 from .common import LessonContext, reporting
 from .exercise import Exercise, format_value
+from .progress import SavedProgress, decode, encode
+from .recap import answer_rows, recap_html, recap_markdown, takeaways
 from .runs import LESSON_RUNS, ProgressBox, preload_model, shared_model
 from .text import fill, split_body
 
@@ -21,6 +23,8 @@ FIRST = "lesson_first_try"  # session_state: "slug:exercise id" -> the first com
 SHOWN = "lesson_shown"  # session_state: slugs of lessons shown whole, without predicting
 KEEP = "keep_"  # widgets whose key starts with this keep their value while the learner is on another page
 OPEN_PRESET = "open_preset"  # session_state: a lesson's playground dict, which the Playground opens and drops
+URL_PARAM = "progress"  # the page URL's query parameter holding the progress code (lessons/progress.py)
+RESTORED = "lesson_progress_restored"  # session_state: the URL's code was read (once per session)
 
 
 def keep(**defaults) -> None:
@@ -81,6 +85,48 @@ def first_tries() -> dict:
     return st.session_state.setdefault(FIRST, {})
 
 
+def saved_progress() -> SavedProgress:
+    return SavedProgress(dict(progress()), dict(first_tries()), set(whole_lessons()))
+
+
+def restore_progress(code: str) -> None:
+    """Replace this session's progress with the one in ``code``. Raises ValueError saying what is wrong with
+    the code (the session's progress is then left as it was)."""
+    saved = decode(code)
+    st.session_state[PROGRESS], st.session_state[FIRST] = saved.answers, saved.first
+    st.session_state[SHOWN] = saved.shown
+
+
+def save_progress_url() -> None:
+    """Keep the progress code in the page's URL, so a reload or a bookmark resumes; none while nothing is
+    answered. A code too long for a URL is left out (the progress then lasts for the session only)."""
+    saved = saved_progress()
+    try:
+        code = encode(saved) if saved else None
+    except ValueError:
+        code = None
+    if code is None:
+        if URL_PARAM in st.query_params:
+            del st.query_params[URL_PARAM]
+    elif st.query_params.get(URL_PARAM) != code:
+        st.query_params[URL_PARAM] = code
+
+
+def sync_progress_url() -> None:
+    """Called by app.py on every page run: the first run of a session with a progress code in its URL (a
+    reload, a bookmark) restores it; every run writes the current code back (moving to another page drops
+    query parameters)."""
+    if not st.session_state.get(RESTORED):
+        st.session_state[RESTORED] = True
+        code = st.query_params.get(URL_PARAM)
+        if code and not saved_progress():
+            try:
+                restore_progress(code)
+            except ValueError as exc:
+                st.toast(f"Your lesson progress in this link could not be restored: {exc}.", icon=":material/error:")
+    save_progress_url()
+
+
 def lesson_progress(lesson: Lesson, exercise_ids) -> tuple[int, int, int]:
     """(answered, right, right at the first try) for a lesson's exercises in this session."""
     keys = [f"{lesson.slug}:{i}" for i in exercise_ids]
@@ -128,6 +174,7 @@ def predict(slug: str, ex: Exercise, reveal=None, ctx: LessonContext | None = No
                     else:
                         progress()[key] = entry = {"raw": answer, "correct": verdict.correct}
                         first_tries().setdefault(key, verdict.correct)
+                        save_progress_url()
                         slot.empty()
         if entry is None and slug in whole_lessons():
             with st.expander("The engine's answer (for presenters)"):
@@ -137,8 +184,12 @@ def predict(slug: str, ex: Exercise, reveal=None, ctx: LessonContext | None = No
                 if reveal is not None:
                     reveal(ctx)
         if entry is not None:
-            verdict = ex.check(entry["raw"])
-            shown = format_value(ex.parse(entry["raw"]), ex.unit)
+            try:
+                verdict = ex.check(entry["raw"])
+                shown = format_value(ex.parse(entry["raw"]), ex.unit)
+            except ValueError:  # restored from a code written for an older version of this question
+                progress().pop(key, None)
+                st.rerun()
             (st.success if verdict.correct else st.error)(f"You said **{shown}**. {verdict.message}")
             if ex.explanation:
                 st.markdown(ex.explanation)
@@ -171,6 +222,27 @@ def gate(slug: str, ex_id: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ page
+def show_recap(lesson: Lesson, module, facts: dict, exercises: dict[str, Exercise], order: list[str]) -> None:
+    """The lesson's one-page recap (``lessons.recap``): its takeaways and every question with both answers,
+    shown on the page and offered as an HTML file to print or save."""
+    lines = takeaways(module, facts)
+    rows = answer_rows(lesson.slug, exercises, order, progress())
+    text = recap_markdown(lesson, lines, rows)
+    with st.container(border=True):
+        st.subheader("Recap", anchor="recap")
+        for line in lines:
+            st.markdown(f"- {line}")
+        st.dataframe([{"#": r["n"], "question": " ".join(r["question"].split()), "you": r["yours"],
+                       "the engine": r["engine"], "": r["verdict"]} for r in rows],
+                     hide_index=True, width="stretch")
+        c = st.columns(2)
+        c[0].download_button("Save the recap (HTML, prints on one page)", recap_html(text, f"Lesson {lesson.number} recap"),
+                             file_name=f"lesson-{lesson.number}-recap.html", mime="text/html",
+                             icon=":material/print:", key=f"recap-html-{lesson.slug}")
+        c[1].download_button("Save as Markdown", text, file_name=f"lesson-{lesson.number}-recap.md",
+                             mime="text/markdown", icon=":material/download:", key=f"recap-md-{lesson.slug}")
+
+
 def open_in_playground(lesson: Lesson) -> None:
     """Leave the lesson's preset (its ``playground`` dict: a preset name and settings) for the Playground,
     which builds its lab from it on arrival, and go there. The lessons never import the app's pages."""
@@ -209,6 +281,8 @@ def render_lesson(page_file: str) -> None:
 
     box.close()  # a widget or reveal that ran the engine
     answered, right, first = lesson_progress(lesson, exercises)
+    if answered == len(exercises) or slug in whole_lessons():
+        show_recap(lesson, module, facts, exercises, order)
     with header:
         st.caption(f"Lesson {index + 1} of {len(lessons)} · about {lesson.minutes} minutes · "
                    + score_line(answered, len(exercises), right, first))

@@ -4,19 +4,22 @@ import streamlit as st
 
 from engine import EMBEDDED_MODEL
 from lessons import catalog
-from lessons.render import FIRST, PROGRESS, SHOWN, lesson_progress
+from lessons.progress import encode
+from lessons.render import FIRST, PROGRESS, SHOWN, lesson_progress, restore_progress, save_progress_url, saved_progress
 from lessons.runs import preload_model
 
 preload_model(EMBEDDED_MODEL)  # in the background while the learner reads: the lessons find the model loaded
 
+NUMBER_WORDS = {6: "Six", 7: "Seven", 8: "Eight", 9: "Nine", 10: "Ten"}
+
 st.title("Lessons")
-st.markdown(
-    "Six short lessons on how a language-model server keeps its KV cache in memory, taught on the same "
-    "engine the Playground runs. Each lesson asks you to **predict** what the engine will do before it "
-    "runs, then shows what it did. Go in order; each takes 5 to 15 minutes. Your answers are kept for "
-    "this browser tab's session only: a reload starts afresh."
-)
 lessons = catalog()
+st.markdown(
+    f"{NUMBER_WORDS.get(len(lessons), len(lessons))} short lessons on how a language-model server keeps its KV "
+    "cache in memory, taught on the same engine the Playground runs. Each lesson asks you to **predict** what "
+    "the engine will do before it runs, then shows what it did. Go in order; each takes 5 to 15 minutes. "
+    "Your answers are kept in this page's link: a reload or a bookmark resumes where you were."
+)
 total_answered = total = 0
 for lesson in lessons:
     ids = lesson.exercise_ids  # from the text: the overview runs no engine
@@ -30,8 +33,32 @@ for lesson in lessons:
         c2.progress(answered / len(ids) if ids else 0.0, text=f"{status}: {answered}/{len(ids)}, {right} right"
                     + (f" ({first} at the first try)" if first != right else ""))
 st.progress(total_answered / total if total else 0.0, text=f"All lessons: {total_answered} of {total} predictions made")
+with st.expander("Continue on another browser: your progress code"):
+    saved = saved_progress()
+    try:
+        code = encode(saved) if saved else ""
+    except ValueError as exc:
+        code, too_long = "", str(exc)
+    else:
+        too_long = ""
+    if code:
+        st.caption("Copy this code (it is also in this page's link) and paste it below on the other browser.")
+        st.code(code, language=None, wrap_lines=True)
+    else:
+        st.caption(too_long or "Nothing answered yet: your code appears here after your first prediction.")
+    with st.form("load-progress", border=False):
+        pasted = st.text_input("Paste a progress code", placeholder="the code from another browser")
+        if st.form_submit_button("Load it (replaces the answers in this browser)"):
+            try:
+                restore_progress(pasted)
+            except ValueError as exc:
+                st.error(f"Could not load that code: {exc}.")
+            else:
+                save_progress_url()
+                st.rerun()
 if st.button("Forget my answers", help="Clear every prediction made in this session"):
     st.session_state[PROGRESS] = {}
     st.session_state[FIRST] = {}
     st.session_state[SHOWN] = set()  # lock the hidden parts again, for the next learner
+    save_progress_url()
     st.rerun()

@@ -1,0 +1,107 @@
+"""A learner's lesson progress as a short code (no Streamlit here).
+
+The app keeps the code in the page's URL (``?progress=...``), so a reload or a bookmark resumes where the
+learner was, and shows it on the lessons' overview, to carry to another browser. What it holds: each
+committed answer as typed ("slug:exercise id" -> the raw answer and whether it was right), whether the first
+answer was right, and the lessons shown whole. JSON, zlib-compressed, base64url: about 300 characters for
+all nine lessons answered.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+VERSION = 1
+MAX_CODE_CHARS = 8000  # a URL stays well under browsers' and proxies' limits (about 8 KiB is safe)
+MAX_PAYLOAD_BYTES = 65_536  # what a code may inflate to
+MAX_ANSWER_CHARS = 400  # one typed answer; a longer one is not a lesson answer
+_KEY = re.compile(r"^l\d+_[a-z0-9_]+:[A-Za-z0-9_]+$")  # "slug:exercise id", as lessons/render.py keys them
+_CODE = re.compile(r"^[A-Za-z0-9_-]+={0,2}$")
+
+
+@dataclass
+class SavedProgress:
+    """``answers``: "slug:id" -> {"raw": answer, "correct": bool}; ``first``: "slug:id" -> the first committed
+    answer was right; ``shown``: slugs of lessons shown whole."""
+
+    answers: dict[str, dict] = field(default_factory=dict)
+    first: dict[str, bool] = field(default_factory=dict)
+    shown: set[str] = field(default_factory=set)
+
+    def __bool__(self) -> bool:
+        return bool(self.answers or self.first or self.shown)
+
+
+def encode(saved: SavedProgress) -> str:
+    """The code for ``saved`` (base64url text). Raises ValueError if it would exceed ``MAX_CODE_CHARS``."""
+    payload = {"v": VERSION,
+               "a": {k: [v["raw"], bool(v["correct"])] for k, v in sorted(saved.answers.items())},
+               "f": sorted(k for k, ok in saved.first.items() if ok),
+               "t": sorted(k for k, ok in saved.first.items() if not ok),
+               "s": sorted(saved.shown)}
+    raw = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
+    code = base64.urlsafe_b64encode(zlib.compress(raw, 9)).decode().rstrip("=")
+    if len(code) > MAX_CODE_CHARS:
+        raise ValueError(f"the progress code would be {len(code):,} characters (at most {MAX_CODE_CHARS:,})")
+    return code
+
+
+def decode(code: str) -> SavedProgress:
+    """A code back to progress. Raises ValueError saying what is wrong with it (not a code, too long, from
+    another version, a malformed entry); an unknown lesson or question in it is kept and simply never shown."""
+    code = code.strip()
+    if not code:
+        raise ValueError("the progress code is empty")
+    if len(code) > MAX_CODE_CHARS:
+        raise ValueError(f"the progress code is {len(code):,} characters (at most {MAX_CODE_CHARS:,})")
+    if not _CODE.match(code):
+        raise ValueError("the progress code has characters other than letters, digits, '-' and '_'")
+    try:
+        inflate = zlib.decompressobj()
+        raw = inflate.decompress(base64.urlsafe_b64decode(code + "=" * (-len(code) % 4)), MAX_PAYLOAD_BYTES)
+        if inflate.unconsumed_tail:  # a small code that inflates to megabytes is not ours
+            raise ValueError(f"the progress code holds more than {MAX_PAYLOAD_BYTES:,} bytes")
+        payload = json.loads(raw)
+    except ValueError as exc:  # binascii.Error, a JSON error and our own limit are ValueErrors
+        if "more than" in str(exc):
+            raise
+        raise ValueError("the progress code is damaged (cut short or mistyped?)") from exc
+    except zlib.error as exc:
+        raise ValueError("the progress code is damaged (cut short or mistyped?)") from exc
+    if not isinstance(payload, dict) or payload.get("v") != VERSION:
+        raise ValueError(f"the progress code is not a version-{VERSION} code of this app")
+    answers, first = {}, {}
+    for key, value in _items(payload.get("a"), dict, "answers"):
+        if not (isinstance(value, list) and len(value) == 2 and isinstance(value[1], bool)
+                and isinstance(value[0], (str, int, float, list))):
+            raise ValueError(f"the progress code's answer to {key!r} is malformed")
+        if len(json.dumps(value[0])) > MAX_ANSWER_CHARS:
+            raise ValueError(f"the progress code's answer to {key!r} is longer than {MAX_ANSWER_CHARS} characters")
+        answers[key] = {"raw": value[0], "correct": value[1]}
+    for name, ok in (("f", True), ("t", False)):
+        for key in _items(payload.get(name), list, "first tries"):
+            first[key] = ok
+    shown = set()
+    for slug in payload.get("s", []) if isinstance(payload.get("s", []), list) else [None]:
+        if not (isinstance(slug, str) and re.fullmatch(r"l\d+_[a-z0-9_]+", slug)):
+            raise ValueError(f"the progress code names a lesson {slug!r} that is not a lesson name")
+        shown.add(slug)
+    return SavedProgress(answers, first, shown)
+
+
+def _items(value: Any, kind: type, what: str):
+    if value is None:
+        return []
+    if not isinstance(value, kind):
+        raise ValueError(f"the progress code's {what} are malformed")
+    items = value.items() if kind is dict else value
+    for item in items:
+        key = item[0] if kind is dict else item
+        if not (isinstance(key, str) and _KEY.match(key)):
+            raise ValueError(f"the progress code names a question {key!r} that is not 'lesson:question'")
+    return items

@@ -5,6 +5,16 @@ Both engines get the same KV byte budget and the same requests at the same steps
 each engine that still has work; stepping back only moves a cursor over the recorded steps (nothing is
 re-run).
 
+One step at a time, never half a step: Streamlit runs a new script run for every event (a second click, a key,
+a Play tick) while the last one may still be running, and stops the old run at its next Streamlit call. So
+everything that changes the engines (``step``, ``press``, ``take_presses``, ``play_tick``, ``add_request``,
+``reset_prefix_cache``) runs under one lock per lab and makes no Streamlit call: a step of the paged engine,
+the baseline's step and their record complete together or not at all, and a caller draws afterwards from
+``frame()``. The stage's presses (Step / Forward / Back / Play, PageDown / PageUp / P, a presenter's
+clicker) are counted in the browser and handed over as a total (``take_presses``): the lab runs each press
+not yet handled exactly once, however many script runs see the same total, and counts a press that can do
+nothing as ignored (``ignored``, ``ignored_why``) so the page can say so.
+
 The contiguous policies "pow2" and "oracle" reserve by each request's true final length, which a server
 cannot know at admission: for a preset the lab learns it first with a headless paged run of the same
 requests (same settings, same seeds, so the same tokens; its records are not kept). A request added by
@@ -21,7 +31,9 @@ semantics a view shows, in one line read from the engine.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
+import uuid
 from dataclasses import dataclass, field
 
 from engine import EngineConfig, LLMEngine, SamplingParams, StepRecord
@@ -177,6 +189,14 @@ class Lab:
     order: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     semantics_note: str | None = None  # why the paper's semantics run although V1 was chosen (``fit_semantics``)
+    cursor: int = -1  # the step shown: -1 follows the latest, else a 0-based index into ``history``
+    playing: bool = False  # Play: a step per timer tick (``play_tick``) until Pause or nothing is left
+    presses: int = 0  # stage presses counted in the browser (``take_presses``) handled so far
+    ignored: int = 0  # presses that did nothing (nothing left to run, already at the first step, ...)
+    ignored_why: str = ""  # why the last ignored press did nothing
+    failure: str | None = None  # a step that raised: the engines may be half-stepped, so nothing more runs
+    # names this lab to the browser's press counter: a total counted for another lab is never run here
+    token: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
     @staticmethod
@@ -259,22 +279,154 @@ class Lab:
             self.contiguous is not None and self.contiguous.has_unfinished())
 
     def step(self) -> tuple[StepRecord, StepRecord | None]:
-        """Admit arrivals due now, then one step of each engine (an engine with nothing to do idles).
+        """Admit arrivals due now, then one step of each engine (an engine with nothing to do idles), recorded.
 
-        One step at a time: Streamlit may start a new script run (a second click, a key repeat) while the
-        last one is still inside this method, and two runs stepping the same engines at once corrupt them
-        (IndexError in the scheduler, "step 5 of 3"). The lock makes the second wait for the first (``add_request`` takes it too)."""
+        Atomic: under the lab's lock and without any Streamlit call, so a second script run (a double click, a
+        key, a Play tick) waits for the first, and Streamlit's stopping of a script run (at its next Streamlit
+        call) can never fall between the paged step, the baseline's step and their record. Raises
+        RuntimeError after a failed step (``failure``)."""
         with self._lock:
             return self._step()
 
     def _step(self) -> tuple[StepRecord, StepRecord | None]:
-        while self.pending and self.pending[0][0].arrival_step <= self.step_count:
-            r, final_len = self.pending.pop(0)
-            self.add_request(r.prompt, r.params, final_len)
-        paged = self.paged.step()
-        contiguous = self.contiguous.step() if self.contiguous is not None else None
+        if self.failure is not None:
+            raise RuntimeError(f"the engines stopped after an error: {self.failure}")
+        try:
+            while self.pending and self.pending[0][0].arrival_step <= self.step_count:
+                r, final_len = self.pending.pop(0)
+                self._add_request(r.prompt, r.params, final_len)
+            paged = self.paged.step()
+            contiguous = self.contiguous.step() if self.contiguous is not None else None
+        except Exception as exc:
+            # one engine may have stepped and the other not: no later step may pretend they are in step
+            self.failure = f"step {self.step_count + 1} raised {type(exc).__name__}: {exc}"
+            raise
         self.history.append((paged, contiguous))
         return paged, contiguous
+
+    # ------------------------------------------------------------------------------------- the stage
+    def press(self, kind: str) -> str:
+        """One press of Step / Forward ("forward"), Back ("back") or Play / Pause ("play"): replay forward
+        through the recorded steps while looking back, else run one step; Back shows the previous step; Play
+        toggles ``playing``. Atomic like ``step``.
+
+        Returns what it did: "stepped", "forward", "back", "play", "pause" or "ignored" (then ``ignored``
+        counts it and ``ignored_why`` says why)."""
+        with self._lock:
+            return self._press(kind)
+
+    def _press(self, kind: str) -> str:
+        total = self.step_count
+        if kind == "play":
+            if self.playing:
+                self.playing = False
+                return "pause"
+            if self.failure is not None or not self.has_work():
+                return self._ignore("Play: the engines stopped after an error; press Reset" if self.failure
+                                    else "Play: all requests have finished (Reset runs them again)" if total
+                                    else "Play: nothing to run; add a request first")
+            self.playing = True
+            return "play"
+        if kind == "back":
+            if total < 2 or self.cursor == 0:
+                return self._ignore("Back: already at the first step" if total else "Back: nothing has run yet")
+            self.cursor = max(0, (self.cursor if self.cursor >= 0 else total - 1) - 1)
+            return "back"
+        if kind != "forward":
+            return self._ignore(f"unknown press {kind!r}")
+        if 0 <= self.cursor < total - 1:  # looking back: show the next recorded step (nothing re-runs)
+            self.cursor += 1
+            if self.cursor == total - 1:
+                self.cursor = -1  # the latest step again: follow it
+            return "forward"
+        if self.failure is not None:
+            return self._ignore("Step: the engines stopped after an error; press Reset")
+        if not self.has_work():
+            return self._ignore("Step: all requests have finished (Reset runs them again)"
+                                if total else "Step: nothing to run; add a request first")
+        if not self._try_step():
+            return self._ignore("Step: the engines stopped after an error; press Reset")
+        self.cursor = -1
+        return "stepped"
+
+    def _try_step(self) -> bool:
+        """``_step`` for a press or a Play tick: a failure is kept in ``failure`` (and logged with its
+        traceback) for the page to say, instead of an exception in the middle of the stage."""
+        try:
+            self._step()
+        except Exception:  # noqa: BLE001 - any failure: the page says it and nothing more runs
+            logging.getLogger(__name__).exception("Playground step failed")
+            return False
+        return True
+
+    def _ignore(self, why: str) -> str:
+        self.ignored += 1
+        self.ignored_why = why
+        return "ignored"
+
+    def take_presses(self, token, total, log) -> int:
+        """The browser's press counter: ``total`` presses counted so far for the lab named ``token``, and
+        ``log`` the kinds of the last of them, oldest first ("F" forward, "B" back, "P" play / pause). Runs
+        each press not handled yet, in order, exactly once (``presses`` counts them), however many script
+        runs hand over the same or an older total. A total for another lab (``token``) or that is not a count runs
+        nothing. Presses older than the log reaches are counted as ignored. Returns how many were new."""
+        if not isinstance(total, int) or isinstance(total, bool) or not isinstance(log, str):
+            return 0
+        with self._lock:
+            if token != self.token or total <= self.presses:
+                return 0
+            new = total - self.presses
+            kinds = log[-new:] if new <= len(log) else log
+            for _ in range(new - len(kinds)):
+                self._ignore("more presses at once than the page could keep apart")
+            for k in kinds:
+                self._press({"F": "forward", "B": "back", "P": "play"}.get(k, k))
+            self.presses = total
+            return new
+
+    def play_tick(self) -> bool:
+        """One Play tick: while ``playing``, a step when there is work left (then the view follows the latest
+        step). False, and Play stops (``playing`` False), when there is nothing to run or the engines failed;
+        False too when not playing (a Pause that came first)."""
+        with self._lock:
+            if not self.playing:
+                return False
+            if self.failure is not None or not self.has_work() or not self._try_step():
+                self.playing = False
+                return False
+            self.cursor = -1
+            return True
+
+    def seek(self, cursor: int) -> None:
+        """Show recorded step ``cursor`` (0-based; -1 or the last step: follow the latest)."""
+        with self._lock:
+            total = self.step_count
+            self.cursor = -1 if cursor < 0 or cursor >= total - 1 else cursor
+
+    def frame(self) -> tuple[list[tuple[StepRecord, StepRecord | None]], int, bool]:
+        """What to draw, read at one moment: the recorded steps (a copy), the 0-based index of the step shown
+        (-1 when nothing has run) and whether work is left."""
+        with self._lock:
+            history = list(self.history)
+            index = len(history) - 1 if self.cursor < 0 else min(self.cursor, len(history) - 1)
+            return history, index, self.has_work()
+
+    def counts(self) -> dict:
+        """The stage's counts, read at one moment: steps recorded, each engine's own step count (None without
+        a baseline), presses handled and ignored."""
+        with self._lock:
+            return dict(recorded=self.step_count, pagedSteps=self.paged.step_count,
+                        contiguousSteps=self.contiguous.step_count if self.contiguous is not None else None,
+                        handled=self.presses, ignored=self.ignored)
+
+    def reset_prefix_cache(self) -> str | None:
+        """vLLM's ``reset_prefix_cache`` on the paged engine, between steps: the engine's own message, or None
+        when it refuses (requests still hold blocks)."""
+        with self._lock:
+            if not self.paged.reset_prefix_cache():
+                return None
+            said = [e.message for e in self.paged.log.events if e.kind == "reset_prefix_cache"]
+            return said[-1] if said else "prefix cache reset"
 
     def record(self, index: int) -> tuple[StepRecord, StepRecord | None]:
         """The recorded step ``index`` (0-based), for time travel."""

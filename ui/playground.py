@@ -19,7 +19,8 @@ from engine.scenarios import SCENARIOS
 from lessons.render import OPEN_PRESET
 from ui.lab import (POLICY_LABELS, POLICY_RESERVES, SCHEDULING_LABELS, SEMANTICS_LABELS, LabSettings,
                     count_only_tokenizer, engine_semantics_line)
-from ui.state import build_lab, default_settings, get_lab, preset_settings, shared_model
+from ui.state import (applied_settings, build_lab, default_settings, get_lab, preset_settings, shared_model,
+                      stage_keys, take_stage_presses)
 from viz import (block_pool_figure, block_table_rows, contiguous_region_figure, paged_slots_figure,
                  swap_pool_figure, timeline_figure)
 from viz.colors import colour_key, request_color, request_id_of
@@ -121,25 +122,21 @@ def settings_form(current: LabSettings) -> None:
                                     key=f"set_watermark_{gen}")
         use_preset = st.checkbox("Use the preset's pool settings", value=True,
                                  help="Take block size, pool and lengths from the preset instead, and any setting "
-                                      "the preset fixes itself (e.g. prefix caching off, preemption by swap).", key=f"set_use_preset_{gen}")
+                                      "the preset fixes itself (e.g. prefix caching off, preemption by swap). "
+                                      "A preset always runs with its own settings, whatever ran before: only what "
+                                      "you change in this form applies on top of them.", key=f"set_use_preset_{gen}")
         if st.form_submit_button("Apply and reset", type="primary"):
-            fields = dict(block_size=int(block_size), num_blocks=int(num_blocks), max_model_len=int(max_len),
-                          reservation=int(reservation), swap_space_blocks=int(swap) or None,
-                          kv_budget_mb=float(budget))
-            # an untouched default watermark stays the semantics' default (1% paper, 0 V1) when switching
-            default = current.watermark is None and float(watermark) == shown_watermark
-            common = dict(enable_prefix_caching=caching, seed=int(seed), contiguous_policy=policy,
-                          watermark=None if default else float(watermark) / 100, preemption_mode=mode,
-                          semantics=semantics, scheduling_policy=scheduling if v1 else "fcfs",
-                          max_num_batched_tokens=int(tokens) if v1 else None)
-            if use_preset and preset != "custom":
-                # what the preset fixes (its engine_defaults) wins over the form's values, which may still be
-                # the previous preset's
-                own = {"enable_prefix_caching", "contiguous_policy", "watermark", "preemption_mode"}
-                own &= set(SCENARIOS[preset].engine_defaults)
-                build_lab(preset_settings(preset, model.strip(), **{k: v for k, v in common.items() if k not in own}))
+            # what the widgets hold, in the form's units; only what differs from what the form opened with is a
+            # choice (``applied_settings``): a preset is the same run whatever was applied before
+            chosen = dict(model=model, block_size=int(block_size), num_blocks=int(num_blocks),
+                          kv_budget_mb=float(budget), max_model_len=int(max_len), reservation=int(reservation),
+                          enable_prefix_caching=bool(caching), seed=int(seed), contiguous_policy=policy,
+                          watermark_pct=float(watermark), semantics=semantics)
+            if v1:
+                chosen.update(scheduling_policy=scheduling, max_num_batched_tokens=int(tokens))
             else:
-                build_lab(LabSettings(model=model.strip(), preset=preset, **common, **fields))
+                chosen.update(preemption_mode=mode, swap_space_blocks=int(swap))
+            build_lab(applied_settings(current, preset, chosen, use_preset=bool(use_preset)))
             st.rerun()
     st.sidebar.caption(in_effect(current))
 
@@ -190,11 +187,11 @@ def prefix_cache_reset(lab) -> None:
                              help="Forget every cached prefix (vLLM's reset_prefix_cache), so later requests compute "
                                   "their prompts afresh. Only while no request holds blocks."):
         return
-    if lab.paged.reset_prefix_cache():
-        said = [e.message for e in lab.paged.log.events if e.kind == "reset_prefix_cache"]
+    said = lab.reset_prefix_cache()  # between two steps, never during one
+    if said is not None:
         after = ("The next step's record carries the event, and the hit rate starts again there (as vLLM's)."
                  if lab.has_work() else "Add a request to see it compute its prompt afresh.")
-        st.sidebar.success(f"{said[-1] if said else 'prefix cache reset'}. {after}")
+        st.sidebar.success(f"{said}. {after}")
     else:
         st.sidebar.warning("Reset refused: requests still hold blocks; reset when the pool is idle.")
 
@@ -279,6 +276,9 @@ def main() -> None:
             st.error(st.session_state.get("lab_error"))
             st.stop()
         lab = get_lab()
+    take_stage_presses(lab)  # the presses counted in the browser since the last run, each run once, before drawing
+    st.session_state["playing"] = lab.playing  # a mirror for reading; the lab keeps it with the steps
+    stage_keys(lab)  # the (invisible) press counter: keys and Step / Back clicks, whatever has the focus
     settings_form(lab.settings)
     prefix_cache_reset(lab)
     request_form(lab)
@@ -292,79 +292,105 @@ def main() -> None:
     st.title("Playground")
     semantics_banner(lab)
     controls(lab)
-    playing = st.session_state.get("playing", False)
+    playing = lab.playing
     speed = st.session_state.get("speed", 2)
     # Play re-runs only the views below, on a timer (a fragment), one engine step per run.
     st.fragment(run_every=1.0 / speed if playing else None)(views)(lab)
 
 
+STAGE_KEYS_HELP = ("PageDown or a presenter's clicker, whatever has the focus; every press is one step, run in "
+                   "order, none lost")
+
+
 def controls(lab) -> None:
-    """Back / Step (Forward while replaying) / Reset / Play and the speed: the row above the views."""
+    """Back / Step (Forward while replaying) / Reset / Play and the speed: the row above the views.
+
+    Back, Step and Play are presses (``Lab.press``, in their callbacks, so the row below is drawn after them):
+    each one is one atomic step, move of the cursor or toggle of Play, or is ignored and said so. In a browser
+    the stage's counter (``ui.state.stage_keys``) takes their clicks and the keys over and hands them to the
+    lab in order."""
+    said_ignored(lab)
+    if lab.failure is not None:
+        st.error(f"The engines stopped: {lab.failure}. Nothing more runs in this lab: press **Reset**.")
+    history, index, _ = lab.frame()
+    total = len(history)
+    st.session_state["cursor"] = lab.cursor  # a mirror for reading; the lab keeps the cursor with the steps
     c = st.columns([1.6, 1.8, 1.1, 1.1, 3.4], vertical_alignment="center")
-    total = lab.step_count
-    cursor = st.session_state.get("cursor", -1)
-    if c[0].button("Back", shortcut="PageUp", width="stretch", disabled=total < 2,
-                   help="Show the previous step (PageUp). Recorded, not re-run."):
-        st.session_state["cursor"] = max(0, (cursor if cursor >= 0 else total - 1) - 1)
-        st.rerun()
-    replaying = 0 <= cursor < total - 1
-    if c[1].button("Forward" if replaying else "Step", type="primary", shortcut="PageDown", width="stretch",
-                   help="Run one engine step, or while looking back, show the next recorded step "
-                        "(PageDown, or a presenter's clicker)."):
-        if cursor >= 0 and cursor < total - 1:
-            st.session_state["cursor"] = cursor + 1  # replay forward through what was recorded
-        elif lab.has_work():
-            lab.step()
-            st.session_state["cursor"] = -1
-        st.rerun()
+    c[0].button("Back", key="stage_back", on_click=_press, args=("back",), width="stretch", disabled=total < 2,
+                help="Show the previous step (PageUp). Recorded, not re-run.")
+    replaying = 0 <= index < total - 1
+    c[1].button("Forward" if replaying else "Step", key="stage_step", on_click=_press, args=("forward",),
+                type="primary", width="stretch",
+                help=f"Run one engine step, or while looking back, show the next recorded step ({STAGE_KEYS_HELP}).")
     if c[2].button("Reset", width="stretch", help="Rebuild the engines with the same settings"):
         build_lab(lab.settings)
         st.rerun()
-    playing = st.session_state.get("playing", False)
-    c[3].button("Pause" if playing else "Play", on_click=_toggle_play, width="stretch", shortcut="P",
+    c[3].button("Pause" if lab.playing else "Play", key="stage_play", on_click=_toggle_play, width="stretch",
                 help="Step automatically at the chosen speed (P)")
     c[4].select_slider("Speed (steps per second)", [0.5, 1, 2, 4, 8], value=2, key="speed")
 
 
+def _press(kind: str) -> None:
+    """Step / Back clicked (a button's callback, before the page is drawn): one press of the lab."""
+    lab = get_lab()
+    if lab is not None:
+        lab.press(kind)
+
+
+def said_ignored(lab) -> None:
+    """Presses that did nothing are said, once: a toast with how many and why."""
+    seen = st.session_state.get("ignored_seen")
+    if seen is None or seen[0] != lab.token:
+        seen = (lab.token, 0)
+    if lab.ignored > seen[1]:
+        n = lab.ignored - seen[1]
+        st.toast(f"{n} press{'es' * (n != 1)} ignored: {lab.ignored_why}.", icon=":material/block:")
+    st.session_state["ignored_seen"] = (lab.token, lab.ignored)
+
+
 def _toggle_play() -> None:
-    st.session_state["playing"] = not st.session_state.get("playing", False)
+    """Play / Pause clicked: a press of the lab (``Lab.press("play")``; refused when nothing is left)."""
+    lab = get_lab()
+    if lab is not None:
+        lab.press("play")
+        st.session_state["playing"] = lab.playing
 
 
 def _scrubbed() -> None:
     """The slider moved: show that recorded step (its last position means: follow the latest step)."""
-    value, total = st.session_state["scrub"], get_lab().step_count
-    st.session_state["cursor"] = -1 if value >= total else value - 1
+    lab = get_lab()
+    lab.seek(st.session_state["scrub"] - 1)
+    st.session_state["cursor"] = lab.cursor
 
 
 def views(lab) -> None:
-    """Everything below the controls, for the step under the cursor (re-run on a timer while playing)."""
+    """Everything below the controls, for the step under the cursor (re-run on a timer while playing), drawn
+    from one consistent reading of the lab (``Lab.frame``) taken after any step of this run."""
     advance_play(lab)
-    total = lab.step_count
+    history, index, has_work = lab.frame()
+    total = len(history)
     if total == 0:
         nothing_yet(lab)
         return
-    index = scrub(total)
-    paged, contiguous = lab.record(index)
+    index = scrub(total, index)
+    paged, contiguous = history[index]
     st.caption(f"step {paged.step} of {total} ({step_label(paged)}; {SEMANTICS_SHORT[paged.semantics]}); "
                f"{'replaying recorded steps' if index < total - 1 else 'latest'}"
-               + ("" if lab.has_work() else "; all requests finished"))
+               + ("" if has_work else "; all requests finished"))
     metrics_row(lab, paged, contiguous)
-    st.caption(sharing_line(lab, index))
+    st.caption(sharing_line(lab, history, index))
     pools(lab, paged, contiguous)
     step_in_words(paged, contiguous, step_budget(lab))
     tables_and_text(lab, paged.snapshot)
-    timeline(lab, index, paged, contiguous)
+    timeline(lab, history, index, paged, contiguous)
 
 
 def advance_play(lab) -> None:
-    """While playing: one engine step per timer tick; when the work is done, stop and redraw the whole page
-    (so the button says Play again)."""
-    if not st.session_state.get("playing"):
+    """While playing: one engine step per timer tick (``Lab.play_tick``, atomic); when the work is done, stop
+    and redraw the whole page (so the button says Play again)."""
+    if not lab.playing:
         return
-    if lab.has_work():
-        lab.step()
-        st.session_state["cursor"] = -1
-    else:
+    if not lab.play_tick():  # nothing left (or paused meanwhile): Play has stopped
         st.session_state["playing"] = False
         st.rerun()
 
@@ -378,10 +404,8 @@ def nothing_yet(lab) -> None:
         st.caption(note)
 
 
-def scrub(total: int) -> int:
-    """The time-travel slider over the recorded steps; returns the 0-based index of the step to show."""
-    cursor = st.session_state.get("cursor", -1)
-    index = total - 1 if cursor < 0 else min(cursor, total - 1)
+def scrub(total: int, index: int) -> int:
+    """The time-travel slider over the recorded steps, on step ``index`` (0-based); returns it."""
     if total > 1:
         st.session_state["scrub"] = index + 1  # set before the slider exists in this run
         st.slider("Step", 1, total, key="scrub", on_change=_scrubbed,
@@ -476,10 +500,10 @@ def step_budget(lab) -> int | None:
     return lab.paged.max_num_batched_tokens if lab.paged.semantics == "v1" else None
 
 
-def sharing_line(lab, index: int) -> str:
+def sharing_line(lab, history, index: int) -> str:
     """How the paged engine shared blocks up to the step shown, counted from the recorded events: forks and
     copy-on-write copies (paper) or child requests and prefix-cache hits (vLLM V1)."""
-    counts = sharing_counts([p for p, _ in lab.history[: index + 1]])
+    counts = sharing_counts([p for p, _ in history[: index + 1]])
     hits = f"{counts['hit_tokens']:,} prompt tokens found in the prefix cache"
     if counts["hit_seqs"]:
         hits += f" (by {', '.join(dict.fromkeys(counts['hit_seqs']))})"
@@ -524,12 +548,12 @@ def tables_and_text(lab, snap) -> None:
         st.markdown(f"**{seq.seq_id}** ({seq.status}) " + tinted_text(seq, color), unsafe_allow_html=True)
 
 
-def timeline(lab, index: int, paged, contiguous) -> None:
+def timeline(lab, history, index: int, paged, contiguous) -> None:
     """KV utilisation and running requests up to the step shown."""
     st.subheader("Over time")
-    series = {"paged": [p for p, _ in lab.history[: index + 1]]}
+    series = {"paged": [p for p, _ in history[: index + 1]]}
     if contiguous is not None:
-        series["contiguous"] = [c for _, c in lab.history[: index + 1] if c is not None]
+        series["contiguous"] = [c for _, c in history[: index + 1] if c is not None]
     st.plotly_chart(timeline_figure(series, current_step=paged.step), width="stretch", key="timeline")
     st.plotly_chart(step_tokens_figure(series["paged"], budget=step_budget(lab), current_step=paged.step,
                                        semantics=paged.semantics), width="stretch", key="step_tokens")

@@ -1,11 +1,15 @@
 """Streamlit glue: the shared read-only model (``lessons.runs.shared_model``: loaded once per process, its
-progress shown the first time) and each session's ``Lab``."""
+progress shown the first time), each session's ``Lab``, what "Apply and reset" builds (``applied_settings``:
+a preset always means the same run) and the stage's press counter (``stage_keys``)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import streamlit as st
 
 from engine import EMBEDDED_MODEL
+from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS_V1
 from lessons import runs
 
 from .lab import POLICY_LABELS, Lab, LabSettings, count_only_tokenizer
@@ -37,8 +41,9 @@ def build_lab(settings: LabSettings) -> bool:
         return False
     st.session_state["lab"] = lab
     st.session_state["lab_generation"] = st.session_state.get("lab_generation", 0) + 1  # a fresh settings form
-    st.session_state["cursor"] = -1  # -1: follow the latest step
-    st.session_state["playing"] = False  # a new run starts paused: Play on a preset nobody has seen yet surprises
+    st.session_state["cursor"] = lab.cursor  # a mirror of the lab's own cursor (-1: follow the latest step)
+    st.session_state["playing"] = lab.playing  # a mirror: a new run starts paused (Play on a preset nobody has
+    # seen yet surprises)
     st.session_state.pop("lab_error", None)
     return True
 
@@ -88,3 +93,199 @@ def default_settings() -> LabSettings:
     """The "batch" preset with its own pool (12 blocks of 16): too small for all six requests, so the
     first minutes in class already show preemption."""
     return preset_settings("batch")
+
+
+# ------------------------------------------------------------------------------------------ Apply and reset
+# With "Use the preset's pool settings" ticked these come from the preset, whatever the form says.
+POOL_FIELDS = ("block_size", "num_blocks", "max_model_len", "reservation", "kv_budget_mb", "swap_space_blocks")
+
+
+def preset_fixed_fields(preset: str) -> set[str]:
+    """The ``LabSettings`` fields a scenario fixes itself (its ``engine_defaults``, e.g. prefix caching off,
+    preemption by swap, a watermark): with the tick they win over the form."""
+    from engine.scenarios import get_scenario
+
+    names = {"reservation_tokens": "reservation"}
+    fields = set(LabSettings.__dataclass_fields__)
+    return {names.get(k, k) for k in get_scenario(preset).engine_defaults} & fields
+
+
+def form_values(settings: LabSettings, semantics: str | None = None) -> dict:
+    """What the Playground's settings form shows for ``settings`` when ``semantics`` is chosen above it (the
+    form's own units: a watermark in %, 0 for "no swap pool" and "use blocks"): the values it opens with,
+    so that ``applied_settings`` can tell what was changed from what was merely shown."""
+    semantics = semantics or settings.semantics
+    shown = dict(model=settings.model, block_size=settings.block_size, num_blocks=settings.num_blocks,
+                 kv_budget_mb=float(settings.kv_budget_mb), max_model_len=settings.max_model_len,
+                 reservation=settings.reservation or settings.max_model_len,
+                 enable_prefix_caching=settings.enable_prefix_caching, seed=settings.seed,
+                 contiguous_policy=settings.contiguous_policy,
+                 watermark_pct=round(settings.effective_watermark * 100, 2), semantics=settings.semantics)
+    if semantics == "v1":
+        shown.update(scheduling_policy=settings.scheduling_policy,
+                     max_num_batched_tokens=settings.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS_V1)
+    else:
+        shown.update(preemption_mode=settings.preemption_mode, swap_space_blocks=settings.swap_space_blocks or 0)
+    return shown
+
+
+def _settings_fields(values: dict) -> dict:
+    """Form values (``form_values``' keys and units) as ``LabSettings`` fields."""
+    fields = {k: v for k, v in values.items() if k in LabSettings.__dataclass_fields__}
+    if "watermark_pct" in values:
+        fields["watermark"] = float(values["watermark_pct"]) / 100
+    if "swap_space_blocks" in values:
+        fields["swap_space_blocks"] = int(values["swap_space_blocks"]) or None
+    return fields
+
+
+def applied_settings(current: LabSettings, preset: str, chosen: dict, use_preset: bool = True) -> LabSettings:
+    """The settings "Apply and reset" builds from the form: ``chosen`` holds what the form's widgets hold
+    (``form_values``' keys, only the widgets drawn), ``current`` the settings in effect, which the form
+    opened with. Only what was changed in the form counts; a value merely shown is not a choice.
+
+    A preset is pure: with the tick ("Use the preset's pool settings"), applying preset X gives X's own
+    settings (``preset_settings``) whatever ran before, plus what was changed in this form, except the pool
+    (``POOL_FIELDS``) and what X fixes itself (``preset_fixed_fields``), which always come from X. Applying
+    the preset already in effect keeps the earlier changes (the form shows them: what you see is what runs).
+    Without the tick, or for "custom", the form's values apply to the settings in effect. The model is
+    the form's either way."""
+    shown = form_values(current, chosen.get("semantics", current.semantics))
+    changed = _settings_fields({k: v for k, v in chosen.items() if k in shown and v != shown[k]})
+    model = str(chosen.get("model", current.model)).strip()
+    changed.pop("model", None)
+    if preset == "custom" or not use_preset:
+        return dataclasses.replace(current, preset=preset, model=model, **changed)
+    pure = preset_settings(preset, model)
+    base = dataclasses.replace(current, model=model) if preset == current.preset else pure
+    fixed = set(POOL_FIELDS) | preset_fixed_fields(preset)
+    settings = dataclasses.replace(base, **{k: v for k, v in changed.items() if k not in fixed})
+    return dataclasses.replace(settings, **{k: getattr(pure, k) for k in fixed})
+
+
+# ------------------------------------------------------------------------------------------------ the stage
+STAGE_KEY = "stage_keys"  # the press counter's key; its element container is hidden (class st-key-stage_keys)
+STAGE_BUTTONS = {"stage_step": "F", "stage_back": "B", "stage_play": "P"}  # clicks the counter takes over
+
+# Runs in the app page (components v2 mount no iframe). Installed once per page, whatever the number of
+# renders; removed when the Playground is left. Counts every press of PageDown / PageUp (whatever widget has
+# the focus: the keys never scroll the page or move a slider here), of P (Play / Pause, unless the focus is in
+# a text field) and every click on Step / Back / Play (so a double click is two presses, not one coalesced
+# button event), and hands Python the running total with the kinds of the last presses.
+_STAGE_JS = """
+export default function (component) {
+  const { data, setStateValue, parentElement } = component;
+  const LOG = 256;
+  const w = window;
+  let g = w.__pagedAttentionStage;
+  if (!g) {
+    g = { token: null, n: 0, log: "", send: null, owner: null, root: null };
+    const TEXT = ["text", "search", "email", "url", "password", "tel", ""];
+    const typing = (t) => !!t && (t.isContentEditable || t.tagName === "TEXTAREA"
+      || (t.tagName === "INPUT" && !t.readOnly && TEXT.includes((t.type || "").toLowerCase())));
+    g.press = (kind) => {
+      g.n += 1;
+      g.log = (g.log + kind).slice(-LOG);
+      if (g.root) g.root.dataset.sent = String(g.n);
+      if (g.send) g.send("presses", { token: g.token, n: g.n, log: g.log });
+    };
+    g.onKey = (e) => {
+      if (e.key === "PageDown" || e.key === "PageUp") {
+        e.preventDefault();
+        e.stopImmediatePropagation();
+        if (!e.repeat) g.press(e.key === "PageDown" ? "F" : "B");
+      } else if ((e.key === "p" || e.key === "P") && !e.ctrlKey && !e.metaKey && !e.altKey && !typing(e.target)) {
+        e.preventDefault();
+        e.stopImmediatePropagation();
+        if (!e.repeat) g.press("P");
+      }
+    };
+    g.onClick = (e) => {
+      const t = e.target instanceof Element ? e.target : null;
+      const box = t && t.closest(BUTTONS);
+      const button = t && t.closest("button");
+      if (!box || !button || !box.contains(button) || button.disabled) return;
+      e.preventDefault();
+      e.stopImmediatePropagation();
+      g.press(KINDS[[...box.classList].find((c) => c in KINDS)] || "F");
+    };
+    w.addEventListener("keydown", g.onKey, true);
+    w.addEventListener("click", g.onClick, true);
+    if (!document.getElementById("paged-attention-stage-style")) {
+      const style = document.createElement("style");
+      style.id = "paged-attention-stage-style";
+      style.textContent = ".st-key-" + KEY + " { display: none !important; }";
+      document.head.appendChild(style);
+    }
+    w.__pagedAttentionStage = g;
+  }
+  const owner = {};
+  g.owner = owner;
+  g.send = setStateValue;
+  const handled = (data && Number.isInteger(data.handled)) ? data.handled : 0;
+  if (data && data.token !== g.token) {  // a new lab: its presses count from what it has handled
+    g.token = data.token;
+    g.n = handled;
+    g.log = "";
+  } else if (handled > g.n) {
+    g.n = handled;
+  }
+  let root = parentElement.querySelector(".paged-attention-stage");
+  if (!root) {
+    root = document.createElement("div");
+    root.className = "paged-attention-stage";
+    parentElement.appendChild(root);
+  }
+  g.root = root;
+  for (const [k, v] of Object.entries((data && data.attrs) || {})) root.dataset[k] = String(v);
+  root.dataset.sent = String(g.n);
+  return () => {
+    if (w.__pagedAttentionStage === g && g.owner === owner) {
+      w.removeEventListener("keydown", g.onKey, true);
+      w.removeEventListener("click", g.onClick, true);
+      delete w.__pagedAttentionStage;
+    }
+  };
+}
+"""
+_stage_component = None
+
+
+def _stage_js() -> str:
+    """``_STAGE_JS`` with the key of its own element and of the buttons it takes over."""
+    import json
+
+    kinds = {f"st-key-{k}": v for k, v in STAGE_BUTTONS.items()}
+    return (f"const KEY = {json.dumps(STAGE_KEY)};\n"
+            f"const BUTTONS = {json.dumps(', '.join('.' + c for c in kinds))};\n"
+            f"const KINDS = {json.dumps(kinds)};\n" + _STAGE_JS)
+
+
+def _stage():
+    global _stage_component
+    if _stage_component is None:  # created on first use, inside a script run
+        from streamlit.components import v2
+
+        _stage_component = v2.component("paged_attention_stage", js=_stage_js(), isolate_styles=False)
+    return _stage_component
+
+
+def stage_keys(lab: Lab) -> None:
+    """Draw the stage's press counter (invisible) for ``lab``. It carries, as data attributes of its element
+    (``.paged-attention-stage``), what a browser test compares: steps recorded, each engine's own step count,
+    presses handled and ignored."""
+    counts = lab.counts()
+    attrs = {**counts, "token": lab.token, "contiguousSteps": "" if counts["contiguousSteps"] is None
+             else counts["contiguousSteps"]}
+    _stage()(key=STAGE_KEY, data={"token": lab.token, "handled": counts["handled"], "attrs": attrs},
+                     on_presses_change=lambda: None, width="stretch", height="content")
+
+
+def take_stage_presses(lab: Lab) -> int:
+    """Run the presses the browser counted since the last script run (``Lab.take_presses``: each exactly
+    once, atomically). Returns how many were new."""
+    state = st.session_state.get(STAGE_KEY)
+    presses = state.get("presses") if hasattr(state, "get") else None
+    if not isinstance(presses, dict):
+        return 0
+    return lab.take_presses(presses.get("token"), presses.get("n"), presses.get("log"))

@@ -254,3 +254,43 @@ def run_stats(records, outputs) -> dict:
         "kv_utilization": round(kv_utilization_pct(r.snapshot for r in records), 2),
         "queued_at_door": len(waited),
     }
+
+
+def preemption_cost(records, bytes_per_block: int) -> dict:
+    """What a run's preemptions cost, read from its step records.
+
+    - recompute: ``recomputed_tokens``, the prefill tokens computed again for re-admitted requests (the
+      "admit" events with ``readmission``), and ``recompute_steps`` / ``recompute_s``: the steps that
+      computed them and their wall time (seconds; such a prefill step may admit other requests too);
+    - swap: ``swap_out_blocks`` / ``swap_in_blocks``, the blocks copied to and back from the CPU swap
+      pool (the pairs of the "swap_out" / "swap_in" events), ``swap_bytes`` = their sum x
+      ``bytes_per_block`` (one block's K and V over all layers: ``KVGeometry.bytes_per_block``, or the
+      KV tensors' bytes / blocks), and ``swap_steps`` / ``swap_s``: the steps that copied and their wall
+      time (each also decoded the rest of its batch);
+    - ``plain_decode_s``: the median wall time of the run's other decode steps (no swap, no preemption),
+      the yardstick for the two above; 0.0 when there is none.
+
+    Times are ``StepRecord.elapsed_s``: this machine's, at the time of the run.
+    """
+    counts = preemption_counts(records)
+    recompute = [r for r in records
+                 if any(e.kind == "admit" and e.data.get("readmission") for e in r.events)]
+    swaps = [r for r in records if any(e.kind in ("swap_out", "swap_in") for e in r.events)]
+    out_blocks = sum(len(e.data.get("pairs", [])) for r in records for e in r.events if e.kind == "swap_out")
+    in_blocks = sum(len(e.data.get("pairs", [])) for r in records for e in r.events if e.kind == "swap_in")
+    busy = {r.step for r in swaps} | {r.step for r in records if any(e.kind == "preempt" for e in r.events)}
+    plain = [r.elapsed_s for r in records if r.kind == "decode" and r.step not in busy]
+    return {
+        "preemptions": counts["preemptions"],
+        "by_recompute": counts["by_recompute"],
+        "by_swap": counts["by_swap"],
+        "recomputed_tokens": counts["recomputed_tokens"],
+        "recompute_steps": [r.step for r in recompute],
+        "recompute_s": sum(r.elapsed_s for r in recompute),
+        "swap_out_blocks": out_blocks,
+        "swap_in_blocks": in_blocks,
+        "swap_bytes": (out_blocks + in_blocks) * bytes_per_block,
+        "swap_steps": [r.step for r in swaps],
+        "swap_s": sum(r.elapsed_s for r in swaps),
+        "plain_decode_s": statistics.median(plain) if plain else 0.0,
+    }

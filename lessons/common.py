@@ -108,26 +108,47 @@ class EngineRun:
 
 
 def run_engine(loaded, requests: list[tuple[Any, SamplingParams]], max_steps: int = 2000, label: str = "the engine",
-               **config) -> EngineRun:
-    """Run ``requests`` (prompt text or token ids, params) to completion on a fresh engine built from
-    ``config`` (``EngineConfig`` fields) and the shared ``loaded`` model; every request is added before the
-    first step. ``label`` names the run in the progress reported after each step (``reporting``). Raises
-    ValueError for bad settings or requests, RuntimeError if it does not finish."""
+               *, request_ids: list[str] | None = None, arrivals: list[int] | None = None,
+               stop: Callable[[StepRecord], bool] | None = None, **config) -> EngineRun:
+    """Run ``requests`` (prompt text or token ids, params) on a fresh engine built from ``config``
+    (``EngineConfig`` fields) and the shared ``loaded`` model, to completion or to the first step for which
+    ``stop(record)`` is true.
+
+    ``request_ids``: the engine's id for each request (default R1, R2, ... in the engine's own numbering).
+    ``arrivals``: the step (1-based) before which each request is added (default: all before step 1);
+    requests arriving at the same step are added in list order, which is their first-come-first-served order.
+    ``label`` names the run in the progress reported after each step (``reporting``).
+    Raises ValueError for bad settings or requests (or ``arrivals`` of another length than ``requests``),
+    RuntimeError if it does not end within ``max_steps``."""
+    n = len(requests)
+    arrivals = list(arrivals) if arrivals is not None else [1] * n
+    if len(arrivals) != n or (request_ids is not None and len(request_ids) != n):
+        raise ValueError(f"{n} requests but {len(arrivals)} arrival steps"
+                         + (f" and {len(request_ids)} ids" if request_ids is not None else ""))
     engine = LLMEngine(EngineConfig(device="auto", **config), loaded)
-    ids = [engine.add_request(p, sp) for p, sp in requests]
+    order = sorted(range(n), key=lambda i: arrivals[i])  # stable: same-step requests keep their list order
+    ids: list[str | None] = [None] * n
     report = _REPORT.get()
     total = sum(sp.max_tokens * sp.num_seqs for _, sp in requests)  # at most: a reply may end earlier
     known = all(sp.length_known for _, sp in requests)
-    records, tokens = [], 0
-    while engine.has_unfinished():
+    records, tokens, added = [], 0, 0
+    while added < n or engine.has_unfinished():
         if len(records) >= max_steps:
             raise RuntimeError(f"the run did not finish in {max_steps} steps")
+        while added < n and arrivals[order[added]] <= len(records) + 1:
+            i = order[added]
+            prompt, params = requests[i]
+            ids[i] = engine.add_request(prompt, params, **({"request_id": request_ids[i]} if request_ids else {}))
+            added += 1
         records.append(engine.step())
         if report is not None:
             tokens += len(records[-1].new_tokens)
             report(f"Running {label}", tokens / total if total else 0.0,
                    f"step {len(records)}, {tokens:,} of {'' if known else 'at most '}{total:,} tokens")
-    return EngineRun(records, ids, {r: engine.get_output(r) for r in ids}, engine.block_size,
+        if stop is not None and stop(records[-1]):
+            break
+    added_ids = [r for r in ids if r is not None]
+    return EngineRun(records, added_ids, {r: engine.get_output(r) for r in added_ids}, engine.block_size,
                      records[-1].snapshot.num_blocks if records else 0)
 
 

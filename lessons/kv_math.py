@@ -154,3 +154,91 @@ def human_bytes(n: float) -> str:
             value = n / size
             return f"{value:,.0f} {unit}" if value == math.floor(value) else f"{value:,.2f} {unit}"
     return f"{int(n):,} B"
+
+
+# ------------------------------------------------------------------------------ vLLM's start-up plan (lesson 9)
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """How vLLM turns one GPU into a number of KV blocks at start-up, and what it logs. Bytes unless the name
+    says otherwise.
+
+    Sources (vLLM 0.32, the copy installed in ``.peer-venv``):
+    - ``vllm/v1/worker/utils.py`` ``request_memory``: requested = ceil(total memory x gpu_memory_utilization);
+    - ``vllm/v1/worker/gpu_worker.py`` ``determine_available_memory``: KV budget = requested - (weights +
+      memory outside PyTorch + peak activations of a profile forward pass) - the CUDA graphs' estimate,
+      logged as "Available KV cache memory: N GiB";
+    - ``vllm/v1/core/kv_cache_utils.py``: num_blocks = budget // bytes per block (block_size x bytes per
+      token, summed over layers); ``get_max_concurrency_for_kv_cache_config``: num_blocks / cdiv(max_model_len,
+      block_size), since a request takes whole blocks; ``update_kv_cache_capacity`` logs
+      "GPU KV cache size: N tokens, Maximum concurrency for L tokens per request: X.XXx" with
+      N = int(X x L).
+    """
+
+    requested_bytes: int    # ceil(memory x gpu_memory_utilization)
+    weight_bytes: int
+    activation_bytes: int   # peak activations of the start-up profile run
+    other_bytes: int        # memory outside PyTorch (CUDA context, NCCL, cuBLAS) and CUDA graphs
+    bytes_per_token: int
+    block_size: int         # tokens per block
+    max_model_len: int      # tokens per request (prompt + output)
+
+    @property
+    def kv_bytes(self) -> int:
+        """The KV budget: what is left of the requested memory (0 if nothing is)."""
+        return max(0, self.requested_bytes - self.weight_bytes - self.activation_bytes - self.other_bytes)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.block_size * self.bytes_per_token
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_bytes // self.bytes_per_block
+
+    @property
+    def slots(self) -> int:
+        """Token slots in all blocks."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def blocks_per_request(self) -> int:
+        """Whole blocks one request of ``max_model_len`` tokens takes (the last may be partly empty)."""
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def max_concurrency(self) -> float:
+        """Requests of ``max_model_len`` tokens that fit at once (a ratio, as vLLM logs it)."""
+        return self.num_blocks / self.blocks_per_request
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """vLLM's "GPU KV cache size": the tokens whole requests can use, int(max_concurrency x max_model_len)."""
+        return int(self.max_concurrency * self.max_model_len)
+
+    def log_lines(self) -> list[str]:
+        """The two lines vLLM logs at start-up for this plan (its own wording and rounding)."""
+        return [f"Available KV cache memory: {round(self.kv_bytes / GIB, 2)} GiB",
+                f"GPU KV cache size: {self.kv_cache_tokens:,} tokens, Maximum concurrency for "
+                f"{self.max_model_len:,} tokens per request: {self.max_concurrency:.2f}x"]
+
+
+def plan_kv_cache(memory_bytes: int, weight_bytes: int, bytes_per_token: int, max_model_len: int,
+                  block_size: int = 16, utilization: float = VLLM_GPU_MEMORY_UTILIZATION,
+                  activation_bytes: int = 0, other_bytes: int = 0) -> KVPlan:
+    """vLLM's start-up plan (``KVPlan``) for a GPU of ``memory_bytes``. Raises ValueError for a
+    non-positive size or length, negative activation or other memory, or a utilisation outside (0, 1]."""
+    for name, value in (("memory_bytes", memory_bytes), ("bytes_per_token", bytes_per_token),
+                        ("max_model_len", max_model_len), ("block_size", block_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    for name, value in (("weight_bytes", weight_bytes), ("activation_bytes", activation_bytes),
+                        ("other_bytes", other_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    if not 0 < utilization <= 1:
+        raise ValueError(f"utilization must be in (0, 1], got {utilization!r}")
+    return KVPlan(math.ceil(memory_bytes * utilization), weight_bytes, activation_bytes, other_bytes,
+                  bytes_per_token, block_size, max_model_len)

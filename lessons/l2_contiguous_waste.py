@@ -1,5 +1,8 @@
 """Lesson 2: contiguous allocation and its three kinds of waste, counted by the engine's
-``ContiguousAllocator`` and ``BlockManager`` holding the requests' tokens (no model needed)."""
+``ContiguousAllocator`` and ``BlockManager`` holding the requests' tokens (no model needed). The transfer
+questions run the same allocator on situations the text does not work through: another reservation policy
+(the vLLM paper's "Pow2" baseline) and another pair of finished requests, where the learner places a new
+reservation first-fit. Each usual wrong answer (``Slip``) is computed from the same allocator runs."""
 
 from __future__ import annotations
 
@@ -12,13 +15,26 @@ from engine.block_manager import BlockManager
 from engine.contiguous import ContiguousAllocator
 from engine.records import Snapshot
 from lessons.common import manager_snapshot
-from lessons.exercise import Exercise, parse_int_list
+from lessons.exercise import Exercise, Slip, parse_int_list
 
 REFERENCE = {"seed": 7, "n": 8, "max_len": 2048, "block_size": 16}
 LENGTH_RANGE = (50, 900)  # numpy integers(low, high): 50..899 tokens
-FRAG_SIZES = [2048, 1024, 2048, 1024, 2048]  # reservations (slots); the two of 1,024 finish
+FRAG_SIZES = [2048, 1280, 2048, 1280, 2048]  # reservations (slots); the two small ones finish
 PAGED_BANDS = [(0, 2, "under 2%"), (2, 20, "between 2% and 20%"), (20, 50, "between 20% and 50%"),
                (50, 100, "over 50%")]
+POLICY = {"policy": "pow2", "capacity": 6400}  # the transfer: the same requests under another policy
+FIRST_FIT = {"finished": ["R2", "R5"], "need": 1500}  # the allocator question: other finished requests
+
+RECAP = [
+    "Reserving the maximum length for every request left {{ contig_pct }} of the reference run's memory "
+    "without a token; taking blocks of {{ block_size }} as tokens arrive left {{ paged_pct }}.",
+    "Contiguous allocation wastes memory in three ways: reserved but not yet used, internal fragmentation "
+    "(reserved past the reply's end) and external fragmentation (free gaps too small for a whole reservation).",
+    "Smarter reservations (the next power of two, or the exact length if it were known) fit more requests, "
+    "but each still needs one unbroken range, held from admission to the end.",
+    "A reservation goes into one gap that can hold all of it; the free slots added up do not help, so a "
+    "request can wait while plenty of memory is free.",
+]
 
 
 def draw_lengths(seed: int, n: int) -> list[int]:
@@ -105,8 +121,57 @@ def fragmentation() -> tuple[ContiguousAllocator, BlockManager]:
     return region, pool
 
 
+def policy_admission(lengths: list[int], policy: str, capacity: int, max_len: int = REFERENCE["max_len"],
+                     overtake: bool = False) -> tuple[list[str], list[dict]]:
+    """Admit requests of these final lengths, in arrival order, into a fresh region of ``capacity`` slots,
+    each reserving what ``policy`` gives it (``ContiguousAllocator.reservation_for``), first-fit; first come,
+    first served stops at the first request that does not fit (``overtake``: later ones still try, the
+    slip). Returns (the admitted request ids, one row per request: id, final length, reservation,
+    decision in the allocator's words)."""
+    region = ContiguousAllocator(capacity, max_len, policy, max_model_len=max_len)
+    admitted, rows, stopped = [], [], False
+    for i, L in enumerate(lengths):
+        rid = f"R{i + 1}"
+        size = region.reservation_for(1, max_len, L)
+        if stopped:
+            rows.append({"request": rid, "final length": L, "reservation": size, "decision": "waits behind the head"})
+            continue
+        why = region.admission_refusal([[0]], size)
+        if why is None:
+            region.allocate(rid, min(L, size), reservation=size)
+            admitted.append(rid)
+            why = region.drain_events()[-1].message
+        else:
+            stopped = not overtake
+        rows.append({"request": rid, "final length": L, "reservation": size, "decision": why})
+    return admitted, rows
+
+
+def _before_first_fit() -> ContiguousAllocator:
+    """The fragmentation region's five reservations, then the ``FIRST_FIT`` requests finish."""
+    region = ContiguousAllocator(sum(FRAG_SIZES), max(FRAG_SIZES))
+    for i, size in enumerate(FRAG_SIZES):
+        region.allocate(f"R{i + 1}", size, reservation=size)
+    for rid in FIRST_FIT["finished"]:
+        region.free(rid)
+    region.drain_events()
+    return region
+
+
+def first_fit_run() -> tuple[ContiguousAllocator, int]:
+    """``_before_first_fit``, then a new request reserves ``FIRST_FIT["need"]`` slots. Returns (the region
+    after that, its event not drained; where the reservation starts). Raises RuntimeError if no gap fits."""
+    region = _before_first_fit()
+    return region, region.allocate(f"R{len(FRAG_SIZES) + 1}", 1, reservation=FIRST_FIT["need"])
+
+
 def _pct(x: float) -> str:
     return f"{x:.1f}%"
+
+
+def _slots(region: ContiguousAllocator) -> str:
+    """Where each request's reservation lies, e.g. "R1 0-2,047 · R2 2,048-3,071"."""
+    return " · ".join(f"{r['seq_id']} {r['start']:,}-{r['start'] + r['length'] - 1:,}" for r in region.layout()["regions"])
 
 
 def facts(ctx) -> dict:
@@ -123,10 +188,37 @@ def facts(ctx) -> dict:
 
 def exercises(ctx) -> dict[str, Exercise]:
     run = ctx.memo(reference_run)
+    B = REFERENCE["block_size"]
     band = next(label for lo, hi, label in PAGED_BANDS if lo <= run.paged_pct < hi)
+    band_msgs = {
+        "under 2%": "Less than that would need requests filling their last blocks almost exactly.",
+        "between 2% and 20%": (f"That much would take requests only a few blocks long. These are hundreds of tokens "
+                               f"long, and at most {B - 1} slots of each one's last block are empty."),
+        "between 20% and 50%": ("That is what contiguous reservations sized close to each length waste; paging "
+                                f"reserves nothing ahead, and only each request's last block of {B} can have "
+                                "empty slots."),
+        "over 50%": ("That is contiguous allocation's figure. Paging takes a block only when a token needs it, so "
+                     "nothing is reserved ahead: only the unfilled end of each request's last block is empty."),
+    }
     region, pool = fragmentation()
     need = max(FRAG_SIZES)
     refusal = region.admission_refusal([[0]], need)
+    gaps = region.gaps()
+
+    lengths = list(run.final_lengths.values())
+    cap, policy = POLICY["capacity"], POLICY["policy"]
+    fit, fit_rows = policy_admission(lengths, policy, cap)
+    fit_max, _ = policy_admission(lengths, "max", cap)
+    fit_exact, _ = policy_admission(lengths, "oracle", cap)
+    fit_over, _ = policy_admission(lengths, policy, cap, overtake=True)
+    refused = next((r for r in fit_rows if r["request"] not in fit), None)
+    pow2_sizes = [(f"{r['final length']:,}", r["reservation"]) for r in fit_rows]
+
+    before = _before_first_fit()
+    ff_region, ff_start = first_fit_run()
+    ff_gaps = before.gaps()
+    ff_need = FIRST_FIT["need"]
+    first_gap = ff_gaps[0]
     return {
         "contig_waste": Exercise(
             "contig_waste",
@@ -137,21 +229,53 @@ def exercises(ctx) -> dict[str, Exercise]:
                          f"{run.used:,} used: ({run.reserved:,} − {run.used:,}) / {run.reserved:,} = "
                          f"{run.contig_pct:.1f}%. At this moment it is all internal fragmentation: the replies "
                          "are over, so none of it will ever be used."),
+            slips=[Slip("used-share", round(100 - run.contig_pct, 1),
+                        "That is the share that **did** hold tokens; the question asks for the empty share.")],
         ),
         "paged_waste": Exercise(
             "paged_waste",
-            f"Now the same requests in blocks of {REFERENCE['block_size']} tokens, each taking only the blocks its "
+            f"Now the same requests in blocks of {B} tokens, each taking only the blocks its "
             "tokens fill. What share of the allocated slots is empty?", "choice", band,
             options=[label for *_, label in PAGED_BANDS],
             explanation=(f"{run.paged_blocks} blocks = {run.paged_slots:,} slots for {run.used:,} tokens: "
                          f"{run.paged_pct:.1f}% empty. Only the last block of each request can have empty "
-                         f"slots, at most {REFERENCE['block_size'] - 1} per request."),
+                         f"slots, at most {B - 1} per request."),
+            slips=[Slip(f"band-{i}", label, band_msgs[label])
+                   for i, (*_, label) in enumerate(PAGED_BANDS) if label != band],
+        ),
+        "pow2_fit": Exercise(
+            "pow2_fit",
+            f"The same {len(lengths)} requests (final lengths {', '.join(f'{L:,}' for L in lengths)}) arrive in the "
+            f"same order at a server whose region holds "
+            f"{cap:,} slots, enough for {cap // REFERENCE['max_len']} maximum-length reservations and a little more. This server "
+            "reserves the **next power of two** at or above each request's final length (the paper's \"Pow2\"). "
+            "It places reservations first-fit and serves first come, first served: once a request does not fit, "
+            "the ones behind it wait too. How many requests run at once?", "number", len(fit), unit="requests",
+            explanation=(f"Powers of two: {', '.join(f'{r_[0]} → {r_[1]:,}' for r_ in pow2_sizes)}. "
+                         + (f"After {len(fit)} of them, {refused['request']} needs {refused['reservation']:,} slots "
+                            f"and {cap - sum(r_['reservation'] for r_ in fit_rows if r_['request'] in fit):,} are "
+                            "left, so it waits, and so does everyone behind it. " if refused else "All of them fit. ")
+                         + f"Reserving the maximum, {len(fit_max)} would run; the exact lengths (which no server "
+                         f"knows in advance) would let {len(fit_exact)} run."),
+            tags={"transfer"},
+            slips=[
+                Slip("max-length", len(fit_max),
+                     f"That is the count when every request reserves the maximum {REFERENCE['max_len']:,}; this "
+                     "server reserves less for a shorter request."),
+                Slip("exact-length", len(fit_exact),
+                     "You reserved each request's exact final length. Rounding up to a power of two reserves "
+                     "more: 853 tokens take 1,024 slots, for example."),
+                Slip("overtake", len(fit_over),
+                     f"You let a later, shorter request overtake {refused['request'] + ', which' if refused else 'the one that'} "
+                     "did not fit. First come, first served keeps the order: everyone behind it waits."),
+            ],
         ),
         "frag_free": Exercise(
             "frag_free", "How many slots of the region are free now, in total?", "number", region.free_slots,
             unit="slots",
             explanation=(f"The two finished requests gave back {region.free_slots:,} slots, in gaps of "
-                         f"{' and '.join(f'{g[1]:,}' for g in region.gaps())} slots."),
+                         f"{' and '.join(f'{g[1]:,}' for g in gaps)} slots."),
+            slips=[Slip("one-gap", gaps[0][1], "That is one gap; both finished requests gave their slots back.")],
         ),
         "frag_admit": Exercise(
             "frag_admit", f"A new request arrives and needs a reservation of {need:,} slots. Can it start now?",
@@ -161,8 +285,41 @@ def exercises(ctx) -> dict[str, Exercise]:
                          f"{pool.block_size} has {pool.num_free_blocks} free blocks "
                          f"({pool.num_free_blocks * pool.block_size:,} slots), and any of them will do: "
                          f"can it take {need:,} tokens? {'yes' if pool.can_allocate(need) else 'no'}."),
+            slips=[Slip("added-gaps", "yes" if refusal else "no",
+                        "Enough slots are free in total, but a reservation is one unbroken range, and no single "
+                        "gap is large enough." if refusal else
+                        "One gap is large enough for the whole reservation, so it can start.")],
+        ),
+        "place_first_fit": Exercise(
+            "place_first_fit",
+            f"**Be the allocator.** Start again from the full region (all five reservations in place), but this time "
+            f"{' and '.join(FIRST_FIT['finished'])} are the two that finish. A new request needs a reservation of "
+            f"{ff_need:,} slots. Placing it first-fit (in the lowest-addressed gap that can hold all of it), at "
+            "which **slot** does its reservation start?", "number", ff_start, unit="",
+            explanation=(f"The gaps are {', '.join(f'{n:,} slots at {st:,}' for st, n in ff_gaps)}. The engine's "
+                         f"allocator passed the first and reserved slots {ff_start:,} to {ff_start + ff_need - 1:,} "
+                         f"in the second."),
+            tags={"allocator", "transfer"},
+            slips=[
+                Slip("too-small-gap", first_gap[0],
+                     f"That gap holds only {first_gap[1]:,} slots: a reservation must fit whole in one gap, so "
+                     "first-fit passes it by."),
+                Slip("end-of-region", ff_region.capacity - ff_need,
+                     "First-fit puts a reservation at the **start** of the gap it chooses, not against the end "
+                     "of the region."),
+            ],
         ),
     }
+
+
+def reveal_pow2_fit(ctx) -> None:
+    import pandas as pd
+    import streamlit as st
+
+    run = ctx.memo(reference_run)
+    _, rows = policy_admission(list(run.final_lengths.values()), POLICY["policy"], POLICY["capacity"])
+    st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
+    st.caption("The engine's contiguous allocator, one request at a time in arrival order.")
 
 
 def reveal_frag_admit(ctx) -> None:
@@ -174,6 +331,18 @@ def reveal_frag_admit(ctx) -> None:
     st.plotly_chart(contiguous_region_figure(region.layout(), [f"R{i + 1}" for i in range(len(FRAG_SIZES))]),
                     width="stretch", key="l2_frag_fig")
     st.caption("Orange: free gaps too small for a whole reservation (external fragmentation).")
+
+
+def reveal_place_first_fit(ctx) -> None:
+    import streamlit as st
+
+    from viz import contiguous_region_figure
+
+    region, start = first_fit_run()
+    st.plotly_chart(contiguous_region_figure(region.layout(), [f"R{i + 1}" for i in range(len(FRAG_SIZES) + 1)]),
+                    width="stretch", key="l2_first_fit_fig")
+    st.caption(f"The region after the new request R{len(FRAG_SIZES) + 1} took slots {start:,} to "
+               f"{start + FIRST_FIT['need'] - 1:,}: {_slots(region)}.")
 
 
 # ----------------------------------------------------------------------------------------------- widget

@@ -5,6 +5,7 @@ the page and as one self-contained HTML file to print or save."""
 from __future__ import annotations
 
 import html
+import re
 from datetime import date
 
 from markdown_it import MarkdownIt
@@ -35,9 +36,15 @@ def answer_rows(slug: str, exercises: dict[str, Exercise], order: list[str], ans
                 verdict = "right" if v.correct else ("wrong: " + v.slip if v.slip else "wrong")
             except ValueError:  # a code from an older version of the lesson
                 mine, verdict = str(entry["raw"]), "no longer readable"
-        rows.append({"n": i, "question": ex.question, "yours": mine,
+        rows.append({"n": i, "question": plain(ex.question), "yours": mine,
                      "engine": format_value(ex.expected, ex.unit), "verdict": verdict})
     return rows
+
+
+def plain(markdown: str) -> str:
+    """A question's Markdown as one line of plain text for the recap's table (no ``**``, backticks or
+    line breaks)."""
+    return " ".join(re.sub(r"\*\*|__|`", "", markdown).split())
 
 
 def recap_markdown(lesson: Lesson, lines: list[str], rows: list[dict]) -> str:

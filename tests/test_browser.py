@@ -58,3 +58,68 @@ def test_a_lesson_prediction_in_a_real_browser(app_url):
         assert page.get_by_text("Commit your answer to go on").count() == 1  # the next question waits
         assert page.locator("[data-testid='stException']").count() == 0
         browser.close()
+
+
+def _all_right_code(lesson) -> str:
+    """A progress code with every question of ``lesson`` answered right (the engine's own answers)."""
+    import importlib
+
+    from engine import EMBEDDED_MODEL
+    from engine.model_loader import load_shared
+    from lessons.common import LessonContext
+    from lessons.progress import SavedProgress, encode
+
+    ctx = LessonContext(loaded=load_shared(EMBEDDED_MODEL))
+    exs = importlib.import_module(lesson.module_name).exercises(ctx)
+    keys = [f"{lesson.slug}:{i}" for i in exs]
+    return encode(SavedProgress({k: {"raw": exs[k.split(":")[1]].expected, "correct": True} for k in keys},
+                                {k: True for k in keys}))
+
+
+def test_every_lesson_runs_to_its_recap_in_a_real_browser(app_url):
+    """Each of the lessons opened from a link holding a progress code with all its answers: the whole lesson
+    is drawn, every reveal shown, and it ends with the recap and its save button; no exception."""
+    from playwright.sync_api import sync_playwright
+
+    from lessons import catalog
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page(viewport={"width": 1280, "height": 720})
+        for lesson in catalog():
+            n = len(lesson.exercise_ids)
+            page.goto(f"{app_url}/{lesson.url_path}?progress={_all_right_code(lesson)}", wait_until="networkidle")
+            page.wait_for_selector(f"text={n} of {n} predictions made, {n} right", timeout=120_000)
+            page.get_by_role("heading", name="Recap").wait_for(timeout=60_000)
+            assert page.get_by_role("button", name=re.compile("Save the recap")).count() == 1, lesson.slug
+            assert page.locator("[data-testid='stException']").count() == 0, lesson.slug
+            assert "Traceback" not in page.locator("body").inner_text(), lesson.slug
+        browser.close()
+
+
+def test_lesson_progress_survives_a_reload(app_url):
+    """Commit an answer in lesson 1, reload the page: the answer is still counted (the progress code in
+    the URL), and a new tab on the bare URL starts afresh."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page(viewport={"width": 1280, "height": 720})
+        page.goto(app_url + "/lesson-1", wait_until="networkidle")
+        page.wait_for_selector("text=/0 of \\d+ predictions made/", timeout=120_000)
+        form = page.locator("[data-testid='stForm']").first
+        radio = form.locator("[data-testid='stRadio'] label")
+        if radio.count():
+            radio.first.click()
+        else:
+            form.locator("input[type='text']").first.fill("1")
+        form.get_by_role("button", name=re.compile("Commit my answer")).click()
+        page.wait_for_selector("text=/1 of \\d+ predictions made/", timeout=60_000)
+        page.wait_for_function("() => window.location.search.includes('progress=')", timeout=30_000)
+        page.reload(wait_until="networkidle")
+        page.wait_for_selector("text=/1 of \\d+ predictions made/", timeout=120_000)
+        other = browser.new_page()
+        other.goto(app_url + "/lesson-1", wait_until="networkidle")
+        other.wait_for_selector("text=/0 of \\d+ predictions made/", timeout=120_000)
+        assert page.locator("[data-testid='stException']").count() == 0
+        browser.close()

@@ -35,9 +35,9 @@ def exercises(ctx, slug) -> dict[str, Exercise]:
 
 
 # ------------------------------------------------------------------------------------------ structure
-def test_catalog_has_the_six_lessons_in_order():
-    assert [l.number for l in LESSONS] == [1, 2, 3, 4, 5, 6]
-    assert len({l.url_path for l in LESSONS}) == 6
+def test_catalog_has_the_nine_lessons_in_order():
+    assert [l.number for l in LESSONS] == list(range(1, 10))
+    assert len({l.url_path for l in LESSONS}) == 9
     for lesson in LESSONS:
         assert Path(APP).parent.joinpath(lesson.page_path).is_file()
 
@@ -77,7 +77,7 @@ def test_each_checker_accepts_the_engine_answer_and_rejects_a_wrong_one(ctx, les
         text = ", ".join(map(str, ex.expected)) if isinstance(ex.expected, list) else str(ex.expected)
         assert ex.check(text).correct, f"{ex.id}: the answer typed as text"
         verdict = ex.check(_wrong(ex))
-        assert not verdict.correct and "the engine says" in verdict.message, ex.id
+        assert not verdict.correct and "the engine says" in verdict.message.lower(), ex.id
 
 
 def test_answer_parsing_and_errors():
@@ -125,7 +125,7 @@ def test_lesson1_bytes_per_token_from_the_configs(ctx):
     assert kv_math.parameter_count(presets["llama-2-7b"]) == 6_738_415_616  # the published 6.74B
     assert all(p.source.startswith("https://huggingface.co/") for p in presets.values())
     ex = exercises(ctx, "l1_kv_cache")
-    assert ex["llama2_kib"].expected == 512 and ex["llama3_kib"].expected == 128
+    assert ex["llama3_kib"].expected == 128
     assert ex["rounding"].expected == "about twice the exact value"
     fit = kv_math.gpu_fit(80 * 10**9, 6_738_415_616 * 2, 524_288, 4096)
     assert ex["h100_fit"].expected == fit.requests == (72 * 10**9 - 13_476_831_232) // 524_288 // 4096
@@ -148,7 +148,7 @@ def test_lesson2_reproduces_the_reference_run(ctx):
     assert mid.internal == 8 * 2048 - sum(LESSON_LENGTHS)
     assert mid.used + mid.not_yet_used + mid.internal == mid.reserved
     ex = exercises(ctx, "l2_contiguous_waste")
-    assert ex["frag_admit"].expected == "no" and ex["frag_free"].expected == 2048
+    assert ex["frag_admit"].expected == "no" and ex["frag_free"].expected == 2 * 1280
     with pytest.raises(ValueError, match="3000"):
         l2.waste_run([3000], 2048, 16)
 
@@ -157,7 +157,7 @@ def test_lesson3_block_figures(ctx):
     ex = exercises(ctx, "l3_block_tables")
     assert ex["prefill_blocks"].expected == 3 and ex["last_fill"].expected == 8
     assert ex["fourth_block"].expected == 48
-    assert ex["trade_blocks"].expected == 38 and ex["trade_empty"].expected == 8
+    assert ex["trade_256"].expected == 21.9  # % of a 600-token request's slots left empty at B = 256
     rows = {r["block size"]: r for r in module("l3_block_tables").tradeoff(600, 512 * 1024)}
     assert [(rows[b]["blocks"], rows[b]["empty slots"]) for b in (1, 16, 64, 256)] == [(600, 0), (38, 8), (10, 40),
                                                                                       (3, 168)]
@@ -180,7 +180,7 @@ def test_lesson4_practice_tables_and_counts(ctx):
     ex = exercises(ctx, "l4_sharing")
     assert ex["p_a_table"].expected == [0, 2] and ex["p_a_counts"].expected == [2, 1, 1]
     assert ex["p_b_copy"].expected.startswith("no")
-    assert ex["v1_block"].expected == 2 and not any(e.kind == "cow" for s in l4.practice(*l4.V1) for e in s.events)
+    assert ex["v1_blocks"].expected == [2, 3] and not any(e.kind == "cow" for s in l4.practice(*l4.V1) for e in s.events)
     assert ex["v2_counts"].expected == [3, 1, 2]  # counts of blocks 0 and 1, then the copies
     assert sum(e.kind == "cow" for s in l4.practice(*l4.V2) for e in s.events) == 2
     assert ex["v3_free"].expected == [2]
@@ -196,9 +196,8 @@ def test_lesson5_and_6_answers_come_from_runs(ctx):
     assert ex["m_admit"].expected == 4 and ex["m_victim"].expected == "R4"
     assert ex["m_same"].expected == "yes, token for token"
     q = exercises(ctx, "l6_when_paging_matters")
-    assert [q[k].expected for k in ("q_compress", "q_outputs", "q_cpu", "q_no_queue", "q_chunked", "q_short")] == [
-        "false"] * 6
-    assert q["q_batch1"].expected == "true"
+    assert [q[k].expected for k in ("q_bytes", "q_outputs", "q_cpu", "q_no_queue", "q_chunked", "q_short",
+                                    "q_batch1")] == ["true", "true", "false", "false", "false", "true", "true"]
 
 
 # ----------------------------------------------------------------------------------------------- pages
@@ -248,7 +247,7 @@ def test_one_question_at_a_time_hides_what_would_give_the_answer_away(ctx):
     assert not at.metric
     next(b for b in at.button if b.label == "Show the whole lesson without predicting").click().run()
     assert {m.label for m in at.metric} >= {"contiguous: empty", "paged: empty"}
-    assert len([b for b in at.button if b.label.startswith("Commit my answer")]) == 3  # all open questions
+    assert len([b for b in at.button if b.label.startswith("Commit my answer")]) == 5  # all open questions
 
 
 def _commit(at, key, answer):
@@ -260,22 +259,22 @@ def _commit(at, key, answer):
 def test_predict_then_reveal_and_progress():
     at = new_app()
     at.switch_page("lessons/l3_block_tables.py").run()
-    assert "0 of 8 predictions made" in at.caption[0].value
+    assert "0 of 9 predictions made" in at.caption[0].value
     _commit(at, "l3_block_tables:prefill_blocks", "3")
     assert any("You said **3 blocks**" in s.value and "engine agrees" in s.value for s in at.success)
-    assert "1 of 8 predictions made, 1 right" in at.caption[0].value
+    assert "1 of 9 predictions made, 1 right" in at.caption[0].value
     _commit(at, "l3_block_tables:last_fill", "12")
     assert any("Not quite" in e.value and "engine says 8 tokens" in e.value for e in at.error)
-    assert "2 of 8 predictions made, 1 right" in at.caption[0].value
+    assert "2 of 9 predictions made, 1 right" in at.caption[0].value
     _commit(at, "l3_block_tables:fourth_block", "forty")
     assert any("'forty'" in e.value for e in at.error)
-    assert "2 of 8 predictions made" in at.caption[0].value  # an unreadable answer is not counted
+    assert "2 of 9 predictions made" in at.caption[0].value  # an unreadable answer is not counted
     next(b for b in at.button if b.key == "again-l3_block_tables:last_fill").click().run()
-    assert "1 of 8 predictions made" in at.caption[0].value
+    assert "1 of 9 predictions made" in at.caption[0].value
     _commit(at, "l3_block_tables:last_fill", "8")  # right at the second try
-    assert "2 of 8 predictions made, 2 right (1 at the first try)" in at.caption[0].value
+    assert "2 of 9 predictions made, 2 right (1 at the first try)" in at.caption[0].value
     at.switch_page("ui/lessons.py").run()
-    assert any("2/8, 2 right (1 at the first try)" in p.proto.text for p in at.get("progress"))
+    assert any("2/9, 2 right (1 at the first try)" in p.proto.text for p in at.get("progress"))
 
 
 def test_lesson2_widget_reports_bad_lengths_and_keeps_running(ctx):
@@ -311,15 +310,15 @@ def test_try_again_forgets_the_answers_after_it_and_forget_locks_everything(ctx)
     at = answered_app("l1_kv_cache", ctx)
     at.switch_page("lessons/l1_kv_cache.py").run()
     assert any(s.label == "Model config" for s in at.selectbox)  # the calculator, after the last question
-    next(b for b in at.button if b.key == "again-l1_kv_cache:llama3_kib").click().run()
+    next(b for b in at.button if b.key == "again-l1_kv_cache:rounding").click().run()
     # the later answers are forgotten too (their explanations would give this one away) and the page stops here
-    assert "1 of 4 predictions made" in at.caption[0].value
+    assert "1 of 5 predictions made" in at.caption[0].value
     assert not any(s.label == "Model config" for s in at.selectbox)
     assert len([b for b in at.button if b.label.startswith("Commit my answer")]) == 1
     at.switch_page("ui/lessons.py").run()
     next(b for b in at.button if b.label == "Forget my answers").click().run()
     at.switch_page("lessons/l1_kv_cache.py").run()
-    assert "0 of 4 predictions made" in at.caption[0].value
+    assert "0 of 5 predictions made" in at.caption[0].value
 
 
 def test_lesson_scenarios_are_the_playground_presets(ctx):
@@ -348,8 +347,8 @@ def test_presenters_see_the_engine_answers_in_whole_lesson_mode():
     at.switch_page("lessons/l2_contiguous_waste.py").run()
     next(b for b in at.button if b.label == "Show the whole lesson without predicting").click().run()
     assert not at.exception
-    assert len([e for e in at.expander if e.label.startswith("The engine's answer")]) == 4  # one per question
-    assert "0 of 4 predictions made" in at.caption[0].value  # showing answers is not answering
+    assert len([e for e in at.expander if e.label.startswith("The engine's answer")]) == 6  # one per question
+    assert "0 of 6 predictions made" in at.caption[0].value  # showing answers is not answering
 
 
 def test_first_tries_count_only_answered_questions():
@@ -358,6 +357,6 @@ def test_first_tries_count_only_answered_questions():
     _commit(at, "l3_block_tables:prefill_blocks", "3")
     _commit(at, "l3_block_tables:last_fill", "8")
     next(b for b in at.button if b.key == "again-l3_block_tables:prefill_blocks").click().run()
-    assert "0 of 8 predictions made, 0 right" in at.caption[0].value
+    assert "0 of 9 predictions made, 0 right" in at.caption[0].value
     assert "first try" not in at.caption[0].value
     assert Exercise("s", "q", "set", [1]).parse("none") == [] and format_value([], "") == "none"

@@ -185,6 +185,7 @@ def exercises(ctx) -> dict[str, Exercise]:
     no_util = kv_math.gpu_fit(gpu.memory_bytes, weights, g2.bytes_per_token, CONTEXT, 1.0).requests
     no_weights = kv_math.gpu_fit(gpu.memory_bytes, 0, g2.bytes_per_token, CONTEXT).requests
     one_mib = kv_math.gpu_fit(gpu.memory_bytes, weights, 2**20, CONTEXT).requests
+    gib = kv_math.gpu_fit(int(gpu.memory_gb * 2**30), weights, g2.bytes_per_token, CONTEXT).requests
 
     # the scheduler: who runs in the first batch
     admit_model = kv_math.model_presets()[ADMIT["model"]]
@@ -266,7 +267,10 @@ def exercises(ctx) -> dict[str, Exercise]:
             slips=[
                 Slip("all-memory", no_util,
                      f"You gave the cache all {gpu.memory_gb:g} GB; the server may use only "
-                     f"{kv_math.VLLM_GPU_MEMORY_UTILIZATION:.0%} of it."),
+                     f"{kv_math.VLLM_GPU_MEMORY_UTILIZATION:.0%} of it."
+                     + (f" (Or you read {gpu.memory_gb:g} GB as {gpu.memory_gb:g} GiB, which gives {gib}: "
+                        "this question keeps the vendor's GB, 10^9 bytes, for simplicity. A real card does report "
+                        "about that many GiB, more than the vendor's GB.)" if abs(gib - no_util) <= 0.05 * no_util else "")),
                 Slip("no-weights", no_weights, "You left out the weights: they sit in the same memory, "
                      f"{fit.weight_bytes / 1e9:,.1f} GB of it."),
                 Slip("one-mib", one_mib, "You took 1 MiB per token, the rounded figure; the config gives "

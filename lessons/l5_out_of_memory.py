@@ -26,6 +26,9 @@ FALLBACK_OPTIONS = {"recompute": "it preempts the victim by recompute instead",
                     "wait": "the request that needs a block skips this step and waits",
                     "error": "the engine stops with an out-of-memory error"}
 
+V0_SWAP_ERROR = ("its scheduler raised \"Aborted due to the lack of CPU swap space. "
+                 "Please increase the swap space to avoid this error.\" (`vllm/core/scheduler.py`, `_swap_out`)")
+
 RECAP = [
     "A paged server admits a request as soon as its prompt's blocks are free, so memory can run out "
     "**mid-generation**, when several running requests need a new block in the same step.",
@@ -34,7 +37,8 @@ RECAP = [
     "Recompute frees the victim's blocks and later prefills all its tokens again ({{ recomputed }} tokens in "
     "this run); swap copies its blocks to CPU memory and back ({{ swap_kib }} KiB here) and computes nothing "
     "again.",
-    "When the swap pool has no room for the victim's blocks, the scheduler falls back to recompute.",
+    "When the swap pool has no room for the victim's blocks, this engine falls back to recompute (vLLM V0 "
+    "stopped with an error there; vLLM V1 only recomputes).",
     "Either way every reply is identical, token for token: preemption changes when a request runs, not what "
     "it computes.",
 ]
@@ -410,8 +414,8 @@ def _outcome_exercises(ctx, rec_run, swap_run, roomy, ids) -> dict[str, Exercise
                     f"{held_blocks} blocks it is preempted by recompute."),
         "wait": ("A decode step cannot skip a request's token and wait: that request is in the batch and needs "
                  "its slot now. Someone must give up blocks, here by recompute."),
-        "error": ("Running out of blocks is the normal case a scheduler handles; the engine never fails for it. "
-                  "It preempts by recompute, which needs no room anywhere."),
+        "error": ("Not this engine: it preempts by recompute, which needs no room anywhere. You are right about "
+                  "vLLM V0, though: " + V0_SWAP_ERROR + "."),
     }
     same_messages = {
         SAME_OPTIONS[0]: "The engine compared the runs and found a difference.",
@@ -423,10 +427,12 @@ def _outcome_exercises(ctx, rec_run, swap_run, roomy, ids) -> dict[str, Exercise
     return {
         "m_fallback": Exercise(
             "m_fallback", f"Swap mode again, but the CPU swap pool now has room for only {TINY_SWAP} "
-            f"block{'s' * (TINY_SWAP != 1)}. When the pool runs out, what does the scheduler do?", "choice",
+            f"block{'s' * (TINY_SWAP != 1)}. When the pool runs out, what does this engine's scheduler do?", "choice",
             fallback_answer, options=list(FALLBACK_OPTIONS.values()), tags={"transfer"},
-            explanation=(f"The engine ran it: *{tp['event'].message}*" if tp["event"] is not None else
-                         "The engine ran it: nobody was preempted."),
+            explanation=((f"The engine ran it: *{tp['event'].message}*" if tp["event"] is not None else
+                          "The engine ran it: nobody was preempted.")
+                         + f" That is this engine's choice; in vLLM V0 {V0_SWAP_ERROR}. vLLM V1 has no swap: it only "
+                         "recomputes."),
             slips=[Slip(k, o, fallback_messages[k]) for k, o in FALLBACK_OPTIONS.items() if o != fallback_answer]),
         "m_same": Exercise(
             "m_same", "Is every request's reply (greedy decoding) the same as in a run with a roomy pool where "

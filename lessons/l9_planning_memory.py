@@ -592,8 +592,11 @@ def widget_planner(ctx) -> None:
                         key="l9_planner_fig", config={"displayModeBar": False})
         st.caption(f"{plan.num_blocks:,} blocks of {plan.block_size} × {plan.bytes_per_token:,} bytes; a request of "
                    f"{plan.max_model_len:,} tokens takes {plan.blocks_per_request:,} of them. GPU memory: the "
-                   f"vendor's figure ([source]({gpu.source})); the driver reports a little less, and a real start-up "
-                   "measures the activations and the rest instead of taking them from you.")
+                   f"vendor's figure ([source]({gpu.source})) read as 10^9 bytes per GB. A real card reports more: the "
+                   f"H100 (80 GB) in the log above has {PROFILE['total_gpu_memory']:g} GiB "
+                   f"({PROFILE['total_gpu_memory'] * 2**30 / 1e9:.1f} × 10^9 bytes), so this planner's budget "
+                   "is lower than a real start-up's; a real start-up also measures the activations and the rest "
+                   "instead of taking them from you.")
 
 
 if __name__ == "__main__":

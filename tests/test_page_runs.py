@@ -110,19 +110,22 @@ def test_a_lesson_run_is_kept_for_its_arguments_and_computed_for_others(slow_ste
     LESSON_RUNS.clear()
     before = LESSON_RUNS.computed
     recompute = ctx.run(pressure_run, "recompute")
-    assert reports and all(r.line.startswith("Running memory-pressure (preemption_mode=recompute): step ")
-                           for r in reports)
+    reports_ = lambda: [r for r in reports if r.what != "Starting"]  # noqa: E731  (before the first step)
+    assert reports_() and all(r.line.startswith("Running memory-pressure (preemption_mode=recompute): step ")
+                              for r in reports_())
     reports.clear()
     swap = ctx.run(pressure_run, "swap")
     assert swap is not recompute and LESSON_RUNS.computed == before + 2
     assert swap.events("swap_out") and not recompute.events("swap_out")  # each its own setting's run
     assert ctx.run(pressure_run, "recompute") is recompute  # kept: no engine step, no progress
-    assert LESSON_RUNS.computed == before + 2 and all("swap" in r.line for r in reports)
+    assert LESSON_RUNS.computed == before + 2 and all("swap" in r.line for r in reports_())
     # what the page computes from a kept run is what a plain, uncached run gives
     plain = LessonContext(loaded=load_shared(EMBEDDED_MODEL))
     for number in (3, 4, 5, 6):
         module = importlib.import_module(LESSONS[number].module_name)
-        assert module.facts(ctx) == module.facts(plain)
+        # wall-clock times (lesson 5's cost of each preemption mode: *_time) differ from run to run
+        same = lambda facts: {k: v for k, v in facts.items() if not k.endswith("_time")}  # noqa: E731
+        assert same(module.facts(ctx)) == same(module.facts(plain))
         cached, fresh = module.exercises(ctx), module.exercises(plain)
         assert {k: (e.question, e.expected, e.explanation) for k, e in cached.items()} == \
                {k: (e.question, e.expected, e.explanation) for k, e in fresh.items()}

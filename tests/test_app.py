@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from engine import EMBEDDED_MODEL
+
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
 PAGES = ["ui/playground.py", "ui/compare.py", "ui/lessons.py", "ui/model_info.py", "ui/server.py"]
 
@@ -137,3 +139,12 @@ def test_kv_budget_sizes_the_pool():
     per_block = lab.paged.geometry.bytes_per_block(lab.paged.block_size)
     assert lab.paged.num_blocks == (3 * 2**20) // per_block != 64
     assert lab.contiguous.kv_cache.nbytes == lab.paged.kv_cache.nbytes
+
+
+def test_an_emptied_model_field_means_the_embedded_model():
+    """The field's label says "embedded default": clearing it applies that, not a load error for ''."""
+    at = new_app()
+    at.sidebar.text_input[0].set_value("  ")
+    [b for b in at.button if b.label == "Apply and reset"][0].click().run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    assert at.session_state["lab"].settings.model == EMBEDDED_MODEL

@@ -12,7 +12,7 @@ import html
 import pandas as pd
 import streamlit as st
 
-from engine import EngineConfig, SamplingParams, metrics
+from engine import EMBEDDED_MODEL, EngineConfig, SamplingParams, metrics
 from engine.config import (CONTIGUOUS_POLICIES, DEFAULT_MAX_NUM_BATCHED_TOKENS_V1, PREEMPTION_MODES,
                            SCHEDULING_POLICIES, SEMANTICS)
 from engine.scenarios import SCENARIOS
@@ -69,7 +69,9 @@ def settings_form(current: LabSettings) -> None:
         if current.preset != "custom":
             st.caption(f"Current preset **{current.preset}**: {SCENARIOS[current.preset].description}"
                        + v1_preset_note(current))
-        model = st.text_input("Model (embedded default, local path or hub id)", current.model, key=f"set_model_{gen}")
+        model = st.text_input("Model (embedded default, local path or hub id)", current.model, key=f"set_model_{gen}",
+                              help="Leave it empty for the embedded model") or ""
+        model = model.strip() or EMBEDDED_MODEL  # an emptied field means the default its label names
         c1, c2 = st.columns(2)
         block_size = c1.number_input("Block size", value=current.block_size, step=1, key=f"set_block_size_{gen}")
         num_blocks = c2.number_input("Pool (blocks)", value=current.num_blocks, step=1, key=f"set_num_blocks_{gen}")

@@ -94,10 +94,13 @@ class Exercise:
     def parse(self, answer: Any) -> Any:
         """The learner's answer as a value of this exercise's kind. Raises ValueError naming the bad input."""
         if self.kind == "number":
-            if isinstance(answer, (int, float)) and not isinstance(answer, bool):
-                value = float(answer)
-            else:
-                value = parse_number(str(answer), self.unit)
+            try:
+                if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+                    value = float(answer)
+                else:
+                    value = parse_number(str(answer), self.unit)
+            except OverflowError:  # a whole number too big for a float (e.g. from a hand-made progress code)
+                raise ValueError(f"{str(answer)[:40]!r}... is too large a number") from None
             if not math.isfinite(value):
                 raise ValueError(f"{answer!r} is not a finite number")
             if value < 0:
@@ -143,7 +146,7 @@ class Exercise:
         return None
 
 
-_NUMBER = re.compile(r"[+-]?(\d{1,3}(,\d{3})+|\d+)(\.\d+)?|[+-]?\.\d+")  # 512, 5,126, 68.7, .5
+_NUMBER = re.compile(r"[+-]?([0-9]{1,3}(,[0-9]{3})+|[0-9]+)(\.[0-9]+)?|[+-]?\.[0-9]+")  # 512, 5,126, 68.7, .5 (ASCII digits)
 
 
 def parse_number(text: str, unit: str = "") -> float:
@@ -173,7 +176,7 @@ def parse_int_list(answer: Any) -> list[int]:
         pieces = [p for p in re.split(r"[\s,;]+", text) if p]
     out = []
     for p in pieces:
-        if not re.fullmatch(r"\d+", p.strip()):
+        if not re.fullmatch(r"[0-9]+", p.strip()):
             raise ValueError(f"{p!r} is not a whole number of 0 or more; write whole numbers separated by commas "
                              "(or none, where nothing is the answer)")
         out.append(int(p))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import re
 import zlib
 from dataclasses import dataclass, field
@@ -40,7 +41,8 @@ class SavedProgress:
 def encode(saved: SavedProgress) -> str:
     """The code for ``saved`` (base64url text). Raises ValueError if it would exceed ``MAX_CODE_CHARS``."""
     payload = {"v": VERSION,
-               "a": {k: [v["raw"], bool(v["correct"])] for k, v in sorted(saved.answers.items())},
+               "a": {k: [v["raw"], bool(v["correct"])] for k, v in sorted(saved.answers.items())
+                     if len(json.dumps(v["raw"])) <= MAX_ANSWER_CHARS},  # decode refuses longer ones
                "f": sorted(k for k, ok in saved.first.items() if ok),
                "t": sorted(k for k, ok in saved.first.items() if not ok),
                "s": sorted(saved.shown)}
@@ -67,6 +69,8 @@ def decode(code: str) -> SavedProgress:
         if inflate.unconsumed_tail:  # a small code that inflates to megabytes is not ours
             raise ValueError(f"the progress code holds more than {MAX_PAYLOAD_BYTES:,} bytes")
         payload = json.loads(raw)
+    except RecursionError as exc:  # "[[[[..." nested deeper than the JSON parser goes
+        raise ValueError("the progress code is damaged (nested too deep)") from exc
     except ValueError as exc:  # binascii.Error, a JSON error and our own limit are ValueErrors
         if "more than" in str(exc):
             raise
@@ -80,6 +84,8 @@ def decode(code: str) -> SavedProgress:
         if not (isinstance(value, list) and len(value) == 2 and isinstance(value[1], bool)
                 and isinstance(value[0], (str, int, float, list))):
             raise ValueError(f"the progress code's answer to {key!r} is malformed")
+        if not _plain_answer(value[0]):
+            raise ValueError(f"the progress code's answer to {key!r} is not a plain answer")
         if len(json.dumps(value[0])) > MAX_ANSWER_CHARS:
             raise ValueError(f"the progress code's answer to {key!r} is longer than {MAX_ANSWER_CHARS} characters")
         answers[key] = {"raw": value[0], "correct": value[1]}
@@ -92,6 +98,19 @@ def decode(code: str) -> SavedProgress:
             raise ValueError(f"the progress code names a lesson {slug!r} that is not a lesson name")
         shown.add(slug)
     return SavedProgress(answers, first, shown)
+
+
+def _plain_answer(value: Any) -> bool:
+    """What a lesson can store: text, a finite number of at most 15 digits, or a flat list of those."""
+    if isinstance(value, list):
+        return all(not isinstance(v, list) and _plain_answer(v) for v in value)
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return abs(value) < 10**15
+    if isinstance(value, float):
+        return math.isfinite(value) and abs(value) < 1e15
+    return isinstance(value, str)
 
 
 def _items(value: Any, kind: type, what: str):

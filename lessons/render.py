@@ -13,7 +13,7 @@ from engine import EMBEDDED_MODEL
 from . import Lesson, catalog
 from .common import LessonContext, reporting
 from .exercise import Exercise, format_value
-from .progress import SavedProgress, decode, encode
+from .progress import MAX_ANSWER_CHARS, SavedProgress, decode, encode
 from .recap import answer_rows, recap_html, recap_markdown, takeaways
 from .runs import LESSON_RUNS, ProgressBox, preload_model, shared_model
 from .text import fill, split_body
@@ -164,8 +164,12 @@ def predict(slug: str, ex: Exercise, reveal=None, ctx: LessonContext | None = No
                 answer = _answer_input(ex, key)
                 committed = st.form_submit_button("Commit my answer and run the engine", type="primary")
             if committed:
-                if answer is None or (isinstance(answer, str) and not answer.strip()):
+                answer = answer.strip() if isinstance(answer, str) else answer
+                if answer is None or answer == "":
                     st.warning("Commit an answer first: a guess is fine, it is what makes the reveal stick.")
+                elif isinstance(answer, str) and len(answer) > MAX_ANSWER_CHARS:
+                    st.error(f"Could not read your answer: it is {len(answer):,} characters long; an answer here "
+                             f"is at most {MAX_ANSWER_CHARS}.")
                 else:
                     try:
                         verdict = ex.check(answer)
@@ -190,6 +194,9 @@ def predict(slug: str, ex: Exercise, reveal=None, ctx: LessonContext | None = No
             except ValueError:  # restored from a code written for an older version of this question
                 progress().pop(key, None)
                 st.rerun()
+            if entry["correct"] != verdict.correct:  # a code's stored verdict is re-checked, not trusted
+                entry["correct"] = verdict.correct
+                save_progress_url()
             (st.success if verdict.correct else st.error)(f"You said **{shown}**. {verdict.message}")
             if ex.explanation:
                 st.markdown(ex.explanation)

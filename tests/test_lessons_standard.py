@@ -281,3 +281,56 @@ def test_a_finished_lesson_shows_its_recap_and_offers_it_to_save(built, lesson):
     mod, facts, _ = built[lesson.slug]
     shown = "\n".join(m.value for m in at.markdown)
     assert all(line in shown for line in takeaways(mod, facts))
+
+
+def test_hand_made_codes_that_once_crashed_a_page_are_refused_with_a_reason():
+    """From a break-it trial: a code nested 60,000 deep (RecursionError) and an answer of 330 digits
+    (OverflowError in the checker) each put a traceback on every page; both are now refused when read."""
+    import base64
+    import json
+    import zlib
+
+    def code(raw: bytes):
+        return base64.urlsafe_b64encode(zlib.compress(raw)).decode().rstrip("=")
+    with pytest.raises(ValueError, match="nested too deep"):
+        decode(code(b"[" * 60_000))
+    with pytest.raises(ValueError, match="not a plain answer"):
+        decode(code(json.dumps({"v": 1, "a": {"l1_kv_cache:q": [10**330, False]}}).encode()))
+    with pytest.raises(ValueError, match="not a plain answer"):
+        decode(code(json.dumps({"v": 1, "a": {"l1_kv_cache:q": [[[1]], False]}}).encode()))
+    with pytest.raises(ValueError, match="too large"):
+        Exercise("e", "q", "number", 5).parse(10**330)
+    with pytest.raises(ValueError, match="not a number"):
+        Exercise("e", "q", "number", 3).parse("٣")  # an Arabic-Indic 3: answers are written in ASCII digits
+    # an answer longer than a code may hold is left out of the code, not made to poison it
+    long = SavedProgress({"l1_kv_cache:a": {"raw": "1" * 1000, "correct": False},
+                          "l1_kv_cache:b": {"raw": "2", "correct": True}}, {}, set())
+    assert set(decode(encode(long)).answers) == {"l1_kv_cache:b"}
+
+
+def test_a_committed_answer_is_stored_stripped_and_a_stored_verdict_is_rechecked(built):
+    lesson = LESSONS[0]
+    first = lesson.exercise_ids[0]
+    ex = built[lesson.slug][2][first]
+    key = f"{lesson.slug}:{first}"
+    if ex.kind == "choice":
+        pytest.skip("lesson 1's first question takes a typed answer in this test")
+    at = _app()
+    at.run()
+    at.switch_page(lesson.page_path).run()
+    at.text_input(key=f"in-{key}").input(" " * 450 + str(ex.expected))
+    next(b for b in at.button if b.label.startswith("Commit my answer")).click().run()
+    assert not at.exception
+    assert at.session_state["lesson_progress"][key] == {"raw": str(ex.expected), "correct": True}
+    code = at.query_params.get("progress")
+    code = code[0] if isinstance(code, list) else code
+    assert key in decode(code).answers  # the reload keeps it
+    # a code claiming a wrong answer was right: the page checks it again and counts it wrong
+    wrong = ex.slips[0].answer if ex.slips else ex.expected + 1
+    forged = encode(SavedProgress({key: {"raw": str(wrong), "correct": True}}, {key: True}, set()))
+    again = _app()
+    again.query_params["progress"] = forged
+    again.run()
+    again.switch_page(lesson.page_path).run()
+    assert not again.exception
+    assert ", 0 right" in again.caption[0].value and "1 of" in again.caption[0].value

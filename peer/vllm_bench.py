@@ -47,25 +47,9 @@ import sys
 import time
 import traceback
 
+from vllm_driver import set_env  # this script runs from peer/, beside the driver
+
 _NAME = "vllm_bench"
-
-
-def _set_env(threads: int) -> None:
-    """As ``peer/vllm_driver.py``'s: in-process engine core, request ids as given, no thread binding,
-    no KV space from the environment; logs quiet."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"] = "1"
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    os.environ["MKL_NUM_THREADS"] = str(threads)
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
 
 
 def _log(msg: str) -> None:
@@ -217,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--max-threads", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args(argv)
-    _set_env(args.max_threads)
+    set_env(args.max_threads)
     proto = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol's own stdout
     os.dup2(2, 1)  # anything else printed to stdout (vLLM, C++) goes to the log
     sys.stdout = sys.stderr

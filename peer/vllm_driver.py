@@ -197,7 +197,9 @@ _GREEDY_EPS = 1e-5  # vllm.sampling_params._SAMPLING_EPS: below it a request is 
 _MAX_STALLED_STEPS = 1000
 
 
-def _set_env(threads: int) -> None:
+def set_env(threads: int) -> None:
+    """vLLM's environment for a peer process (also ``peer/vllm_bench.py``'s): in-process engine core,
+    request ids as given, no thread binding, no KV space from the environment; logs quiet."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"] = "1"
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
@@ -754,7 +756,7 @@ def main(argv: list[str]) -> int:
     if not model or not os.path.isdir(model):
         _die(f"model folder not found: {model!r}")
     threads = int(spec.get("threads", os.environ.get("PEER_THREADS", _THREADS_DEFAULT)))
-    _set_env(threads)
+    set_env(threads)
 
     t_all = time.perf_counter()
     try:

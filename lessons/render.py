@@ -97,15 +97,23 @@ def restore_progress(code: str) -> None:
     st.session_state[SHOWN] = saved.shown
 
 
+def progress_code() -> tuple[str, str]:
+    """(this session's progress code, "") or ("", why there is none: nothing answered yet, or the reason a
+    code would be too long for a URL)."""
+    saved = saved_progress()
+    if not saved:
+        return "", "Nothing answered yet: your code appears here after your first prediction."
+    try:
+        return encode(saved), ""
+    except ValueError as exc:
+        return "", str(exc)
+
+
 def save_progress_url() -> None:
     """Keep the progress code in the page's URL, so a reload or a bookmark resumes; none while nothing is
     answered. A code too long for a URL is left out (the progress then lasts for the session only)."""
-    saved = saved_progress()
-    try:
-        code = encode(saved) if saved else None
-    except ValueError:
-        code = None
-    if code is None:
+    code, _ = progress_code()
+    if not code:
         if URL_PARAM in st.query_params:
             del st.query_params[URL_PARAM]
     elif st.query_params.get(URL_PARAM) != code:

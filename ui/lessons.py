@@ -4,8 +4,8 @@ import streamlit as st
 
 from engine import EMBEDDED_MODEL
 from lessons import catalog
-from lessons.progress import encode
-from lessons.render import FIRST, PROGRESS, SHOWN, lesson_progress, restore_progress, save_progress_url, saved_progress
+from lessons.render import (FIRST, PROGRESS, SHOWN, lesson_progress, progress_code, restore_progress,
+                            save_progress_url)
 from lessons.runs import preload_model
 
 preload_model(EMBEDDED_MODEL)  # in the background while the learner reads: the lessons find the model loaded
@@ -34,18 +34,12 @@ for lesson in lessons:
                     + (f" ({first} at the first try)" if first != right else ""))
 st.progress(total_answered / total if total else 0.0, text=f"All lessons: {total_answered} of {total} predictions made")
 with st.expander("Continue on another browser: your progress code"):
-    saved = saved_progress()
-    try:
-        code = encode(saved) if saved else ""
-    except ValueError as exc:
-        code, too_long = "", str(exc)
-    else:
-        too_long = ""
+    code, why_none = progress_code()
     if code:
         st.caption("Copy this code (it is also in this page's link) and paste it below on the other browser.")
         st.code(code, language=None, wrap_lines=True)
     else:
-        st.caption(too_long or "Nothing answered yet: your code appears here after your first prediction.")
+        st.caption(why_none)
     with st.form("load-progress", border=False):
         pasted = st.text_input("Paste a progress code", placeholder="the code from another browser")
         if st.form_submit_button("Load it (replaces the answers in this browser)"):

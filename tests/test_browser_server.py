@@ -27,6 +27,14 @@ def cached_blocks(page) -> str | None:
     return metric.locator("[data-testid='stMetricValue']").inner_text().strip()
 
 
+def wait_idle(page, timeout_s: float = 90.0) -> None:
+    """Wait for the script run a widget change started to finish: a widget drawn during a rerun can be
+    detached under Playwright's hands (a fill then retries until its timeout on a loaded machine)."""
+    page.wait_for_timeout(300)  # the rerun's start reaches the page after the key press
+    page.locator("[data-testid='stStatusWidgetRunningIcon'], [data-testid='stStatusWidgetRunningManIcon']") \
+        .first.wait_for(state="detached", timeout=timeout_s * 1000)
+
+
 def open_more(page) -> None:
     """Unfold "Replay endpoints and /metrics" (folded by default) unless it is open."""
     if not page.get_by_role("textbox", name="Replay endpoints (optional)").is_visible():
@@ -69,10 +77,15 @@ def test_the_live_stream_shows_up_in_the_page(app_url, tmp_path):
             page.wait_for_selector("text=Not connected", timeout=90_000)
 
             def connect() -> None:
+                # commit each value (Tab) and let its rerun finish before the next widget is touched
                 page.get_by_role("textbox", name="KV events endpoints").fill(pub.endpoint)
+                page.get_by_role("textbox", name="KV events endpoints").press("Tab")
+                wait_idle(page)
                 open_more(page)
+                wait_idle(page)
                 page.get_by_role("textbox", name="Replay endpoints (optional)").fill(pub.replay_endpoint)
-                page.get_by_role("textbox", name="Replay endpoints (optional)").press("Tab")  # commit the value
+                page.get_by_role("textbox", name="Replay endpoints (optional)").press("Tab")
+                wait_idle(page)
                 page.get_by_role("button", name="Connect").click()
 
             connect()
@@ -109,7 +122,8 @@ def test_the_live_stream_shows_up_in_the_page(app_url, tmp_path):
             wait_for(lambda: cached_blocks(page) == f"{expected():,}", 60, "the reconnected view to catch up")
             browser.close()
     finally:
-        runner.join(timeout=120)
+        if runner.ident is not None:  # started: let it finish (else the real failure above is what to show)
+            runner.join(timeout=120)
         engine.close()
 
 

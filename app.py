@@ -6,10 +6,14 @@ The lesson pages come from ``lessons.catalog()``: adding a lesson under ``lesson
 """
 
 import sys
+from pathlib import Path
 
 import streamlit as st
 
-st.set_page_config(page_title="Paged Attention Lab", page_icon=":material/grid_view:", layout="wide")
+# A local PNG, served by this server: a ":material/..." page icon makes the browser fetch the favicon from
+# fonts.gstatic.com (Streamlit's frontend builds that URL), which fails on an offline class server.
+FAVICON = str(Path(__file__).resolve().parent / "assets" / "favicon.png")
+st.set_page_config(page_title="Paged Attention Lab", page_icon=FAVICON, layout="wide")
 starting = None
 if "torch" not in sys.modules:  # the server's first page view: importing PyTorch and the engine takes seconds
     starting = st.empty()  # so a learner on a fresh server's direct link sees why, not a blank page
@@ -20,12 +24,14 @@ from engine.threads import configure_gc, configure_threads  # noqa: E402  (after
 from lessons import catalog  # noqa: E402
 from lessons.render import keep_widget_state, sync_progress_url  # noqa: E402
 from lessons.runs import preload_model  # noqa: E402
+from ui.class_server import keep_session  # noqa: E402
 
 if starting is not None:
     starting.empty()
 configure_gc()  # fewer garbage collections per step (engine/threads.py)
 configure_threads("app")  # one intra-op thread per step: sessions step at once (engine/threads.py)
 preload_model()  # the embedded model loads in the background from the server's first page view, once per process
+keep_session()  # a class server (PAL_CLASS_SERVER=1): touch this session, release idle sessions' labs
 
 pages = {
     "Explore": [
@@ -33,6 +39,7 @@ pages = {
         st.Page("ui/compare.py", title="Compare", icon=":material/compare_arrows:"),
         st.Page("ui/model_info.py", title="Model", icon=":material/memory:"),
         st.Page("ui/server.py", title="Server", icon=":material/dns:"),
+        st.Page("ui/classroom.py", title="Class", icon=":material/groups:"),
     ],
     "Lessons": [st.Page("ui/lessons.py", title="All lessons", icon=":material/school:")] + [
         st.Page(lesson.page_path, title=f"{lesson.number}. {lesson.nav_title}", url_path=lesson.url_path)

@@ -51,7 +51,7 @@ def measure(name: str, seed: int, loaded) -> str:
         engine, records, outputs = run(scenario, seed, loaded, watermark=w)
         p = paged_summary(engine, records, outputs)
         if w == 0.01:
-            final_lens = learn_final_lengths(outputs)
+            final_lens = learn_final_lengths(outputs, records)
         pc, pre = p["prefix_cache"], p["preemption"]
         kept = engine.block_manager.watermark_blocks
         lines.append(f"| {w:.0%} ({kept} block{'s' * (kept != 1)}) | {p['steps']} | "

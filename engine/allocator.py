@@ -1,9 +1,14 @@
 """The allocator protocol: what the scheduler and the engine ask of a KV allocator, whichever it is.
 
 ``BlockManager`` (paging: blocks taken as tokens arrive, shared, copied on write, swapped) and
-``ContiguousAllocator`` (the baseline: one reservation per request in a flat region) both implement it;
+``ContiguousAllocator`` (the baseline: one reserved row per sequence in a flat region) both implement it;
 the engine and the scheduler only ever call these methods, never ask which allocator they hold.
 Units: ``block_size`` is 1 for the contiguous allocator, whose "blocks" are slots.
+
+``reservation`` (what ``reservation_for`` returns and ``Request.reservation`` holds; slots): None on the
+paged allocator (blocks come as tokens arrive), an int for a request of one sequence, or a tuple of ints,
+one row per sample (``n``) or beam (``beam_width``), all reserved at the request's admission
+(``engine.contiguous``).
 """
 
 from __future__ import annotations
@@ -27,14 +32,16 @@ class KVAllocator(Protocol):
     def reservation_for(self, prompt_len: int, max_len: int, final_len: int | None = None) -> int | None:
         """Slots a request reserves at admission (None: none ahead, blocks come as tokens arrive)."""
 
-    def admission_refusal(self, token_lists: list[list[int]], reservation: int | None = None) -> str | None:
+    def admission_refusal(self, token_lists: list[list[int]], reservation: int | tuple[int, ...] | None = None
+                          ) -> str | None:
         """Why sequences with these tokens cannot be allocated now (None if they can)."""
 
     def match_prefix(self, token_ids: list[int]) -> list[int]:
         """Blocks of the longest cached prefix (empty without a prefix cache)."""
 
     def allocate_with_prefix(self, seq_id: str, num_tokens: int, token_ids: list[int] | None = None,
-                             reservation: int | None = None, preempted: bool = False) -> tuple[list[int], int]:
+                             reservation: int | tuple[int, ...] | None = None, preempted: bool = False
+                             ) -> tuple[list[int], int]:
         """Room for a new sequence's first tokens; returns (table, tokens already cached)."""
 
     def append_blocks_needed(self, seq_ids: list[str]) -> int:
@@ -44,7 +51,8 @@ class KVAllocator(Protocol):
         """The slot of ``seq_id``'s next token."""
 
     def fork(self, parent_id: str, child_id: str) -> list[int]:
-        """``child_id`` shares ``parent_id``'s blocks."""
+        """``child_id`` continues ``parent_id``: shares its blocks (paged), or gets a row of its own holding a
+        copy of the parent's slots (contiguous). Returns the blocks shared."""
 
     def free(self, seq_id: str, final_len: int | None = None) -> list[int]:
         """Release ``seq_id``'s memory; returns the blocks that became free."""

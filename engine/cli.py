@@ -349,7 +349,8 @@ def run(args) -> int:
     runs = {}
     for alloc in allocators:
         engine = engines[alloc]
-        final_lens = learn_final_lengths(runs["paged"][2]) if alloc == "contiguous" and oracle else None
+        final_lens = (learn_final_lengths(runs["paged"][2], runs["paged"][1]) if alloc == "contiguous" and oracle
+                      else None)
         records: list[StepRecord] = []
         outputs = []
         for k in range(args.passes):

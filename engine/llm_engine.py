@@ -24,7 +24,7 @@ import torch
 
 import kernels
 
-from . import memory
+from . import limits, memory
 from .allocator import KVAllocator
 from .block_manager import BlockManager
 from .contiguous import ContiguousAllocator
@@ -243,7 +243,9 @@ class LLMEngine:
 
         ``final_len``: its true final length (prompt + generated tokens) when known in advance, for the
         contiguous "pow2" and "oracle" policies (with ``ignore_eos`` it is known: prompt + max_tokens,
-        capped at max_model_len). ``priority``: V1's priority policy runs lower values first (vLLM's
+        capped at max_model_len); with n samples or beams, the longest its sequences reach (each reserves that
+        much on the contiguous baseline: a shorter one makes a longer sample or beam stop at "length").
+        ``priority``: V1's priority policy runs lower values first (vLLM's
         ``add_request(priority=...)``); ignored by FCFS. In V1 semantics a request with ``n > 1`` enters
         the scheduler as ``n`` child requests "<id>.0" .. "<id>.<n-1>" (vLLM's ``ParentRequest``) that
         share the prompt's full blocks through the prefix cache; ``get_output(id)`` gathers them.
@@ -253,6 +255,7 @@ class LLMEngine:
                 never fit in the pool or leaves no room to generate within max_model_len. The engine is
                 unchanged.
         """
+        limits.check_request_count(len(self.requests))  # a class server's cap per engine (engine/limits.py)
         rid = request_id if request_id is not None else self._auto_ids(1)[0]
         for request in self._make_requests(prompt, params or SamplingParams(), rid, final_len, priority):
             self._enqueue(request)
@@ -362,12 +365,20 @@ class LLMEngine:
                 what = f"n={params.n} samples" if params.n > 1 else f"beam_width={params.beam_width} beams"
                 raise ValueError(f"{what} of up to {longest} tokens may need {worst} blocks but the pool has only "
                                  f"{self.num_blocks}; lower max_tokens or use a bigger pool")
+        rows = reservation
+        if reservation is not None and params.num_seqs > 1:
+            # a reservation per sample / beam, all taken at admission (engine.contiguous: nothing is shared)
+            rows = (reservation,) * params.num_seqs
+            if sum(rows) > self.num_blocks * self.block_size:
+                what = f"n={params.n} samples" if params.n > 1 else f"beam_width={params.beam_width} beams"
+                raise ValueError(f"{what} reserve {params.num_seqs} x {reservation:,} slots but the region holds "
+                                 f"{self.num_blocks * self.block_size:,}; the request could never be admitted")
         bad = [t for t in params.stop_token_ids if t >= self.model.config.vocab_size]
         if bad:
             raise ValueError(f"stop token id {bad[0]} is not in the vocabulary [0, {self.model.config.vocab_size})")
         seed = params.seed if params.seed is not None else random.randrange(2**62)
         req = Request(rid, text, ids, params, seed, max_len=min(max_len, reservation or max_len),
-                      reservation=reservation, priority=priority)
+                      reservation=rows, priority=priority)
         first_id = rid if params.num_seqs == 1 else (f"{rid}.b0" if params.beam_width > 1 else f"{rid}.0")
         req.seqs.append(Sequence(first_id, list(ids), len(ids), self._generator(seed, 0)))
         if params.beam_width > 1:

@@ -85,6 +85,32 @@ def external_fragmentation(gap_lengths: list[int], free_slots: int, need: int) -
     return sum(n for n in gap_lengths if n < need)
 
 
+def row_final_length(row: dict, final_lengths: dict[str, int] | None = None) -> int:
+    """A live contiguous row's final length as far as it is known (tokens): ``final_lengths[seq_id]`` (never
+    below the slots already written, never past the row), else the whole row (nothing is internal yet). A
+    spare row (``spare``: reserved for a sample or beam not forked yet) is its request's future: the row."""
+    length = row["length"]
+    if row.get("spare"):
+        return length
+    return min(length, max(row["used"], (final_lengths or {}).get(row["seq_id"], length)))
+
+
+def contiguous_waste_now(layout: dict, final_lengths: dict[str, int] | None = None) -> dict:
+    """The contiguous region's three kinds of waste now, in slots (``Snapshot.contiguous`` layout):
+
+    - ``reserved_not_yet_used``: slots live rows reserved for tokens still to come (up to each row's
+      known final length, ``row_final_length``; spare rows whole);
+    - ``internal``: slots of live rows past their known final length: reserved, never to be used (only
+      with ``final_lengths``: a policy or a later run that knows them); a finished request's reservation
+      is released at its finish, so it is no longer in the region (``internal_frag_slots`` sums those);
+    - ``external``: free slots in gaps too small for the next reservation (``external_frag_slots``).
+    """
+    finals = [(r, row_final_length(r, final_lengths)) for r in layout["regions"]]
+    return {"reserved_not_yet_used": sum(final - r["used"] for r, final in finals),
+            "internal": sum(internal_fragmentation(r["length"], final) for r, final in finals),
+            "external": layout.get("external_frag_slots", 0)}
+
+
 def prefix_cache_stats(stats: dict) -> dict:
     """Hit rate of first admissions and the re-admissions' hits apart, from ``BlockManager.stats``."""
     return {

@@ -2,7 +2,10 @@
 
 Rules: safetensors weights only (``use_safetensors=True``), never ``trust_remote_code``. A model is a
 local directory or a hub id; a hub id that is not cached on a machine without network fails with one
-line that names the embedded default model.
+line that names the embedded default model. A hub model whose safetensors files total more than
+``engine.limits.max_download_bytes()`` (``PAL_MAX_DOWNLOAD_MB``, default 2 GiB) is refused from the hub's
+file list before its weights are fetched; a class server (``engine.limits``) loads only the embedded model
+and its allow-list, and never a hub id.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import limits
 from .config import EMBEDDED_MODEL
 
 # Model types whose decoder layers have the Llama shape the model runner drives (pre-norm, q/k/v/o
@@ -157,6 +161,10 @@ def load_model(model: str, device: torch.device, dtype: str):
             unreadable file): always one line that names ``model`` as given, never a traceback.
     """
     try:
+        limits.check_model(model)  # a class server: the embedded model and its allow-list only
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
+    try:
         return _load_model(model, device, dtype)
     except ModelLoadError:
         raise
@@ -200,6 +208,8 @@ def _load_model(model: str, device: torch.device, dtype: str):
             f"model {model!r} uses sliding-window attention (sliding_window={window} in config.json, below "
             f"max_position_embeddings={config.max_position_embeddings}); sliding-window attention is not "
             f"supported yet")
+    if not _is_local(model):
+        _check_hub_size(model)  # config.json is small; the weights are not: refuse before fetching them
     try:
         hf_model = AutoModelForCausalLM.from_pretrained(
             source, dtype=_DTYPES[dtype], use_safetensors=True, trust_remote_code=False
@@ -211,6 +221,30 @@ def _load_model(model: str, device: torch.device, dtype: str):
     return hf_model, tokenizer
 
 
+def _check_hub_size(repo_id: str) -> None:
+    """Refuse a hub model whose safetensors files total more than ``limits.max_download_bytes()``, read
+    from the hub's file list (``HfApi.model_info(files_metadata=True)``) before anything large is fetched.
+    transformers and huggingface_hub have no byte cap of their own on a download, so this is the cap. When
+    the list cannot be read (offline with the model cached, a private repo) nothing is refused here.
+
+    Raises:
+        ModelLoadError: the weights are larger than the cap, naming the model, its size and the cap.
+    """
+    if _in_hub_cache(repo_id) and not _hub_reachable(timeout_s=1.0):
+        return  # cached and offline: nothing will be downloaded
+    try:
+        from huggingface_hub import HfApi
+
+        info = HfApi().model_info(repo_id, files_metadata=True)
+        nbytes = sum(s.size or 0 for s in info.siblings or () if s.rfilename.endswith(".safetensors"))
+    except Exception:  # noqa: BLE001  no list to read: the download itself says what is wrong
+        return
+    try:
+        limits.check_download_size(repo_id, nbytes)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
+
+
 _SHARED_LOCK = threading.Lock()
 
 
@@ -219,8 +253,10 @@ def load_shared(model: str, device: str = "auto", dtype: str | None = None):
     sessions, the lessons): weights are never written by the engine, so one copy serves every engine.
 
     ``device`` ("auto", "cpu", "cuda") and ``dtype`` (None: float32 on the CPU, bfloat16 on CUDA) are
-    resolved before the cache is consulted, so "auto" and the device it names share one copy. A failed
-    load is not cached (the next call tries again).
+    resolved before the cache is consulted, so "auto" and the device it names share one copy; so is the
+    model: a local folder by its real path (``engine.limits.resolved_model_path``), so every spelling of one
+    folder (``./x``, ``x/``, ``~/x``, a symlink to it) shares one copy. A failed load is not cached (the
+    next call tries again).
 
     Raises:
         ValueError: a bad device or dtype (``resolve_device`` / ``resolve_dtype``).
@@ -228,8 +264,12 @@ def load_shared(model: str, device: str = "auto", dtype: str | None = None):
     """
     dev = resolve_device(device)
     resolved = resolve_dtype(dtype, dev)
+    try:
+        limits.check_model(model)  # also for a copy already cached: a class server serves its list only
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
     with _SHARED_LOCK:  # two sessions asking at once load the weights once, not twice
-        return _load_cached(model, str(dev), resolved)
+        return _load_cached(limits.resolved_model_path(model), str(dev), resolved)
 
 
 @functools.cache

@@ -35,7 +35,7 @@ class EventKind(StrEnum):
     NEW_BLOCK = "new_block"    # decode took one fresh block because the last one was full
     APPEND = "append"          # decode wrote one token into a slot of an existing block
     COW = "cow"                # copy-on-write: a shared, partly filled block was copied before writing
-    FORK = "fork"              # a sequence now shares all of another's blocks
+    FORK = "fork"              # a sequence now shares all of another's blocks (contiguous: a copy in its own row)
     FREE = "free"              # blocks returned to the free queue (count reached zero)
     PREFIX_HIT = "prefix_hit"  # a new sequence reused cached blocks of an identical prefix
     EVICT = "evict"            # a free cached block was handed out again; its hash is dropped
@@ -72,7 +72,8 @@ class SeqStatus(StrEnum):
 # | new_block          | position (token index), logical_block                                       |
 # | append             | position                                                                    |
 # | cow                | src, dst (physical blocks), position                                        |
-# | fork               | parent (sequence id)                                                        |
+# | fork               | parent (sequence id); contiguous: start, length (the child's row, slots),   |
+# |                    | copied (the parent's written slots copied into that row's first slots)      |
 # | free               | released (the sequence's table); contiguous: start, length, used,           |
 # |                    | final_len (slots / tokens)                                                  |
 # | prefix_hit         | num_tokens (hit tokens), readmission (bool)                                 |
@@ -88,7 +89,7 @@ EVENT_DATA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "new_block": {"position": int, "logical_block": int},
     "append": {"position": int},
     "cow": {"src": int, "dst": int, "position": int},
-    "fork": {"parent": str},
+    "fork": {"parent": str, "start": int, "length": int, "copied": int},
     "free": {"released": list, "start": int, "length": int, "used": int, "final_len": int},
     "prefix_hit": {"num_tokens": int, "readmission": bool},
     "evict": {"hash": str, "still_cached": int},

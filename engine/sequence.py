@@ -64,8 +64,9 @@ class Request:
     """One submitted prompt and its sequences.
 
     ``max_len``: the most tokens (prompt + generated) a sequence may reach: prompt + max_tokens, capped at
-    the maximum model length and at ``reservation``, the slots the contiguous allocator reserves for it
-    (None on the paged allocator). ``final_len``: its true final length when known in advance (the
+    the maximum model length and at ``reservation``, the slots the contiguous allocator reserves for it:
+    an int (one sequence), a tuple of ints (one row per sample or beam, each the same size, all reserved at
+    admission), or None (the paged allocator). ``final_len``: its true final length when known in advance (the
     contiguous "pow2" and "oracle" policies need it).
     """
 
@@ -81,7 +82,7 @@ class Request:
     beam: BeamState | None = None
     finish_step: int = -1
     max_len: int = 0
-    reservation: int | None = None
+    reservation: int | tuple[int, ...] | None = None  # slots; a tuple: one row per sample or beam
     priority: int = 0  # V1's priority policy: lower runs first (vLLM's SamplingParams-level priority)
     arrival: int = 0  # order of arrival (vLLM's arrival_time): the tie-break of the priority policy
     parent_id: str | None = None  # V1: the request whose n samples this child request is one of

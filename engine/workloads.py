@@ -93,10 +93,30 @@ def synthetic_workload(name: str, seed: int, tokenize: Callable[[str], list[int]
     return Workload(name, seed, reqs)
 
 
-def learn_final_lengths(outputs) -> list[int]:
-    """Each request's final length (prompt + generated tokens of its first completion), as a run found
-    it: what the contiguous "pow2" and "oracle" policies must know in advance."""
-    return [len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outputs]
+def learn_final_lengths(outputs, records=None) -> list[int]:
+    """Each request's final length (tokens), as a run found it: what the contiguous "pow2" and "oracle"
+    policies must know in advance, so that every row of the request is long enough to repeat the run.
+
+    ``outputs``: the run's RequestOutputs; ``records``: its StepRecords, if kept. A request's length is
+    - prompt + the generated tokens of its longest completion: with ``n`` samples every sample's row is
+      reserved that long (``LLMEngine.add_request``), so none stops at "length" before it did here;
+    - with ``records``, at least the longest any of its sequences reached, counting the token each step
+      samples past what it computed (``start_pos + num_tokens + 1`` of a scheduled sequence; "<id>.<k>" are
+      V1's child requests of a request with n samples). Beam search needs it: its outputs are the best
+      finished hypotheses, but the search may go on past the longest of them (live beams run until none can
+      beat the worst finished one), and a row shorter than that depth stops every beam at "length" early,
+      which changes the result. Without ``records`` a beam search under "pow2" / "oracle" may end early.
+    Returns one length per output, in order.
+    """
+    finals = [len(o.prompt_token_ids) + max((len(c.token_ids) for c in o.outputs), default=0) for o in outputs]
+    if records is None:
+        return finals
+    deepest: dict[str, int] = {}
+    for record in records:
+        for s in record.scheduled:
+            deepest[s.request_id] = max(deepest.get(s.request_id, 0), s.start_pos + s.num_tokens + 1)
+    return [max([final] + [n for rid, n in deepest.items() if rid == o.request_id
+                           or rid.startswith(f"{o.request_id}.")]) for o, final in zip(outputs, finals)]
 
 
 def run_workload(engine, workload: Workload, on_step=None, max_steps: int = 1_000_000,

@@ -367,7 +367,7 @@ def widget_waste(ctx) -> None:
     import streamlit as st
 
     from viz import contiguous_region_figure, paged_slots_figure
-    from viz.colors import INTERNAL, SLACK
+    from viz.colors import INTERNAL, RESERVED, SLACK
 
     if "keep_l2_lengths" not in st.session_state:
         _reference()
@@ -410,9 +410,10 @@ def widget_waste(ctx) -> None:
                  f"The region has {run.reserved:,} slots; the paged pool, in whole blocks of "
                  f"{run.snapshot.block_size}, has {pool_slots:,}.")
         st.markdown(
-            f'<span style="color:{SLACK}">■</span> reserved, not yet used · '
+            f'Contiguous: <span style="color:{RESERVED}">■</span> reserved, not yet used · '
             f'<span style="color:{INTERNAL}">■</span> internal fragmentation (past the reply\'s end) · coloured: '
-            f"tokens, one colour per request. Paged: light grey is the unfilled end of a request's last block; "
+            f'tokens, one colour per request. Paged: <span style="color:{SLACK}">■</span> light grey is the '
+            f"unfilled end of a request's last block; "
             f"palest is free, for other requests. (Every reservation here has the same size, so no gaps form "
             f"between them; the third kind of waste comes below.) {scale} Final state: contiguous "
             f"{final.contig_pct:.1f}% vs paged {final.paged_pct:.1f}% empty.",

@@ -104,11 +104,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def app_url():
-    """`streamlit run app.py` on a free localhost port for one test module; its base URL."""
+def serve_app(extra_env: dict | None = None):
+    """`streamlit run app.py` on a free localhost port (offline, plus ``extra_env``): a generator that yields
+    its base URL once it answers its health check, and stops it afterwards (a fixture's body)."""
     port = free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(extra_env or {})}
     proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(port),
                              "--server.address", "127.0.0.1", "--server.headless", "true"],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -126,3 +126,9 @@ def app_url():
     yield url
     proc.terminate()
     proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def app_url():
+    """`streamlit run app.py` on a free localhost port for one test module; its base URL."""
+    yield from serve_app()

@@ -101,10 +101,11 @@ def test_reservation_larger_than_the_region(make_engine):
         make_engine(block_size=4, num_blocks=16, max_model_len=64, allocator="contiguous", reservation_tokens=100)
 
 
-def test_contiguous_refuses_parallel_sampling(make_engine, text_ids):
+def test_contiguous_serves_parallel_sampling_with_a_row_per_sample(make_engine, text_ids):
     engine = make_engine(block_size=4, num_blocks=64, allocator="contiguous", max_model_len=64)
-    with pytest.raises(ValueError, match="one sequence per request; got n=2"):
-        engine.add_request(text_ids[:5], SamplingParams(n=2))
+    engine.add_request(text_ids[:5], SamplingParams(n=2, max_tokens=3))
+    rec = engine.step()
+    assert [(r["seq_id"], r["start"]) for r in rec.snapshot.contiguous["regions"]] == [("R1.0", 0), ("R1.1", 64)]
 
 
 def test_free_slots_too_few_for_a_reservation_are_not_external_fragmentation():

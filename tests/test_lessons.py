@@ -282,6 +282,13 @@ def test_lesson2_widget_reports_bad_lengths_and_keeps_running(ctx):
     at.switch_page("lessons/l2_contiguous_waste.py").run()
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["contiguous: empty"] == "68.7%" and metrics["paged: empty"] == "1.4%"
+    # the widget's key shows the strips' own colours: purple reserved (not the paged side's slack grey)
+    from viz.colors import INTERNAL, RESERVED, SLACK
+
+    key = next(m.value for m in at.markdown if "reserved, not yet used" in m.value)
+    assert f'color:{RESERVED}">■</span> reserved, not yet used' in key
+    assert f'color:{INTERNAL}">■</span> internal fragmentation' in key
+    assert f'Paged: <span style="color:{SLACK}">■</span> light grey' in key
     at.text_input(key="keep_l2_lengths").input("100, x").run()
     assert not at.exception and any("'x'" in e.value for e in at.error)
     at.text_input(key="keep_l2_lengths").input("100, 5000").run()

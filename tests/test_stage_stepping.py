@@ -162,7 +162,7 @@ def test_play_is_a_press_and_stops_when_nothing_is_left(loaded):
     only while playing; when the work is done the tick stops Play, and Play on a finished run is ignored."""
     lab = Lab.create(preset_settings("single"), loaded)
     assert lab.take_presses(lab.token, 2, "PP") == 2 and not lab.playing
-    assert lab.play_tick() is False and lab.step_count == 0  # paused: a late tick runs nothing
+    assert lab.play_tick() == 0 and lab.step_count == 0  # paused: a late tick runs nothing
     assert lab.press("play") == "play" and lab.playing
     while lab.play_tick():
         pass
@@ -212,7 +212,7 @@ def test_a_failed_step_stops_the_lab_and_says_so(loaded, monkeypatch):
     assert lab.failure == "step 2 raised IndexError: list index out of range"
     assert lab.step_count == 1  # the half step is not recorded
     assert lab.press("forward") == "ignored" and "stopped after an error" in lab.ignored_why
-    assert lab.play_tick() is False
+    assert lab.play_tick() == 0
     with pytest.raises(RuntimeError, match="stopped after an error"):
         lab.step()
 

@@ -92,11 +92,48 @@ def test_compare_keeps_a_scenarios_prefix_caching_off():
     assert at.table[0].value.loc["prefix-cache hit rate (first admissions)", "paged"] == "off"
 
 
-def test_compare_says_why_a_sampling_scenario_cannot_run_on_contiguous():
+def _final_tokens(records) -> dict[str, list[int]]:
+    """Each sequence's tokens (prompt + generated) as the last snapshot that lists it holds them."""
+    return {s.seq_id: list(s.token_ids) for r in records for s in r.snapshot.sequences}
+
+
+def test_compare_runs_parallel_sampling_on_the_contiguous_baseline():
+    """n=4 samples: the baseline keeps a row per sample, so it stores the prompt 4 times where paging stores it
+    once; every policy whose rows fit runs and gives the paged engine's tokens, and Orca (Max) (4 rows of
+    R = 256 slots in a 512-slot region) is refused with the engine's reason, not dropped silently."""
     at = new_app()
     run_compare(at, "parallel-sampling")
-    assert "compare" not in at.session_state
-    assert any("one sequence per request" in e.value and "n=4" in e.value for e in at.error)
+    assert not at.error
+    result = at.session_state["compare"]
+    assert set(result["policies"]) | set(result["skipped"]) == set(CONTIGUOUS_POLICIES)
+    assert set(result["skipped"]) == {"max"}
+    assert "n=4 samples reserve 4 x 256 slots but the region holds 512" in result["skipped"]["max"]
+    assert any("Orca (Max) could not run this workload" in w.value and "4 x 256" in w.value for w in at.warning)
+    table = at.table[0].value
+    assert list(table.columns) == ["paged", "prompt + max_tokens", "Orca (Pow2)", "Orca (Oracle)"]
+    paged = _final_tokens(result["paged"][0])
+    samples = sorted(k for k in paged if k.startswith("R1."))
+    assert len(samples) == 4
+    finals = [len(paged[k]) for k in samples]  # each sample's final length (prompt + generated)
+    prompt_len = next(s.prompt_len for r in result["paged"][0] for s in r.snapshot.sequences)
+    generated = sum(f - prompt_len for f in finals)
+    assert table.loc["slots used", "paged"] == f"{prompt_len + generated:,}"  # the prompt once, shared
+    settings = result["settings"]
+    longest_possible = min(prompt_len + 32, settings.max_model_len)  # the scenario's max_tokens=32
+    reserves = {"max_tokens": 4 * longest_possible, "oracle": 4 * max(finals),
+                "pow2": 4 * (1 << (max(finals) - 1).bit_length())}
+    for policy, (records, _) in result["policies"].items():
+        column = {"max_tokens": "prompt + max_tokens", "pow2": "Orca (Pow2)", "oracle": "Orca (Oracle)"}[policy]
+        assert _final_tokens(records) == paged, policy  # paging never changes what the model computes
+        # a row per sample: the prompt stored 4 times
+        assert table.loc["slots used", column] == f"{sum(finals):,}", policy
+        assert table.loc["slots allocated / reserved", column] == f"{reserves[policy]:,}", policy
+        internal = reserves[policy] - sum(finals)
+        assert table.loc["internal fragmentation (slots)", column] == f"{internal:,}", policy
+        assert table.loc["engine steps", column] == str(len(records)), policy
+    assert sum(finals) - (prompt_len + generated) == 3 * prompt_len  # the 3 extra copies of the prompt
+    at.selectbox(key="compare_policy").set_value("oracle").run()
+    assert not at.exception
 
 
 # ------------------------------------------------------------------------------------------------ Playground

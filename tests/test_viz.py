@@ -8,7 +8,7 @@ from types import SimpleNamespace as NS
 
 from viz import (block_pool_figure, block_table_rows, contiguous_region_figure, paged_slot_cells, pool_cells,
                  region_cells)
-from viz.colors import CACHED_FREE, EXTERNAL, FREE, INTERNAL, SHARED, SLACK, request_color
+from viz.colors import CACHED_FREE, EXTERNAL, FREE, INTERNAL, RESERVED, SHARED, SLACK, request_color
 
 
 def snapshot():
@@ -79,14 +79,22 @@ def test_contiguous_strip_shows_the_external_fragmentation_gap():
               "gaps": [{"start": 10, "length": 6}, {"start": 26, "length": 4}],
               "used_slots": 14, "reserved_unused_slots": 6, "internal_frag_slots": 0, "external_frag_slots": 10}
     slots = region_cells(layout, ["R1", "R2"])
-    assert slots[:4] == [request_color("R1", ["R1", "R2"])] * 4 and slots[4:10] == [SLACK] * 6
+    # R1's unused slots are reserved, not yet used: purple, not the paged side's slack grey
+    assert slots[:4] == [request_color("R1", ["R1", "R2"])] * 4 and slots[4:10] == [RESERVED] * 6
+    assert RESERVED != SLACK
     assert slots[10:16] == [EXTERNAL] * 6 and slots[26:30] == [EXTERNAL] * 4
-    fig = contiguous_region_figure(layout, ["R1", "R2"])
-    assert "external fragmentation 10" in fig.layout.title.text
+    assert _legend(contiguous_region_figure(layout, ["R1", "R2"])) == [
+        "reserved, not yet used: 6 slots", "internal fragmentation: 0 slots", "external fragmentation: 10 slots"]
     # with the final lengths known, R1's unused slots split into not-yet-used (up to 7) and internal
     split = region_cells(layout, ["R1", "R2"], final_lengths={"R1": 7})
-    assert split[4:7] == [SLACK] * 3 and split[7:10] == [INTERNAL] * 3
-    assert "internal 3" in contiguous_region_figure(layout, ["R1", "R2"], {"R1": 7}).layout.title.text
+    assert split[4:7] == [RESERVED] * 3 and split[7:10] == [INTERNAL] * 3
+    assert _legend(contiguous_region_figure(layout, ["R1", "R2"], {"R1": 7})) == [
+        "reserved, not yet used: 3 slots", "internal fragmentation: 3 slots", "external fragmentation: 10 slots"]
+
+
+def _legend(fig) -> list[str]:
+    """The names of a figure's legend entries, in order."""
+    return [t.name for t in fig.data if t.showlegend]
 
 
 def test_viz_does_not_import_torch():
@@ -187,3 +195,18 @@ def test_step_tokens_figure_stacks_decode_and_prefill_tokens_with_the_budget():
     # axis: the title names it instead of a line
     far = step_tokens_figure([mixed_record(), decode_only], budget=2048, semantics="v1")
     assert not far.layout.shapes and "token budget 2,048 per step, far above every step" in far.layout.title.text
+
+
+def test_colour_key_names_the_contiguous_wastes_apart_from_the_paged_slack():
+    from viz.colors import colour_key
+
+    snap = NS(ref_counts=[1, 0], block_hashes=None)
+    layout = {"external_frag_slots": 0}
+    with_strip = colour_key(snap, layout, strips=True)
+    assert "light grey paged strip cells = last-block slack" in with_strip
+    assert "contiguous strip: pale purple = reserved, not yet used" in with_strip
+    assert "dark brown = internal fragmentation" in with_strip and "reserved but not used" not in with_strip
+    assert "orange" not in with_strip  # no external fragmentation now
+    assert "orange = external fragmentation" in colour_key(snap, {"external_frag_slots": 3}, strips=True)
+    paged_only = colour_key(snap, None, strips=True)
+    assert "last-block slack" in paged_only and "purple" not in paged_only and "brown" not in paged_only

@@ -34,7 +34,7 @@ from engine.workloads import learn_final_lengths, run_workload
 from lessons.runs import COMPARE_RUNS, ProgressBox, preload_model, token_detail
 from ui.lab import (POLICY_LABELS, POLICY_RESERVES, SEMANTICS_LABELS, Lab, engine_semantics_line,
                     fit_semantics, max_num_seqs_for, semantics_line)
-from ui.state import preset_settings, shared_model
+from ui.state import preset_settings
 from viz import contiguous_region_figure, paged_slots_figure, timeline_figure
 from viz.steps import step_tokens_figure
 
@@ -47,18 +47,6 @@ ROWS = ["slots allocated / reserved", "slots used", "waste", "internal fragmenta
 
 def _tokenize(tokenizer):
     return lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def single_sequence_refusal(workload) -> str | None:
-    """Why the contiguous baseline cannot run this workload (it serves one sequence per request), or None."""
-    many = [r.params for r in workload.requests if r.params.num_seqs > 1]
-    if not many:
-        return None
-    p = many[0]
-    what = f"n={p.n} samples" if p.n > 1 else f"{p.beam_width} beams"
-    return (f"the contiguous baseline serves one sequence per request, and this workload asks for {what} of "
-            f"one prompt, which only paging can share (fork and copy-on-write in the paper's semantics, the "
-            f"prefix cache in vLLM V1). Step it in the Playground to see the paged side.")
 
 
 def paged_column(semantics: str) -> str:
@@ -137,12 +125,14 @@ def run_all(name: str, seed: int, semantics: str = "paper", budget: int | None =
               "budget": paged.max_num_batched_tokens if paged.semantics == "v1" else None,
               "paged": (records, paged_summary(paged, records, outputs)), "policies": {}, "skipped": {},
               "seconds": seconds}
-    finals = learn_final_lengths(outputs)
+    finals = learn_final_lengths(outputs, records)
     if learn:
         t0 = time.perf_counter()
+        learned: list = []  # the records too: a beam search may run past its longest output (learn_final_lengths)
         finals = learn_final_lengths(run_workload(
             LLMEngine(paper.config("paged"), loaded), workload,
-            on_step=progress.on_step("Learning the final lengths the baselines' scheduler (the paper's) reaches", [])))
+            on_step=progress.on_step("Learning the final lengths the baselines' scheduler (the paper's) reaches",
+                                     learned)), learned)
         progress.done += 1
         seconds["learn"] = time.perf_counter() - t0
     for policy in CONTIGUOUS_POLICIES:
@@ -311,17 +301,11 @@ def main() -> None:
     if st.button("Run all", type="primary"):
         st.session_state.pop("compare", None)
         try:
-            tokenizer = shared_model(model)[1]
-            workload = SCENARIOS[name].make(seed, _tokenize(tokenizer))
-            refusal = single_sequence_refusal(workload)
-            if refusal:
-                st.session_state["compare_error"] = f"{name} cannot run on the contiguous baseline: {refusal}"
-            else:
-                cached = run_key(name, seed, semantics, budget) in COMPARE_RUNS
-                with ProgressBox(f"Running {name} on the paged engine, then on the contiguous baseline under "
-                                 f"each of its {len(CONTIGUOUS_POLICIES)} policies") as box:
-                    st.session_state["compare"] = cached_run_all(name, seed, semantics, budget, on_progress=box)
-                st.session_state["compare_cached"] = cached
+            cached = run_key(name, seed, semantics, budget) in COMPARE_RUNS
+            with ProgressBox(f"Running {name} on the paged engine, then on the contiguous baseline under "
+                             f"each of its {len(CONTIGUOUS_POLICIES)} policies") as box:
+                st.session_state["compare"] = cached_run_all(name, seed, semantics, budget, on_progress=box)
+            st.session_state["compare_cached"] = cached
         except ValueError as exc:
             st.session_state["compare_error"] = f"{name} cannot run here: {exc}"
     if err := st.session_state.pop("compare_error", None):

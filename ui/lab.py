@@ -33,11 +33,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 
-from engine import EngineConfig, LLMEngine, SamplingParams, StepRecord
+from engine import EngineConfig, LLMEngine, SamplingParams, StepRecord, limits
 from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS_V1, DEFAULT_WATERMARK, FINAL_LENGTH_POLICIES
+from engine.scenario_file import PrioritizedRequest, ScenarioFile, preset_workload, to_workload
 from engine.scenarios import get_scenario
 from engine.workloads import WorkloadRequest, learn_final_lengths, run_workload
 
@@ -52,6 +54,13 @@ POLICY_RESERVES = {"max": "the maximum length R for every request",
 
 SEMANTICS_LABELS = {"paper": "Paper (vLLM V0)", "v1": "vLLM V1"}
 SCHEDULING_LABELS = {"fcfs": "FCFS (first come, first served)", "priority": "priority (lower value first)"}
+
+# "Next event" stops at the next step with one of these on the paged engine: a copy-on-write, a prefix-cache
+# hit of a first admission, a preemption, a swap out or in (the moments a talk is about).
+PRESS_KINDS = {"F": "forward", "B": "back", "P": "play", "N": "next", "E": "end"}  # the browser's letters
+KEY_EVENT_KINDS = ("cow", "prefix_hit", "preempt", "swap_out", "swap_in")
+MAX_RUN_STEPS = 2000  # "Run to the end" / "Next event" run at most this many steps per press (then stop, said)
+MAX_PLAY_CATCH_UP = 16  # a Play tick runs at most this many steps to keep to the chosen speed
 
 
 @dataclass
@@ -81,6 +90,7 @@ class LabSettings:
     semantics: str = "paper"  # the paged engine's: "paper" (vLLM V0) or "v1" (vLLM V1)
     scheduling_policy: str = "fcfs"  # V1: "fcfs" or "priority"
     max_num_batched_tokens: int | None = None  # V1: the token budget per step; None: 2,048
+    scenario: ScenarioFile | None = None  # "custom": a scenario file's requests to queue (ui/scenario_io.py)
 
     @property
     def paged_max_num_seqs(self) -> int:
@@ -189,14 +199,24 @@ class Lab:
     order: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     semantics_note: str | None = None  # why the paper's semantics run although V1 was chosen (``fit_semantics``)
+    # every request added so far as (id, request at the step it arrived, with its priority): the run as a file
+    arrivals: list[tuple[str, WorkloadRequest]] = field(default_factory=list)
+    queued: int = 0  # requests the preset or scenario file queued (those added by hand come on top)
+    final_lens: dict[str, int] = field(default_factory=dict)  # baseline requests' known final lengths (tokens)
     cursor: int = -1  # the step shown: -1 follows the latest, else a 0-based index into ``history``
-    playing: bool = False  # Play: a step per timer tick (``play_tick``) until Pause or nothing is left
+    playing: bool = False  # Play: steps on a timer (``play_tick``) at ``play_speed`` until Pause or nothing is left
+    play_speed: float = 2.0  # steps per second Play keeps to (``play_tick`` catches up when a tick comes late)
+    play_clock: tuple[float, int] = (0.0, 0)  # (when Play started, monotonic s; steps Play has run since)
     presses: int = 0  # stage presses counted in the browser (``take_presses``) handled so far
     ignored: int = 0  # presses that did nothing (nothing left to run, already at the first step, ...)
     ignored_why: str = ""  # why the last ignored press did nothing
     failure: str | None = None  # a step that raised: the engines may be half-stepped, so nothing more runs
     # names this lab to the browser's press counter: a total counted for another lab is never run here
     token: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    # A class server (engine.limits) keeps only the last ``history_limit`` steps (None: all); ``dropped_steps``
+    # counts the older ones dropped, so step numbers stay the engines' (``steps_run``, ``history_note``).
+    history_limit: int | None = field(default_factory=lambda: limits.history_limit())
+    dropped_steps: int = 0
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
     @staticmethod
@@ -207,8 +227,8 @@ class Lab:
         if settings.preset == "custom" or settings.contiguous_policy not in FINAL_LENGTH_POLICIES:
             return False
         workload = get_scenario(settings.preset).make(settings.seed, count_only_tokenizer)
-        # the contiguous side refuses requests with several samples or beams: nothing to learn for them
-        return not all(r.params.length_known for r in workload.requests if r.params.num_seqs == 1)
+        # n samples and beams run on the contiguous side too (a row each): their lengths are learnt as well
+        return not all(r.params.length_known for r in workload.requests)
 
     @classmethod
     def create(cls, settings: LabSettings, loaded=None, on_step=None) -> "Lab":
@@ -230,18 +250,31 @@ class Lab:
         except ValueError as exc:
             notes.append(f"contiguous baseline not available with these settings: {exc}")
         lab = cls(settings, paged, contiguous, notes=notes, semantics_note=semantics_note)
-        if settings.preset != "custom":
+        if settings.preset != "custom" or settings.scenario is not None:
             tokenize = lambda t: paged.tokenizer(t, add_special_tokens=False)["input_ids"]  # noqa: E731
-            workload = get_scenario(settings.preset).make(settings.seed, tokenize)
+            # a preset's shipped file (engine.scenario_file.preset_workload), or a loaded file under "custom"
+            workload = (to_workload(settings.scenario, tokenize) if settings.preset == "custom"
+                        else preset_workload(settings.preset, settings.seed, tokenize, settings.model))
             for r in workload.requests:
                 lab.check(r.prompt, r.params)
             finals: list[int | None] = [None] * len(workload.requests)
-            if contiguous is not None and cls.needs_final_lengths(settings):  # else the engine derives them
+            learn = cls.needs_final_lengths(settings) if settings.preset != "custom" else (
+                settings.contiguous_policy in FINAL_LENGTH_POLICIES
+                and not all(r.params.length_known for r in workload.requests if r.params.num_seqs == 1))
+            if contiguous is not None and learn:  # else the engine derives them
                 # the paper's semantics, as the contiguous baseline runs: the same scheduler, the same tokens
                 paper = dataclasses.replace(settings, semantics="paper", scheduling_policy="fcfs")
                 headless = LLMEngine(paper.config("paged"), (paged.model, paged.tokenizer))
-                finals = learn_final_lengths(run_workload(headless, workload, on_step=on_step))
+                learned: list = []  # a beam search may run past its longest output: its records say how far
+
+                def keep(record, report=on_step) -> None:
+                    learned.append(record)
+                    if report is not None:
+                        report(record)
+
+                finals = learn_final_lengths(run_workload(headless, workload, on_step=keep), learned)
             lab.pending = sorted(zip(workload.requests, finals), key=lambda rf: rf[0].arrival_step)
+            lab.queued = len(lab.pending)
         return lab
 
     # ------------------------------------------------------------------------------------------- requests
@@ -262,11 +295,16 @@ class Lab:
     def _add_request(self, prompt, params: SamplingParams, final_len: int | None, priority: int = 0) -> str:
         rid = self.paged.add_request(prompt, params, priority=priority)
         self.order.append(rid)
+        self.arrivals.append((rid, PrioritizedRequest(self.steps_run, prompt, params, priority)))
         if self.contiguous is not None:
             try:
                 self.contiguous.add_request(prompt, params, request_id=rid, final_len=final_len)
             except ValueError as exc:
                 self.notes.append(f"{rid} is not run on the contiguous baseline: {exc}")
+            else:  # its final length when known in advance: learnt, or fixed by ignore_eos (prompt + max_tokens)
+                known = final_len or (self.contiguous.requests[rid].max_len if params.length_known else None)
+                if known:
+                    self.final_lens[rid] = known
         return rid
 
     # --------------------------------------------------------------------------------------------- steps
@@ -292,17 +330,56 @@ class Lab:
         if self.failure is not None:
             raise RuntimeError(f"the engines stopped after an error: {self.failure}")
         try:
-            while self.pending and self.pending[0][0].arrival_step <= self.step_count:
+            while self.pending and self.pending[0][0].arrival_step <= self.steps_run:
                 r, final_len = self.pending.pop(0)
-                self._add_request(r.prompt, r.params, final_len)
+                self._add_request(r.prompt, r.params, final_len, getattr(r, "priority", 0))
             paged = self.paged.step()
             contiguous = self.contiguous.step() if self.contiguous is not None else None
         except Exception as exc:
             # one engine may have stepped and the other not: no later step may pretend they are in step
-            self.failure = f"step {self.step_count + 1} raised {type(exc).__name__}: {exc}"
+            self.failure = f"step {self.steps_run + 1} raised {type(exc).__name__}: {exc}"
             raise
         self.history.append((paged, contiguous))
+        self._trim_history()
         return paged, contiguous
+
+    @property
+    def steps_run(self) -> int:
+        """Steps run since the lab was built: the recorded ones and those dropped (``dropped_steps``)."""
+        return self.dropped_steps + self.step_count
+
+    def _trim_history(self) -> None:
+        """Keep at most ``history_limit`` recorded steps (a class server's memory bound): drop the oldest,
+        keep the cursor on the same step (or on the oldest kept, when its step was dropped)."""
+        excess = len(self.history) - self.history_limit if self.history_limit else 0
+        if excess <= 0:
+            return
+        del self.history[:excess]
+        self.dropped_steps += excess
+        if self.cursor >= 0:
+            self.cursor = max(0, self.cursor - excess)
+
+    def history_note(self) -> str | None:
+        """What the page says once old steps were dropped (``_trim_history``), or None."""
+        with self._lock:
+            if not self.dropped_steps:
+                return None
+            first, last = self.dropped_steps + 1, self.steps_run
+            return (f"Steps 1-{self.dropped_steps:,} were dropped to save memory; the run continues (this class "
+                    f"server keeps the last {self.history_limit:,} steps: {first:,}-{last:,}).")
+
+    def release(self, why: str) -> None:
+        """Free this lab's engines and records (a class server releases an idle session's lab): nothing runs
+        or draws from it afterwards; ``failure`` says ``why``. The session drops it and builds a fresh one."""
+        with self._lock:
+            self.playing = False
+            self.failure = why
+            self.history.clear()
+            self.pending.clear()
+            for engine in (self.paged, self.contiguous):
+                if engine is not None:
+                    engine.close()
+            self.paged = self.contiguous = None  # the KV pools and the model's activations go with them
 
     # ------------------------------------------------------------------------------------- the stage
     def press(self, kind: str) -> str:
@@ -326,7 +403,10 @@ class Lab:
                                     else "Play: all requests have finished (Reset runs them again)" if total
                                     else "Play: nothing to run; add a request first")
             self.playing = True
+            self.play_clock = (time.monotonic(), 0)
             return "play"
+        if kind in ("next", "end"):
+            return self._run_until(kind)
         if kind == "back":
             if total < 2 or self.cursor == 0:
                 return self._ignore("Back: already at the first step" if total else "Back: nothing has run yet")
@@ -380,22 +460,91 @@ class Lab:
             for _ in range(new - len(kinds)):
                 self._ignore("more presses at once than the page could keep apart")
             for k in kinds:
-                self._press({"F": "forward", "B": "back", "P": "play"}.get(k, k))
+                self._press(PRESS_KINDS.get(k, k))
             self.presses = total
             return new
 
-    def play_tick(self) -> bool:
-        """One Play tick: while ``playing``, a step when there is work left (then the view follows the latest
-        step). False, and Play stops (``playing`` False), when there is nothing to run or the engines failed;
-        False too when not playing (a Pause that came first)."""
+    def play_tick(self, now: float | None = None) -> int:
+        """One Play tick: while ``playing``, as many steps as keep Play at ``play_speed`` steps per second
+        since it started (at least one, at most ``MAX_PLAY_CATCH_UP``: a page that draws slower than the speed
+        shows every k-th step, the steps themselves keep the pace). Returns the steps run; 0, and Play stops
+        (``playing`` False), when there is nothing to run or the engines failed; 0 too when not playing (a
+        Pause that came first). ``now``: monotonic seconds (tests)."""
         with self._lock:
             if not self.playing:
-                return False
-            if self.failure is not None or not self.has_work() or not self._try_step():
+                return 0
+            now = time.monotonic() if now is None else now
+            started, done = self.play_clock
+            due = int((now - started) * self.play_speed) + 1 - done  # the first step runs at once
+            ran = 0
+            for _ in range(max(1, min(due, MAX_PLAY_CATCH_UP))):
+                if self.failure is not None or not self.has_work() or not self._try_step():
+                    break
+                ran += 1
+            if ran == 0:
                 self.playing = False
-                return False
+                return 0
+            self.play_clock = (started, done + ran)
             self.cursor = -1
-            return True
+            return ran
+
+    def set_play_speed(self, speed: float) -> None:
+        """Play's speed in steps per second (> 0); the pace counts afresh from now."""
+        if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not speed > 0:
+            raise ValueError(f"play speed must be a positive number of steps per second, got {speed!r}")
+        with self._lock:
+            if speed != self.play_speed:
+                self.play_speed = float(speed)
+                self.play_clock = (time.monotonic(), 0)
+
+    def play_rate(self, now: float | None = None) -> float | None:
+        """Steps per second Play has run since it started (None before its first second)."""
+        with self._lock:
+            started, done = self.play_clock
+            elapsed = (time.monotonic() if now is None else now) - started
+            return done / elapsed if self.playing and elapsed >= 1.0 else None
+
+    @staticmethod
+    def key_events(record: StepRecord) -> list[str]:
+        """The ``KEY_EVENT_KINDS`` a paged step recorded, in order, once each (a re-admission's own-block hit
+        after a preemption is not a sharing moment: left out)."""
+        kinds = [str(e.kind) for e in record.events if e.kind in KEY_EVENT_KINDS
+                 and not (e.kind == "prefix_hit" and e.data.get("readmission"))]
+        return list(dict.fromkeys(kinds))
+
+    def _run_until(self, kind: str) -> str:
+        """"next": show the next recorded step with a key event (``key_events``) while looking back, else run
+        steps until one has a key event; "end": run until no work is left. At most ``MAX_RUN_STEPS`` steps per
+        press. Returns "next" / "end", or ignores the press when nothing can run."""
+        total = self.step_count
+        if kind == "next" and 0 <= self.cursor < total - 1:
+            later = [i for i in range(self.cursor + 1, total) if self.key_events(self.history[i][0])]
+            self.cursor = later[0] if later else -1
+            if self.cursor == total - 1:
+                self.cursor = -1
+            return "next"
+        if self.failure is not None:
+            return self._ignore("the engines stopped after an error; press Reset")
+        if not self.has_work():
+            return self._ignore("all requests have finished (Reset runs them again)" if total
+                                else "nothing to run; add a request first")
+        for _ in range(MAX_RUN_STEPS):
+            if not self.has_work() or not self._try_step():
+                break
+            if kind == "next" and self.key_events(self.history[-1][0]):
+                break
+        self.cursor = -1
+        return kind
+
+    def contiguous_final_lengths(self) -> dict[str, int]:
+        """The baseline's sequences' final lengths known in advance (tokens), by sequence id: from its
+        policy's learnt lengths or ``ignore_eos``. ``viz.region`` draws a live row's slots past it as internal
+        fragmentation; without it a row's future is only "reserved, not yet used"."""
+        if self.contiguous is None:
+            return {}
+        with self._lock:
+            return {s.seq_id: self.final_lens[rid] for rid, r in self.contiguous.requests.items()
+                    if rid in self.final_lens for s in r.seqs}
 
     def seek(self, cursor: int) -> None:
         """Show recorded step ``cursor`` (0-based; -1 or the last step: follow the latest)."""

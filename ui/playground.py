@@ -12,19 +12,24 @@ import html
 import pandas as pd
 import streamlit as st
 
-from engine import EMBEDDED_MODEL, EngineConfig, SamplingParams, metrics
+from engine import EngineConfig, SamplingParams, metrics
 from engine.config import (CONTIGUOUS_POLICIES, DEFAULT_MAX_NUM_BATCHED_TOKENS_V1, PREEMPTION_MODES,
                            SCHEDULING_POLICIES, SEMANTICS)
 from engine.scenarios import SCENARIOS
 from lessons.render import OPEN_PRESET
-from ui.lab import (POLICY_LABELS, POLICY_RESERVES, SCHEDULING_LABELS, SEMANTICS_LABELS, LabSettings,
-                    count_only_tokenizer, engine_semantics_line)
+from ui import class_server, presenter
+from ui.exports import export_panel
+from ui.lab import (MAX_RUN_STEPS, POLICY_LABELS, POLICY_RESERVES, SCHEDULING_LABELS, SEMANTICS_LABELS,
+                    LabSettings, count_only_tokenizer, engine_semantics_line)
+from ui.scenario_io import open_scenario_link, scenario_sidebar
 from ui.state import (applied_settings, build_lab, default_settings, get_lab, preset_settings, shared_model,
                       stage_keys, take_stage_presses)
 from viz import (block_pool_figure, block_table_rows, contiguous_region_figure, paged_slots_figure,
                  swap_pool_figure, timeline_figure)
+from viz.block_table import block_table_figure
 from viz.colors import colour_key, request_color, request_id_of
-from viz.steps import SEMANTICS_SHORT, describe_step, sharing_counts, step_label, step_tokens_figure
+from viz.steps import (SEMANTICS_SHORT, latest_sequences, sharing_counts, step_label, step_sentences,
+                        step_tokens_figure)
 
 PRESET_DEFAULTS = {"block_size": 16, "num_blocks": 64, "max_model_len": 256}
 BUDGET_HELP = ("vLLM V1's max_num_batched_tokens: the most tokens one engine step computes. Every running "
@@ -69,9 +74,7 @@ def settings_form(current: LabSettings) -> None:
         if current.preset != "custom":
             st.caption(f"Current preset **{current.preset}**: {SCENARIOS[current.preset].description}"
                        + v1_preset_note(current))
-        model = st.text_input("Model (embedded default, local path or hub id)", current.model, key=f"set_model_{gen}",
-                              help="Leave it empty for the embedded model") or ""
-        model = model.strip() or EMBEDDED_MODEL  # an emptied field means the default its label names
+        model = class_server.model_input(current.model, key=f"set_model_{gen}")  # a class server: its list only
         c1, c2 = st.columns(2)
         block_size = c1.number_input("Block size", value=current.block_size, step=1, key=f"set_block_size_{gen}")
         num_blocks = c2.number_input("Pool (blocks)", value=current.num_blocks, step=1, key=f"set_num_blocks_{gen}")
@@ -242,18 +245,24 @@ def tinted_text(seq, table_colors: str) -> str:
     return "".join(parts)
 
 
-def token_locator(snap, B: int) -> None:
-    live = [s for s in snap.sequences if s.block_table]
-    if not live:
-        return
+def token_locator(snap, B: int) -> tuple[str, int] | None:
+    """The token pick: a sequence holding GPU blocks and a position in it (keyed widgets, kept while scrubbing
+    and clamped to what the step shown holds). Returns ``(seq_id, position)`` for the block-table picture,
+    which outlines the token's logical block, physical block and slot and says ``slot = physical x B + offset``
+    (``B`` tokens a block); None while "none" is picked."""
+    live = {s.seq_id: s for s in snap.sequences if s.status == "running" and s.block_table}
+    options = ["none"] + list(live)
+    if st.session_state.get("loc_seq") not in options:  # that sequence finished or is not there at this step
+        st.session_state["loc_seq"] = "none"
     c1, c2 = st.columns([2, 1])
-    seq = c1.selectbox("Where does token t live?", live, format_func=lambda s: s.seq_id, key="loc_seq")
-    t = c2.number_input("token t", min_value=0, max_value=max(0, seq.num_tokens - 1), value=0, step=1, key="loc_t")
-    logical, offset = divmod(int(t), B)
-    if logical < len(seq.block_table):
-        physical = seq.block_table[logical]
-        st.write(f"token {t} -> logical block {t} // {B} = **{logical}**, offset {t} % {B} = **{offset}** -> "
-                 f"physical block **{physical}** -> slot {physical} x {B} + {offset} = **{physical * B + offset}**")
+    seq_id = c1.selectbox("Where does token t live? (pick a sequence)", options, key="loc_seq")
+    seq = live.get(seq_id)
+    last = max(0, seq.num_tokens - 1) if seq else 0
+    if st.session_state.get("loc_t", 0) > last:
+        st.session_state["loc_t"] = last
+    t = c2.number_input(f"token t (0..{last})", min_value=0, max_value=last, step=1, key="loc_t",
+                        disabled=seq is None)
+    return (seq_id, int(t)) if seq is not None else None
 
 
 def open_requested_preset() -> None:
@@ -272,6 +281,7 @@ def open_requested_preset() -> None:
 
 def main() -> None:
     open_requested_preset()
+    open_scenario_link()  # a link's ?scenario=...&step=N: that run at that step (first run of a session)
     lab = get_lab()
     if lab is None:
         if not build_lab(default_settings()):
@@ -281,9 +291,14 @@ def main() -> None:
     take_stage_presses(lab)  # the presses counted in the browser since the last run, each run once, before drawing
     st.session_state["playing"] = lab.playing  # a mirror for reading; the lab keeps it with the steps
     stage_keys(lab)  # the (invisible) press counter: keys and Step / Back clicks, whatever has the focus
-    settings_form(lab.settings)
-    prefix_cache_reset(lab)
-    request_form(lab)
+    present = presenter.presenting()
+    if present:  # the presenter view: no sidebar (hidden, its forms not drawn), big type, one screen
+        presenter.style_page()
+    else:
+        settings_form(lab.settings)
+        prefix_cache_reset(lab)
+        request_form(lab)
+    scenario_sidebar(lab)  # the run as a file and a link; keeps the URL on this run and step
     if err := st.session_state.pop("lab_error", None):
         st.error(f"Settings not applied: {err}")
     if err := st.session_state.pop("flash_error", None):
@@ -291,45 +306,62 @@ def main() -> None:
     if msg := st.session_state.pop("flash", None):
         st.success(msg)
 
-    st.title("Playground")
-    semantics_banner(lab)
-    controls(lab)
-    playing = lab.playing
-    speed = st.session_state.get("speed", 2)
-    # Play re-runs only the views below, on a timer (a fragment), one engine step per run.
-    st.fragment(run_every=1.0 / speed if playing else None)(views)(lab)
+    if not present:
+        st.title("Playground")
+        semantics_banner(lab)
+    controls(lab, present)
+    # Play re-runs only the views below, on a timer (a fragment); each tick runs the steps that keep Play at
+    # its speed (``Lab.play_tick``), so a page that draws slower than the speed shows every k-th step.
+    st.fragment(run_every=1.0 / lab.play_speed if lab.playing else None)(views)(lab, present)
 
 
+PLAY_SPEEDS = [0.5, 1, 2, 4, 8]  # steps per second Play offers (``Lab.play_tick`` keeps to them)
 STAGE_KEYS_HELP = ("PageDown or a presenter's clicker, whatever has the focus; every press is one step, run in "
                    "order, none lost")
 
 
-def controls(lab) -> None:
-    """Back / Step (Forward while replaying) / Reset / Play and the speed: the row above the views.
+def controls(lab, present: bool = False) -> None:
+    """Back / Step (Forward while replaying) / Next event / Run to the end / Play / Reset, the speed and the
+    presenter toggle: the row above the views.
 
-    Back, Step and Play are presses (``Lab.press``, in their callbacks, so the row below is drawn after them):
-    each one is one atomic step, move of the cursor or toggle of Play, or is ignored and said so. In a browser
-    the stage's counter (``ui.state.stage_keys``) takes their clicks and the keys over and hands them to the
-    lab in order."""
+    Back, Step, Next event, Run to the end and Play are presses (``Lab.press``, in their callbacks, so the row
+    below is drawn after them): each one is atomic (a step, a run of steps, a move of the cursor or a toggle
+    of Play), or is ignored and said so. In a browser the stage's counter (``ui.state.stage_keys``) takes
+    their clicks and the keys over and hands them to the lab in order."""
     said_ignored(lab)
     if lab.failure is not None:
         st.error(f"The engines stopped: {lab.failure}. Nothing more runs in this lab: press **Reset**.")
-    history, index, _ = lab.frame()
+    history, index, has_work = lab.frame()
     total = len(history)
     st.session_state["cursor"] = lab.cursor  # a mirror for reading; the lab keeps the cursor with the steps
-    c = st.columns([1.6, 1.8, 1.1, 1.1, 3.4], vertical_alignment="center")
+    c = st.columns([1.0, 1.2, 1.4, 1.4, 1.0, 1.0, 2.2, 1.6], vertical_alignment="center")
     c[0].button("Back", key="stage_back", on_click=_press, args=("back",), width="stretch", disabled=total < 2,
                 help="Show the previous step (PageUp). Recorded, not re-run.")
     replaying = 0 <= index < total - 1
     c[1].button("Forward" if replaying else "Step", key="stage_step", on_click=_press, args=("forward",),
                 type="primary", width="stretch",
                 help=f"Run one engine step, or while looking back, show the next recorded step ({STAGE_KEYS_HELP}).")
-    if c[2].button("Reset", width="stretch", help="Rebuild the engines with the same settings"):
+    c[2].button("Next event", key="stage_next", on_click=_press, args=("next",), width="stretch",
+                help=f"Run to the next copy-on-write, prefix-cache hit, preemption or swap (N); while looking "
+                     f"back, show the next recorded one. At most {MAX_RUN_STEPS:,} steps per press.")
+    c[3].button("Run to end", key="stage_end", on_click=_press, args=("end",), width="stretch",
+                disabled=not has_work and not replaying,
+                help=f"Run every step left, at once (at most {MAX_RUN_STEPS:,} per press); then scrub back with the "
+                     f"slider.")
+    c[4].button("Pause" if lab.playing else "Play", key="stage_play", on_click=_toggle_play, width="stretch",
+                help="Step automatically at the chosen speed (P)")
+    if c[5].button("Reset", width="stretch", help="Rebuild the engines with the same settings"):
         build_lab(lab.settings)
         st.rerun()
-    c[3].button("Pause" if lab.playing else "Play", key="stage_play", on_click=_toggle_play, width="stretch",
-                help="Step automatically at the chosen speed (P)")
-    c[4].select_slider("Speed (steps per second)", [0.5, 1, 2, 4, 8], value=2, key="speed")
+    speed = c[6].select_slider("Speed (steps per second)", PLAY_SPEEDS, value=2, key="speed",
+                               label_visibility="collapsed" if present else "visible",
+                               format_func=lambda v: f"{v:g} steps/s")
+    lab.set_play_speed(speed)
+    with c[7]:
+        presenter.toggle()
+    if lab.playing and (rate := lab.play_rate()) is not None:
+        st.caption(f"Playing at {lab.play_speed:g} steps per second: {rate:.1f} measured since Play started"
+                   + (" (the page draws every few steps to keep the pace)" if lab.play_speed > 2 else ""))
 
 
 def _press(kind: str) -> None:
@@ -365,26 +397,33 @@ def _scrubbed() -> None:
     st.session_state["cursor"] = lab.cursor
 
 
-def views(lab) -> None:
+def views(lab, present: bool = False) -> None:
     """Everything below the controls, for the step under the cursor (re-run on a timer while playing), drawn
-    from one consistent reading of the lab (``Lab.frame``) taken after any step of this run."""
+    from one consistent reading of the lab (``Lab.frame``) taken after any step of this run; the presenter
+    view's screen when ``present``."""
     advance_play(lab)
     history, index, has_work = lab.frame()
     total = len(history)
     if total == 0:
         nothing_yet(lab)
         return
+    if present:  # no slider: the keys and the clicker move through the steps
+        presenter.views(lab, history, index, has_work, shared_model(lab.settings.model)[1].decode)
+        return
     index = scrub(total, index)
     paged, contiguous = history[index]
-    st.caption(f"step {paged.step} of {total} ({step_label(paged)}; {SEMANTICS_SHORT[paged.semantics]}); "
+    latest = history[-1][0].step  # the engines' step number (a class server may have dropped older records)
+    st.caption(f"step {paged.step} of {latest} ({step_label(paged)}; {SEMANTICS_SHORT[paged.semantics]}); "
                f"{'replaying recorded steps' if index < total - 1 else 'latest'}"
                + ("" if has_work else "; all requests finished"))
+    class_server.history_note(lab)  # a class server keeps the last steps only: say when older ones were dropped
     metrics_row(lab, paged, contiguous)
     st.caption(sharing_line(lab, history, index))
     pools(lab, paged, contiguous)
     step_in_words(paged, contiguous, step_budget(lab))
-    tables_and_text(lab, paged.snapshot)
+    tables_and_text(lab, paged, [p for p, _ in history[: index + 1]])
     timeline(lab, history, index, paged, contiguous)
+    export_panel(lab)  # HTML / GIF / MP4 / PNG of the run, built only on click
 
 
 def advance_play(lab) -> None:
@@ -454,8 +493,12 @@ def metrics_row(lab, paged, contiguous) -> None:
         m[4].metric("admitted", len(cs.running), help="running requests on the contiguous baseline (it never "
                                                       "preempts: admitted is running)")
         m[5].metric("waiting", len(cs.waiting), help="requests waiting at the door for a large enough gap")
+        waste = metrics.contiguous_waste_now(cs.contiguous, lab.contiguous_final_lengths())
         m[6].metric("unused", _slack(cs),
-                    help=f"reserved slots not (yet) holding a token; policy "
+                    help=f"reserved slots not (yet) holding a token: {waste['reserved_not_yet_used']:,} reserved "
+                         f"for tokens still to come, {waste['internal']:,} reserved past a known final length "
+                         f"(internal fragmentation); besides, {waste['external']:,} free slots in gaps too small "
+                         f"for a reservation (external fragmentation). Policy "
                          f"{POLICY_LABELS[lab.settings.contiguous_policy]}: reserves "
                          f"{POLICY_RESERVES[lab.settings.contiguous_policy]}")
 
@@ -487,7 +530,8 @@ def pools(lab, paged, contiguous) -> None:
         st.subheader("Same memory, slot by slot")
         st.plotly_chart(paged_slots_figure(snap, order), width="stretch", key="paged_slots")
         if contiguous is not None:
-            st.plotly_chart(contiguous_region_figure(contiguous.snapshot.contiguous, order),
+            st.plotly_chart(contiguous_region_figure(contiguous.snapshot.contiguous, order,
+                                                     lab.contiguous_final_lengths()),
                             width="stretch", key="region")
             for note in lab.notes:
                 st.caption(note)
@@ -520,32 +564,37 @@ def sharing_line(lab, history, index: int) -> str:
 
 
 def step_in_words(paged, contiguous, budget: int | None = None) -> None:
-    """The step by its parts (decode tokens, prefill chunks), then each allocator decision as the engine's own
-    sentence; plain appends summed up in one."""
+    """The step by its parts (decode tokens, prefill chunks), then the allocator's decisions, several of one
+    kind said once ("7 sequences found the same 5 cached blocks"): ``viz.steps.step_sentences``."""
     st.subheader("This step, in words")
-    lines = [describe_step(paged, budget)] + [e.message for e in paged.events if e.kind != "append"]
-    appends = [e for e in paged.events if e.kind == "append"]
-    if appends:
-        lines.append(f"{len(appends)} sequence{'s' * (len(appends) != 1)} wrote {'their' if len(appends) != 1 else 'its'} "
-                     "new token into a block with room "
-                     f"({', '.join(f'{e.request_id}->{e.blocks[0]}' for e in appends[:12])}"
-                     f"{', ...' if len(appends) > 12 else ''})")
-    if contiguous is not None:
-        lines += [f"contiguous: {e.message}" for e in contiguous.events if e.kind in ("wait", "allocate", "free")]
+    lines = step_sentences(paged, contiguous, budget)
     st.markdown("\n".join(f"- {html.escape(x)}" for x in lines) or "nothing changed")
 
 
-def tables_and_text(lab, snap) -> None:
-    """Block tables, the token locator and each sequence's text tinted by logical block."""
+def tables_and_text(lab, snap, records: list | None = None) -> None:
+    """Block tables as a picture (each logical block's arrow to its physical block, this step's new blocks and
+    copy-on-write, the picked token's slot), the same tables as rows below (folded), and each sequence's text
+    tinted by logical block. ``snap``: the step's StepRecord, or its Snapshot (its record, for the step's
+    events, is then found in the lab's history). ``records``: the paged steps up to the one shown, so that
+    the text of requests that finished earlier stays on screen."""
     decode = shared_model(lab.settings.model)[1].decode
+    record = snap if hasattr(snap, "snapshot") else next(
+        (p for p, _ in reversed(list(lab.history)) if p.snapshot is snap), None)
+    snap = getattr(snap, "snapshot", snap)
+    selected = st.session_state.get("selected", "none")  # the pool's "Highlight a request"
     st.subheader("Block tables")
     rows = block_table_rows(snap, decode)
     if rows:
-        st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
-        token_locator(snap, snap.block_size)
+        picture = st.container()  # the picture first, the pick's widgets under it (they are read before it is drawn)
+        token = token_locator(snap, snap.block_size)
+        figure = block_table_figure(record or snap, lab.order, selected=None if selected == "none" else selected,
+                                    token=token, events=None if record else [], decode=decode)
+        picture.plotly_chart(figure, width="stretch", key="block_tables")
+        with st.expander("Block tables as rows (logical -> physical)"):
+            st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
 
     st.subheader("Generated text (tokens tinted by logical block)")
-    for seq in snap.sequences:
+    for seq in latest_sequences(records) if records else snap.sequences:
         color = request_color(request_id_of(seq.seq_id), lab.order)
         st.markdown(f"**{seq.seq_id}** ({seq.status}) " + tinted_text(seq, color), unsafe_allow_html=True)
 

@@ -12,12 +12,15 @@ from engine import EMBEDDED_MODEL
 from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS_V1
 from lessons import runs
 
+from . import class_server
 from .lab import POLICY_LABELS, Lab, LabSettings, count_only_tokenizer
 
 
 def shared_model(model: str):
     """(model, tokenizer), loaded once per process and shared read-only by every session and the lessons
-    (``lessons.runs.shared_model``: ``engine.model_loader.load_shared`` with a progress box on first load)."""
+    (``lessons.runs.shared_model``: ``engine.model_loader.load_shared`` with a progress box on first load),
+    one copy per real folder (every spelling of a path is one copy). On a class server a model it does not
+    serve raises ValueError before anything is read (``engine.limits.check_model``)."""
     return runs.shared_model(model)
 
 
@@ -29,6 +32,7 @@ def build_lab(settings: LabSettings) -> bool:
     """Replace the session's lab; on bad settings show the error and keep the previous lab."""
     try:
         loaded = shared_model(settings.model)
+        class_server.check_sizes(settings, loaded)  # a class server: one session's share of memory, before allocating
         if Lab.needs_final_lengths(settings):  # a whole headless run first: seconds, so its progress is shown
             with runs.ProgressBox("Learning each request's final length first: the "
                                   f"{POLICY_LABELS.get(settings.contiguous_policy, settings.contiguous_policy)} "
@@ -40,6 +44,7 @@ def build_lab(settings: LabSettings) -> bool:
         st.session_state["lab_error"] = str(exc)
         return False
     st.session_state["lab"] = lab
+    class_server.seat_lab(lab)  # a class server releases it when this session idles (ui/class_server.py)
     st.session_state["lab_generation"] = st.session_state.get("lab_generation", 0) + 1  # a fresh settings form
     st.session_state["cursor"] = lab.cursor  # a mirror of the lab's own cursor (-1: follow the latest step)
     st.session_state["playing"] = lab.playing  # a mirror: a new run starts paused (Play on a preset nobody has
@@ -66,27 +71,39 @@ def learning_progress(settings: LabSettings, box: runs.ProgressBox):
 
 
 def preset_settings(preset: str, model: str = EMBEDDED_MODEL, **overrides) -> LabSettings:
-    """Settings for a preset with the engine settings it needs (block size, pool, lengths, reservation,
-    preemption, prefix caching, contiguous policy, watermark; None: the semantics' default), then
-    ``overrides`` (``LabSettings`` fields, e.g. ``semantics="v1"``).
-    The one path from a preset to engine settings: the Playground, Compare and the lessons' "Open this in
-    the Playground" all use it. Raises ValueError for an unknown preset or field."""
-    from engine.scenarios import get_scenario
+    """Settings for a preset: those of its shipped scenario file (``assets/scenarios/<preset>.json``: block
+    size, pool, lengths, reservation, preemption, prefix caching, contiguous policy, watermark (None: the
+    semantics' default), semantics, seed), then ``overrides`` (``LabSettings`` fields, e.g.
+    ``semantics="v1"``). A scenario registered without a file takes its registry ``engine_defaults``
+    (``engine.scenario_file.registry_settings``, which also wrote the files).
+    The one path from a preset to engine settings: the Playground, Compare, scenario links and the lessons'
+    "Open this in the Playground" all use it. Raises ValueError for an unknown preset or field."""
+    from engine import scenario_file
 
-    d = get_scenario(preset).engine_defaults
-    fields = dict(block_size=d.get("block_size", 16), num_blocks=d.get("num_blocks", 64),
-                  max_model_len=d.get("max_model_len", 256),
-                  reservation=d.get("reservation_tokens", d.get("max_model_len", 256)),
-                  preemption_mode=d.get("preemption_mode", "recompute"), swap_space_blocks=d.get("swap_space_blocks"),
-                  enable_prefix_caching=d.get("enable_prefix_caching", True),
-                  contiguous_policy=d.get("contiguous_policy", "max"), watermark=d.get("watermark"),
-                  semantics=d.get("semantics", "paper"), scheduling_policy=d.get("scheduling_policy", "fcfs"),
-                  max_num_batched_tokens=d.get("max_num_batched_tokens"))
+    shipped = scenario_file.load_preset(preset)
+    if shipped is None:
+        semantics, fields = scenario_file.registry_settings(preset)
+        fields.update(semantics=semantics, seed=scenario_file.PRESET_SEED)
+    else:
+        fields = dict(shipped.settings.model_dump(), semantics=shipped.semantics, seed=shipped.seed)
     unknown = set(overrides) - set(LabSettings.__dataclass_fields__)
     if unknown:
         raise ValueError(f"unknown Playground setting(s): {', '.join(sorted(unknown))}")
     fields.update(overrides)
     return LabSettings(model=model, preset=preset, **fields)
+
+
+def scenario_settings(scenario, model: str = EMBEDDED_MODEL) -> LabSettings:
+    """Playground settings that run a scenario file (``engine.scenario_file.ScenarioFile``): its preset's
+    (``preset_settings``) when it is a shipped preset's file unchanged, so it is that preset again; else
+    "custom" with the file's settings, semantics and seed, and its requests queued (``LabSettings.scenario``)."""
+    from engine import scenario_file
+    from engine.scenarios import SCENARIOS
+
+    if scenario.name in SCENARIOS and scenario == scenario_file.load_preset(scenario.name):
+        return preset_settings(scenario.name, model)
+    return LabSettings(model=model, preset="custom", scenario=scenario, semantics=scenario.semantics,
+                       seed=scenario.seed, **scenario.settings.model_dump())
 
 
 def default_settings() -> LabSettings:
@@ -165,13 +182,15 @@ def applied_settings(current: LabSettings, preset: str, chosen: dict, use_preset
 
 # ------------------------------------------------------------------------------------------------ the stage
 STAGE_KEY = "stage_keys"  # the press counter's key; its element container is hidden (class st-key-stage_keys)
-STAGE_BUTTONS = {"stage_step": "F", "stage_back": "B", "stage_play": "P"}  # clicks the counter takes over
+# clicks the counter takes over, and the letter each press is logged as (``ui.lab.PRESS_KINDS``)
+STAGE_BUTTONS = {"stage_step": "F", "stage_back": "B", "stage_play": "P", "stage_next": "N", "stage_end": "E"}
 
 # Runs in the app page (components v2 mount no iframe). Installed once per page, whatever the number of
 # renders; removed when the Playground is left. Counts every press of PageDown / PageUp (whatever widget has
-# the focus: the keys never scroll the page or move a slider here), of P (Play / Pause, unless the focus is in
-# a text field) and every click on Step / Back / Play (so a double click is two presses, not one coalesced
-# button event), and hands Python the running total with the kinds of the last presses.
+# the focus: the keys never scroll the page or move a slider here), of P (Play / Pause) and N (next event),
+# unless the focus is in a text field, and every click on the stage's buttons (``STAGE_BUTTONS``: a double
+# click is two presses, not one coalesced button event), and hands Python the running total with the kinds
+# of the last presses.
 _STAGE_JS = """
 export default function (component) {
   const { data, setStateValue, parentElement } = component;
@@ -194,10 +213,11 @@ export default function (component) {
         e.preventDefault();
         e.stopImmediatePropagation();
         if (!e.repeat) g.press(e.key === "PageDown" ? "F" : "B");
-      } else if ((e.key === "p" || e.key === "P") && !e.ctrlKey && !e.metaKey && !e.altKey && !typing(e.target)) {
+      } else if (["p", "P", "n", "N"].includes(e.key) && !e.ctrlKey && !e.metaKey && !e.altKey
+                 && !typing(e.target)) {
         e.preventDefault();
         e.stopImmediatePropagation();
-        if (!e.repeat) g.press("P");
+        if (!e.repeat) g.press(e.key.toUpperCase());
       }
     };
     g.onClick = (e) => {
@@ -237,12 +257,29 @@ export default function (component) {
     parentElement.appendChild(root);
   }
   g.root = root;
+  // the window's size, for the presenter view's figure heights: sent when Python's copy differs (first
+  // render, a resize), so it never loops
+  g.viewport = () => {
+    const vp = { w: w.innerWidth, h: w.innerHeight };
+    const known = g.knownViewport;
+    if (!known || known.w !== vp.w || known.h !== vp.h) {
+      g.knownViewport = vp;
+      if (g.send) g.send("viewport", vp);
+    }
+  };
+  g.knownViewport = (data && data.viewport) || null;
+  if (!g.onResize) {
+    g.onResize = () => { clearTimeout(g.resizeTimer); g.resizeTimer = setTimeout(() => g.viewport(), 400); };
+    w.addEventListener("resize", g.onResize);
+  }
+  g.viewport();
   for (const [k, v] of Object.entries((data && data.attrs) || {})) root.dataset[k] = String(v);
   root.dataset.sent = String(g.n);
   return () => {
     if (w.__pagedAttentionStage === g && g.owner === owner) {
       w.removeEventListener("keydown", g.onKey, true);
       w.removeEventListener("click", g.onClick, true);
+      if (g.onResize) w.removeEventListener("resize", g.onResize);
       delete w.__pagedAttentionStage;
     }
   };
@@ -277,8 +314,19 @@ def stage_keys(lab: Lab) -> None:
     counts = lab.counts()
     attrs = {**counts, "token": lab.token, "contiguousSteps": "" if counts["contiguousSteps"] is None
              else counts["contiguousSteps"]}
-    _stage()(key=STAGE_KEY, data={"token": lab.token, "handled": counts["handled"], "attrs": attrs},
-                     on_presses_change=lambda: None, width="stretch", height="content")
+    _stage()(key=STAGE_KEY, data={"token": lab.token, "handled": counts["handled"], "attrs": attrs,
+                                  "viewport": viewport()},
+             on_presses_change=lambda: None, on_viewport_change=lambda: None, width="stretch", height="content")
+
+
+def viewport() -> dict | None:
+    """The browser window's size in CSS px, ``{"w": ..., "h": ...}``, as the stage's counter last sent it
+    (None before it has: AppTest, the first script run)."""
+    state = st.session_state.get(STAGE_KEY)
+    vp = state.get("viewport") if hasattr(state, "get") else None
+    if isinstance(vp, dict) and all(isinstance(vp.get(k), int) and 0 < vp[k] < 100_000 for k in ("w", "h")):
+        return {"w": vp["w"], "h": vp["h"]}
+    return None
 
 
 def take_stage_presses(lab: Lab) -> int:

@@ -13,7 +13,7 @@ from typing import Callable
 
 import plotly.graph_objects as go
 
-from .colors import CACHED_FREE, FREE, SELECTED, SHARED, request_color, request_id_of
+from .colors import CACHED_FREE, FREE, OUTLINE, SELECTED, SHARED, request_color, request_id_of
 
 TEXT_LIMIT = 512  # above this many cells the labels are left out (unreadable, and slow to draw)
 FRAME_LIMIT = 64  # above this many outlined blocks, markers instead of one shape per block
@@ -123,7 +123,7 @@ def block_pool_figure(snapshot, request_order: list[str], decode: Callable[[list
     chosen = set()
     if selected:
         chosen = {c["block"] for c in cells if any(request_id_of(o) == selected for o in c["owners"])}
-    for blocks, color in ((chosen, SELECTED), (set(highlight or []), "#000000")):
+    for blocks, color in ((chosen, SELECTED), (set(highlight or []), OUTLINE)):
         # a frame around each block (its cell, or in slot mode its row of slots), scaled with the figure; past
         # FRAME_LIMIT frames (a big prefill in a big pool) one trace of open squares is lighter to send and draw
         pts = [pos[b] for b in sorted(blocks) if b in pos]

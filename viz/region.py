@@ -2,9 +2,15 @@
 
 Both memories hold the same number of token slots (the same bytes), so drawing both as strips of equally
 many cells, each cell standing for the same number of slots, compares them fairly. Categories:
-- contiguous: used by a request (its colour), reserved but not yet used (light grey), free slots in gaps too
-  small for one reservation although together they would hold one (external fragmentation, orange), free
-  (near-white);
+- contiguous: used by a sequence (its request's colour) and the three kinds of waste, each in its own colour
+  (``viz.colors``), with a legend always on the figure giving each kind's slots now
+  (``engine.metrics.contiguous_waste_now``, a kind at 0 still listed):
+  reserved but not yet used (pale purple: a running sequence's future slots, and a request's spare rows
+  for samples or beams not forked yet), internal fragmentation (dark brown: slots of a running row past its
+  known final length, drawn only when final lengths are known; a finished request's reservation is
+  released at its finish, so its internal fragmentation leaves the strip then and is counted in the title
+  as "released"), external fragmentation (light orange: free slots in gaps too small for the next
+  reservation although together they would hold it), free (near-white);
 - paged: used (the owner's colour), last-block slack (light grey), free (near-white).
 """
 
@@ -15,9 +21,10 @@ from types import SimpleNamespace
 
 import plotly.graph_objects as go
 
-from engine.metrics import internal_fragmentation, slack_pct, slots_allocated, slots_used
+from engine.metrics import (contiguous_waste_now, internal_fragmentation, row_final_length, slack_pct,
+                            slots_allocated, slots_used)
 
-from .colors import EXTERNAL, FREE, INTERNAL, SHARED, SLACK, request_color
+from .colors import EXTERNAL, FREE, INTERNAL, RESERVED, SHARED, SLACK, request_color
 from .pool import _discrete_scale
 
 MAX_CELLS = 2048  # cells drawn per strip; above this each cell stands for several slots (majority wins)
@@ -27,8 +34,10 @@ def region_cells(layout: dict, request_order: list[str], final_lengths: dict[str
     """Colour of every slot of a contiguous region layout (``Snapshot.contiguous``).
 
     ``final_lengths`` (sequence id -> tokens it will hold when it finishes), known only with hindsight,
-    splits a reservation's unused slots into "reserved, not yet used" (up to the final length, light grey)
-    and internal fragmentation (past it, never used; brown). Without it all unused slots are light grey.
+    splits a row's unused slots into reserved, not yet used (up to the final length, ``RESERVED``) and
+    internal fragmentation (past it, never used; ``INTERNAL``). Without it all unused slots are
+    ``RESERVED``. Spare rows (a request's rows for samples or beams not forked yet) are ``RESERVED`` whole.
+    Per colour, the cells equal ``engine.metrics.contiguous_waste_now``'s counts.
     """
     cap = layout["capacity_slots"]
     slots = [FREE] * cap
@@ -42,18 +51,11 @@ def region_cells(layout: dict, request_order: list[str], final_lengths: dict[str
     for r in layout["regions"]:
         color = request_color(r["seq_id"], request_order)
         start, used, length = r["start"], r["used"], r["length"]
-        final = _final_length(r, final_lengths)
+        final = row_final_length(r, final_lengths)
         slots[start:start + used] = [color] * used
-        slots[start + used:start + final] = [SLACK] * (final - used)
+        slots[start + used:start + final] = [RESERVED] * (final - used)
         slots[start + final:start + length] = [INTERNAL] * internal_fragmentation(length, final)
     return slots
-
-
-def _final_length(region: dict, final_lengths: dict[str, int] | None) -> int:
-    """A live reservation's final length as far as it is known: the given one (never below the slots already
-    written, never past the reservation), else the whole reservation (nothing is called internal yet)."""
-    length = region["length"]
-    return min(length, max(region["used"], (final_lengths or {}).get(region["seq_id"], length)))
 
 
 def _as_snapshot(layout: dict):
@@ -102,27 +104,39 @@ def _strip(slots: list[str], title: str, hover_unit: str) -> go.Figure:
     return fig
 
 
+WASTE_LEGEND = (("reserved_not_yet_used", RESERVED, "reserved, not yet used"),
+                ("internal", INTERNAL, "internal fragmentation"),
+                ("external", EXTERNAL, "external fragmentation"))
+
+
+def waste_legend_labels(layout: dict, final_lengths: dict[str, int] | None = None) -> list[str]:
+    """The legend's three entries, "<kind>: N slots", with the counts of ``metrics.contiguous_waste_now``."""
+    waste = contiguous_waste_now(layout, final_lengths)
+    return [f"{label}: {waste[key]:,} slot{'s' * (waste[key] != 1)}" for key, _, label in WASTE_LEGEND]
+
+
 def contiguous_region_figure(layout: dict, request_order: list[str],
                              final_lengths: dict[str, int] | None = None) -> go.Figure:
     """The contiguous region as a strip of slots; see ``region_cells`` for ``final_lengths``.
 
-    The title's numbers are ``engine.metrics``'s (slots used and reserved, slack %) and the layout's own
-    fields (external fragmentation, internal fragmentation of released reservations); with
-    ``final_lengths`` the live reservations' slots split into not yet used and internal fragmentation
-    (``metrics.internal_fragmentation`` of each reservation at its final length)."""
+    The title's numbers are ``engine.metrics``'s (slots used and reserved, slack %) and the internal
+    fragmentation of reservations released so far (the layout's ``internal_frag_slots``). The legend, always
+    shown, has one entry per kind of waste with its slots now (``waste_legend_labels``), also when 0."""
     snap = _as_snapshot(layout)
     used, reserved = slots_used(snap), slots_allocated(snap)
-    if final_lengths is None:
-        detail = (f"external fragmentation {layout['external_frag_slots']:,}, internal so far "
-                  f"{layout['internal_frag_slots']:,} slots")
-    else:
-        finals = [(r, _final_length(r, final_lengths)) for r in layout["regions"]]
-        not_yet = sum(final - r["used"] for r, final in finals)
-        internal = sum(internal_fragmentation(r["length"], final) for r, final in finals)
-        detail = (f"not yet used {not_yet:,}, internal {internal:,}, "
-                  f"external {layout['external_frag_slots']:,} slots")
-    title = f"contiguous: {used:,} used / {reserved:,} reserved ({slack_pct(snap):.1f}% unused)<br>{detail}"
-    return _strip(region_cells(layout, request_order, final_lengths), title, "slots")
+    title = (f"contiguous: {used:,} used / {reserved:,} reserved ({slack_pct(snap):.1f}% unused)<br>"
+             f"internal fragmentation of released reservations so far: {layout['internal_frag_slots']:,} slots")
+    fig = _strip(region_cells(layout, request_order, final_lengths), title, "slots")
+    for (_, color, _), label in zip(WASTE_LEGEND, waste_legend_labels(layout, final_lengths)):
+        # a legend entry per kind, drawn as a square swatch by a trace with no point on the strip
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=label, showlegend=True,
+                                 marker={"symbol": "square", "size": 12, "color": color,
+                                         "line": {"color": "#7F7F7F", "width": 1}}, hoverinfo="skip"))
+    fig.update_layout(showlegend=True, legend={"orientation": "h", "yanchor": "top", "y": -0.02, "x": 0,
+                                               "font": {"size": 12}},
+                      margin={"l": 10, "r": 10, "t": 76, "b": 40})
+    fig.update_layout(height=fig.layout.height + 30)
+    return fig
 
 
 def paged_slots_figure(snapshot, request_order: list[str]) -> go.Figure:

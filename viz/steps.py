@@ -92,6 +92,20 @@ def _prefill_words(p: dict) -> str:
     return f"{what} of {p['seq_id']} ({where}{rest})"
 
 
+MAX_PREFILLS_SAID = 4  # a step with more prefills says them in one clause (``_prefills_words``)
+
+
+def _prefills_words(prefills: list[dict]) -> str:
+    """Several prefills in one clause: "8 prefills (R1-R8): 243 tokens, 560 more found in the prefix cache"."""
+    ids = [p["seq_id"] for p in prefills]
+    tokens = sum(p["num_tokens"] for p in prefills)
+    cached = sum(p["cached"] or 0 for p in prefills)
+    chunks = sum(p["chunk"] in ("first", "middle") for p in prefills)
+    more = f", {cached:,} more found in the prefix cache" if cached else ""
+    parts = f"; {chunks} of them chunks with more to come" if chunks else ""
+    return f"{len(prefills)} prefills ({_ids(ids)}): {tokens:,} prompt tokens{more}{parts}"
+
+
 def describe_step(record, budget: int | None = None) -> str:
     """The step by its parts, in one sentence, e.g. "mixed step: 5 decode tokens (R1-R5) + a 64-token
     prefill chunk of R6 (positions 128-191 of 300, 108 more in later steps)". ``budget``: the engine's
@@ -107,7 +121,11 @@ def describe_step(record, budget: int | None = None) -> str:
     pieces = []
     if decode:
         pieces.append(f"{len(decode)} decode token{'s' * (len(decode) != 1)} ({_ids(decode)})")
-    pieces += [_prefill_words(p) for p in parts if p["kind"] == "prefill"]
+    prefills = [p for p in parts if p["kind"] == "prefill"]
+    if len(prefills) > MAX_PREFILLS_SAID:  # one clause for many prompts, not one each
+        pieces.append(_prefills_words(prefills))
+    else:
+        pieces += [_prefill_words(p) for p in prefills]
     used = sum(p["num_tokens"] for p in parts)
     tail = f"; {used:,} of the {budget:,}-token budget" if budget else f"; {used:,} tokens computed"
     return f"{kind}: " + " + ".join(pieces) + tail
@@ -180,3 +198,130 @@ def sharing_counts(records: list) -> dict:
                     counts["hit_tokens"] += e.data.get("num_tokens", 0)
                     counts["hit_seqs"].append(e.request_id)
     return counts
+
+
+# ------------------------------------------------------------------------------------- the step in words
+# Events of one kind that many sequences share in a step are said once, grouped ("8 sequences found the same
+# 5 cached blocks (R1-R8)"), so a big step reads as a few sentences instead of one bullet per sequence.
+GROUPED_KINDS = ("cow", "prefix_hit", "allocate", "new_block", "admit", "finish", "fork", "free", "evict")
+MAX_SENTENCES = 24  # a step says at most this many sentences (the rest summed up in one more)
+GROUP_FROM = 5  # this many events of one kind in a step are said in one sentence (the presenter's view: 2)
+
+
+def _plural(n: int, word: str, plural: str | None = None) -> str:
+    return f"{n} {word if n == 1 else (plural or word + 's')}"
+
+
+def _group_sentence(kind: str, events: list) -> str:
+    """One sentence for several events of ``kind`` in a step (two or more sequences)."""
+    who = _ids(list(dict.fromkeys(e.request_id for e in events if e.request_id)))
+    n = len(events)
+    blocks = sorted({b for e in events for b in e.blocks})
+    if kind == "prefix_hit":
+        tokens = sorted({e.data.get("num_tokens", 0) for e in events})
+        same = len(blocks) and all(sorted(e.blocks) == sorted(events[0].blocks) for e in events)
+        where = (f"the same {_plural(len(blocks), 'cached block')} ({', '.join(map(str, blocks[:8]))})"
+                 if same else f"{_plural(len(blocks), 'cached block')} in all")
+        amount = f"{tokens[0]:,} prompt tokens each" if len(tokens) == 1 else \
+            f"{sum(e.data.get('num_tokens', 0) for e in events):,} prompt tokens in all"
+        return f"{n} sequences found {where} in the prefix cache ({who}; {amount})"
+    if kind == "cow":
+        pairs = [(e.data.get("src"), e.data.get("dst")) for e in events]
+        srcs = sorted({a for a, _ in pairs if a is not None})
+        copies = ", ".join(f"{a}->{b}" for a, b in pairs[:8]) + (", ..." if n > 8 else "")
+        src = f"shared block {srcs[0]}" if len(srcs) == 1 else f"{len(srcs)} shared blocks"
+        return (f"copy-on-write: {n} sequences were about to write into {src} and each got its own copy first "
+                f"({who}: {copies})")
+    if kind == "allocate":
+        return f"{n} sequences took {_plural(len(blocks), 'block')} for their prompts ({who})"
+    if kind == "new_block":
+        return f"{n} sequences filled their last block and each took a fresh one ({who})"
+    if kind == "admit":
+        return f"{n} requests were admitted to the running batch ({who})"
+    if kind == "finish":
+        return f"{n} sequences finished ({who})"
+    if kind == "fork":
+        if not blocks:  # the contiguous baseline: no blocks to share, each child copies into its own row
+            return f"{n} sequences were forked and each copied its parent's written slots into its own row ({who})"
+        return f"{n} sequences were forked and share their parent's blocks ({who})"
+    if kind == "free":
+        return f"{n} sequences returned {_plural(len(blocks), 'block')} ({who})"
+    if kind == "evict":
+        owners = f" ({who})" if who else ""
+        return f"{_plural(n, 'free cached block')} {'was' if n == 1 else 'were'} handed out again and lost their hashes{owners}"
+    raise ValueError(f"no grouped sentence for event kind {kind!r}")
+
+
+def _append_sentence(appends: list) -> str:
+    n = len(appends)
+    shown = ", ".join(f"{e.request_id}->{e.blocks[0]}" for e in appends[:6]) + (", ..." if n > 6 else "")
+    return (f"{_plural(n, 'sequence')} wrote {'their' if n != 1 else 'its'} new token into a block with room "
+            f"({shown})")
+
+
+# What a talk is about comes first when a step is said in few words (``step_sentences(key_first=True)``).
+KEY_KINDS = ("cow", "preempt", "swap_out", "swap_in", "prefix_hit", "fork", "wait")
+
+
+def _event_lines(events: list, key_first: bool = False, group_from: int = GROUP_FROM) -> list[tuple[str, str]]:
+    """(kind, sentence) per decision of a step: see ``event_sentences``."""
+    by_kind: dict[str, list] = {}
+    for e in events:
+        by_kind.setdefault(str(e.kind), []).append(e)
+    lines, said = [], set()
+    for e in events:
+        kind = str(e.kind)
+        if kind == "append" or kind in said:
+            continue
+        group = by_kind[kind]
+        if kind in GROUPED_KINDS and len(group) >= max(2, group_from):
+            lines.append((kind, _group_sentence(kind, group)))
+            said.add(kind)
+        else:
+            lines.append((kind, e.message))
+    if key_first:
+        rank = {k: i for i, k in enumerate(KEY_KINDS)}
+        lines.sort(key=lambda ks: rank.get(ks[0], len(rank)))  # stable: same-kind order kept
+    if "append" in by_kind:
+        lines.append(("append", _append_sentence(by_kind["append"])))
+    return lines
+
+
+def event_sentences(events: list, key_first: bool = False, group_from: int = GROUP_FROM) -> list[str]:
+    """The allocator's decisions of one step, in order of first appearance: each event's own sentence, or
+    one sentence for ``group_from`` or more events of a ``GROUPED_KINDS`` kind; plain appends summed up
+    last. ``key_first``: the sentences of ``KEY_KINDS`` first, in that order (a stable sort)."""
+    return [text for _, text in _event_lines(events, key_first, group_from)]
+
+
+def step_sentences(paged, contiguous=None, budget: int | None = None,
+                   limit: int = MAX_SENTENCES, key_first: bool = False, group_from: int = GROUP_FROM) -> list[str]:
+    """"This step, in words": the paged step by its parts (``describe_step``), its allocator decisions
+    grouped (``event_sentences``), then the contiguous baseline's admissions, waits, frees and copies,
+    prefixed "contiguous:". At most ``limit`` sentences: beyond, one more says how many were left out.
+    ``key_first`` (the presenter's few lines): the paged step's copy-on-write, preemption, swap and hit
+    sentences before the step's parts. ``group_from``: see ``event_sentences``."""
+    events = _event_lines(paged.events, key_first=key_first, group_from=group_from)
+    lines = [describe_step(paged, budget)] + [text for _, text in events]
+    if key_first and events and events[0][0] in KEY_KINDS:  # the moment first, then what the step computed
+        lines = [events[0][1], describe_step(paged, budget)] + [text for _, text in events[1:]]
+    if contiguous is not None:
+        kept = [e for e in contiguous.events if e.kind in ("wait", "allocate", "free", "cow", "fork")]
+        lines += [f"contiguous: {s}" for s in event_sentences(kept, key_first=key_first, group_from=group_from)]
+    if len(lines) > limit:
+        rest = len(lines) - (limit - 1)
+        lines = lines[: limit - 1] + [f"... and {_plural(rest, 'more decision')} (see the block tables)"]
+    return lines
+
+
+def latest_sequences(records: list) -> list:
+    """Every sequence seen in ``records`` (a run's StepRecords up to the step shown, oldest first) in its
+    latest state, in order of first appearance: a step's snapshot lists only the sequences still running and
+    those finished in that step, so a finished sequence's text is read from the step it finished in."""
+    latest: dict[str, object] = {}
+    first: dict[str, int] = {}
+    for i, record in enumerate(records):
+        for seq in record.snapshot.sequences:
+            first.setdefault(seq.seq_id, i)
+            latest[seq.seq_id] = seq
+    return [latest[s] for s in sorted(latest, key=lambda s: first[s])]

@@ -1,0 +1,80 @@
+"""The presenter view in a real browser (headless Chromium, `streamlit run` on a free port), as a speaker
+opens it: a link with ``?present=1&scenario=<preset>``, then N (the clicker's "next event" key) to reach
+the preset's key moment (its first copy-on-write, prefix hit, preemption or swap). At 1280x720 and at
+1920x1080 every key element (the step's sentences, the pool, the block-table picture, the contiguous strip
+and the numbers) lies inside the window, the sidebar is hidden, no exception is on the page, and the
+figures' type is at least the projector's minimum.
+
+With ``PAL_SCREENSHOTS_DIR`` set, the README's pair is written there (the README's come from this test:
+``PAL_SCREENSHOTS_DIR=docs pytest tests/test_browser_presenter.py``)."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import CHROMIUM
+
+pytestmark = [pytest.mark.browser,
+              pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Chromium is not installed")]
+
+PRESETS = ["parallel-sampling", "beam-search", "shared-prefix", "batch", "swap"]
+SIZES = [(1280, 720), (1920, 1080)]
+KEY_ELEMENTS = ["present_words", "present_pool", "present_tables", "present_contiguous", "present_numbers"]
+README_SHOTS = {"shared-prefix": "screenshot_presenter_{w}.png"}  # the README's pair
+
+
+def key_step_caption(page) -> str:
+    for text in page.locator(".st-key-present_numbers [data-testid='stCaptionContainer']").all_inner_texts():
+        if re.search(r"step \d+ of \d+", text):
+            return text
+    return ""
+
+
+def open_key_step(page, url: str) -> str:
+    """Open the preset in the presenter view, press N once; the caption of the step reached."""
+    page.goto(url, wait_until="networkidle")
+    page.wait_for_selector(".paged-attention-stage", state="attached", timeout=180_000)
+    page.wait_for_timeout(500)
+    page.keyboard.press("n")
+    page.wait_for_function("() => { const s = document.querySelector('.paged-attention-stage'); "
+                           "return s && s.dataset.handled === '1'; }", timeout=120_000)
+    page.wait_for_selector(".st-key-present_tables .js-plotly-plot", timeout=120_000)
+    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidgetRunningIcon\"]')",
+                           timeout=120_000)
+    page.wait_for_timeout(1500)  # the figures finish drawing
+    return key_step_caption(page)
+
+
+@pytest.mark.parametrize("width,height", SIZES)
+def test_each_preset_key_step_fits_the_screen(app_url, tmp_path, width, height):
+    from playwright.sync_api import sync_playwright
+
+    readme_dir = Path(os.environ.get("PAL_SCREENSHOTS_DIR") or tmp_path)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run"])
+        page = browser.new_page(viewport={"width": width, "height": height})
+        for preset in PRESETS:
+            caption = open_key_step(page, f"{app_url}/?present=1&scenario={preset}")
+            assert re.search(r"step \d+ of \d+", caption), (preset, caption)
+            assert page.locator("[data-testid='stException']").count() == 0, preset
+            assert not page.locator("section[data-testid='stSidebar']").is_visible(), preset
+            for key in KEY_ELEMENTS:
+                box = page.locator(f".st-key-{key}").first.bounding_box()
+                assert box is not None, (preset, key)
+                assert box["y"] >= 0 and box["y"] + box["height"] <= height + 1, (preset, key, box, height)
+                assert box["x"] >= 0 and box["x"] + box["width"] <= width + 1, (preset, key, box, width)
+            # the pool's cell labels and the picture's labels are drawn at the projector's size or more
+            sizes = page.locator(".st-key-present_pool .js-plotly-plot text, "
+                                 ".st-key-present_tables .js-plotly-plot text").evaluate_all(
+                "els => els.filter(e => e.textContent.trim()).map(e => parseFloat(getComputedStyle(e).fontSize))")
+            assert sizes and min(sizes) >= 14, (preset, min(sizes))
+            if preset in README_SHOTS:
+                page.screenshot(path=str(readme_dir / README_SHOTS[preset].format(w=width)))
+            page.screenshot(path=str(tmp_path / f"presenter_{preset}_{width}.png"))
+        browser.close()

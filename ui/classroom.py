@@ -1,0 +1,227 @@
+"""Class: a class predicts the presenter's next step together.
+
+The presenter starts a class (a join code, shown big), asks a question about THEIR Playground run's next
+step (which block a request takes, how many blocks are free after it, who is preempted), watches the
+predictions come in (a histogram, re-read every ``REFRESH_S`` by a fragment: only it redraws), then
+presses "Step and reveal": one step of the presenter's own lab (the Playground's, in this browser session)
+runs, and the right answer is read from that step's record (``ui.class_room_state.answer_from_record``).
+Students open this page in their own browsers, type the code and submit one prediction each; after the
+reveal they see the right answer and the histogram with the right bar marked.
+
+The class lives in a process-wide ``ClassRegistry`` (``st.cache_resource``, like ``ui.server``'s
+``live_registry``) holding only questions, predictions under anonymous ids and answers; a student's page
+reads a ``ClassView`` and never the presenter's lab or another student's session.
+"""
+
+from __future__ import annotations
+
+import html
+
+import streamlit as st
+
+from ui.class_room_state import (NONE, NOBODY, QUESTION_KINDS, ClassRegistry, answer_from_record,
+                                 make_question, new_student_id, normalize_code)
+from ui.state import build_lab, default_settings, get_lab
+from viz.classroom import predictions_figure
+
+REFRESH_S = 1.0  # the live histogram and the students' view re-read the class this often
+ROLES = ["Student", "Presenter"]
+KIND_LABELS = {"next_block": "Which block will a request take next?",
+               "free_after": "How many blocks will be free after the next step?",
+               "preempted": "Who is preempted next?"}
+
+
+@st.cache_resource
+def class_registry() -> ClassRegistry:
+    """Process-wide: every class on this server (shared by all sessions)."""
+    return ClassRegistry()
+
+
+def big_code(code: str) -> None:
+    st.markdown(f"<div style='font-size:5rem;font-weight:800;letter-spacing:0.4rem;font-family:monospace'>"
+                f"{html.escape(code)}</div>", unsafe_allow_html=True)
+
+
+def choice_label(choice: str) -> str:
+    return {NONE: "none (no new block)", NOBODY: "nobody"}.get(choice, choice)
+
+
+# --------------------------------------------------------------------------------------------- presenter
+def presenter() -> None:
+    registry = class_registry()
+    code = st.session_state.get("class_code_presenting")
+    if code is not None and not registry.exists(code):
+        st.warning(f"Class {code} has ended or expired.")
+        code = st.session_state["class_code_presenting"] = None
+    if code is None:
+        st.write("Start a class, show its code, and ask about your Playground run's next step.")
+        if st.button("Start a class", type="primary", key="class_start"):
+            try:
+                st.session_state["class_code_presenting"] = registry.open_class()
+            except RuntimeError as exc:
+                st.error(str(exc))
+            st.rerun()
+        return
+    lab = get_lab()
+    if lab is None:
+        if not build_lab(default_settings()):
+            st.error(st.session_state.get("lab_error"))
+            return
+        lab = get_lab()
+    st.caption("Join code: students open this page (Class), choose Student and type it")
+    big_code(code)
+    if st.button("End the class", key="class_end"):
+        registry.close(code)
+        st.session_state["class_code_presenting"] = None
+        st.rerun()
+    ask_form(registry, code, lab)
+    st.fragment(run_every=REFRESH_S)(presenter_live)(registry, code)
+    step_and_reveal(registry, code, lab)
+
+
+def ask_form(registry, code: str, lab) -> None:
+    """Choose and open a question about the lab's next step; the lab's step count is kept with it, so the
+    reveal reads exactly the step after it."""
+    _, _, has_work = lab.frame()
+    num_blocks = lab.paged.num_blocks  # the paged pool's size in blocks (also when sized from a KV budget)
+    with st.form("class_ask"):
+        kind = st.selectbox("Question", QUESTION_KINDS, format_func=KIND_LABELS.get, key="class_kind")
+        target = st.selectbox("About request (for 'which block')", lab.order or ["(none yet)"], key="class_target")
+        asked = st.form_submit_button("Open the question", type="primary")
+    if not asked:
+        return
+    if not has_work:
+        st.error("Your Playground run has nothing left to step: Reset it (Playground) first.")
+        return
+    if kind == "next_block" and not lab.order:
+        st.error("No request has arrived in your Playground run yet, so there is no request to ask about: ask "
+                 "how many blocks will be free, or step once first.")
+        return
+    try:
+        question = make_question(kind, int(num_blocks), lab.order, target if kind == "next_block" else None)
+        number = registry.ask(code, question)
+    except (KeyError, ValueError) as exc:
+        st.error(f"Question not opened: {exc}")
+        return
+    st.session_state["class_asked"] = (code, number, lab.token, lab.step_count)
+
+
+def presenter_live(registry, code: str) -> None:
+    try:
+        view = registry.view(code, presenter=True)
+    except KeyError as exc:
+        st.warning(str(exc))
+        return
+    if view.question is None:
+        st.info("No question yet: choose one above and open it.")
+        return
+    st.subheader(f"Question {view.number}: {view.question.text}")
+    st.caption(f"{view.answered} prediction{'s' * (view.answered != 1)} so far"
+               + (f"; right answer: **{choice_label(view.answer)}**" if view.revealed else ""))
+    if view.counts:
+        st.plotly_chart(predictions_figure(view.counts, view.answer), width="stretch", key="class_hist_presenter")
+
+
+def step_and_reveal(registry, code: str, lab) -> None:
+    asked = st.session_state.get("class_asked")
+    if not asked or asked[0] != code:
+        return
+    _, number, token, step = asked
+    try:
+        shown = registry.view(code)
+    except KeyError:
+        return
+    if shown.number != number or shown.revealed:  # revealed (or another question opened): nothing to step for
+        return
+    if not st.button("Step and reveal", type="primary", key="class_reveal",
+                     help="Runs one step of your Playground run (unless you stepped it there already) and "
+                          "reveals the answer read from that step's record"):
+        return
+    view = registry.view(code, presenter=True)
+    if view.number != number or view.revealed:
+        st.warning("This question is revealed already: open a new one.")
+        return
+    if lab.token != token:
+        st.error("Your Playground run was reset since the question was asked: open a new question.")
+        return
+    if lab.step_count <= step:  # not stepped in the Playground meanwhile: step now, as the Playground would
+        lab.seek(-1)
+        if lab.press("forward") != "stepped":
+            st.error(f"No step ran: {lab.ignored_why}.")
+            return
+        st.session_state["cursor"] = lab.cursor
+    record = lab.record(step)[0]  # the paged engine's record of the step right after the question
+    before = lab.record(step - 1)[0].snapshot if step > 0 else None
+    try:
+        registry.reveal(code, answer_from_record(view.question, record, before))
+    except (KeyError, ValueError) as exc:
+        st.error(f"Not revealed: {exc}")
+        return
+    st.rerun()
+
+
+# ----------------------------------------------------------------------------------------------- student
+def student() -> None:
+    registry = class_registry()
+    sid = st.session_state.setdefault("class_student_id", new_student_id())
+    code = st.session_state.get("class_code_joined")
+    if code is None:
+        with st.form("class_join"):
+            typed = st.text_input("Join code (from the presenter's screen)", key="class_code_typed", max_chars=12)
+            joined = st.form_submit_button("Join", type="primary")
+        if joined:
+            if registry.exists(typed):
+                st.session_state["class_code_joined"] = normalize_code(typed)
+                st.rerun()
+            st.error(f"No class with code {normalize_code(typed)!r}: check the code on the presenter's screen.")
+        return
+    st.caption(f"In class **{code}**")
+    if st.button("Leave", key="class_leave"):
+        st.session_state["class_code_joined"] = None
+        st.rerun()
+    st.fragment(run_every=REFRESH_S)(student_live)(registry, code, sid)
+
+
+def student_live(registry, code: str, sid: str) -> None:
+    try:
+        view = registry.view(code, student=sid)
+    except KeyError:
+        st.warning(f"Class {code} has ended.")
+        return
+    if view.question is None:
+        st.info("Waiting for the presenter's first question...")
+        return
+    st.subheader(f"Question {view.number}: {view.question.text}")
+    if view.revealed:
+        right = view.mine == view.answer
+        st.success(f"Right answer: **{choice_label(view.answer)}**. "
+                   + ("You predicted it." if right else
+                      f"You predicted {choice_label(view.mine)}." if view.mine else "You did not predict."))
+        st.plotly_chart(predictions_figure(view.counts, view.answer), width="stretch", key="class_hist_student")
+        return
+    choices = list(view.question.choices)
+    mine = view.mine if view.mine in choices else None
+    pick = st.selectbox("Your prediction", choices, index=choices.index(mine) if mine else None,
+                        format_func=choice_label, key=f"class_pick_{view.number}")
+    if st.button("Submit" if mine is None else "Change my prediction", key=f"class_submit_{view.number}"):
+        try:
+            if pick is None:
+                raise ValueError("choose a prediction first")
+            registry.submit(code, sid, pick, number=view.number)
+            mine = pick
+        except (KeyError, ValueError) as exc:
+            st.error(f"Not submitted: {exc}")
+    st.caption(f"Your prediction: **{choice_label(mine)}** (you may change it until the reveal)" if mine else
+               "No prediction submitted yet.")
+
+
+def main() -> None:
+    st.title("Class")
+    role = st.radio("I am", ROLES, horizontal=True, key="class_role")
+    if role == "Presenter":
+        presenter()
+    else:
+        student()
+
+
+main()

@@ -1,0 +1,179 @@
+"""The Playground's presenter view: one screen for a projector or a talk.
+
+Switched on by the "Presenter view" toggle or the URL parameter ``?present=1`` (a link a speaker opens on
+the lectern machine). It hides the sidebar and Streamlit's header and draws, for the step under the cursor,
+on one screen at 1280x720 and at 1920x1080 (a browser test checks each preset's key step at both sizes):
+
+1. the step in one or two sentences, the moment first (a copy-on-write, a preemption, a hit: grouped, e.g.
+   "7 sequences found the same 5 cached blocks"; ``viz.steps.step_sentences(key_first=True)``);
+2. the paged block pool and the block-table picture side by side;
+3. the contiguous baseline's strip with its three kinds of waste, and the few numbers that tell the story.
+
+Every figure goes through ``viz.presenter.projector_style`` (type at least 18 px). The numbers are read
+through ``engine.metrics`` like the Playground's. Nothing here steps an engine: the stage's presses
+(PageDown, a clicker, Step / Next event / Run to the end) are handled by the Playground before this draws.
+"""
+
+from __future__ import annotations
+
+import html
+
+import streamlit as st
+
+from engine import metrics
+from ui.lab import POLICY_LABELS
+from viz import block_pool_figure, contiguous_region_figure
+from ui.state import viewport
+from viz.presenter import one_line_cells, presenter_sizes, projector_style
+from viz.steps import SEMANTICS_SHORT, step_label, step_sentences
+
+PRESENT_PARAM = "present"  # ?present=1 opens the Playground in the presenter view
+PRESENT_KEY = "present"  # whether the view is on (plain session state)
+TOGGLE_KEY = "present_toggle"  # the toggle widget's key
+SENTENCES = 2  # the step said in at most this many sentences (then how many more the Playground view says)
+
+# Hide the sidebar (and its open/close arrow) and Streamlit's header; less padding above; text sized from the
+# view's smallest font (``viz.presenter.presenter_sizes``: it grows with the window).
+CSS = """
+<style>
+section[data-testid="stSidebar"], [data-testid="stSidebarCollapsedControl"], header[data-testid="stHeader"],
+[data-testid="stSidebarNav"] {{ display: none !important; }}
+.main .block-container, [data-testid="stMainBlockContainer"] {{ padding-top: 0.6rem !important;
+  padding-bottom: 0.5rem !important; max-width: 100% !important; }}
+.st-key-present_words p, .st-key-present_words li {{ font-size: {words}px !important; line-height: 1.3 !important; }}
+.st-key-present_numbers p {{ font-size: {numbers}px !important; margin-bottom: 0.1rem !important; }}
+[data-testid="stButton"] button p {{ font-size: {numbers}px !important; }}
+</style>
+"""
+
+
+def _truthy(value) -> bool:
+    return str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+def presenting() -> bool:
+    """Whether the presenter view is on: plain session state (which Streamlit never cleans up, unlike a
+    widget's value after a run that did not draw it), first taken from ``?present=``."""
+    if PRESENT_KEY not in st.session_state:
+        st.session_state[PRESENT_KEY] = _truthy(st.query_params.get(PRESENT_PARAM, ""))
+    return bool(st.session_state[PRESENT_KEY])
+
+
+def _toggled() -> None:
+    """The toggle's callback: the view follows it, and the URL says so (a reload or a shared link keeps it)."""
+    on = bool(st.session_state.get(TOGGLE_KEY))
+    st.session_state[PRESENT_KEY] = on
+    if on:
+        st.query_params[PRESENT_PARAM] = "1"
+    elif PRESENT_PARAM in st.query_params:
+        del st.query_params[PRESENT_PARAM]
+
+
+def toggle() -> None:
+    st.session_state[TOGGLE_KEY] = presenting()  # the widget shows the state, whatever it held before
+    st.toggle("Presenter view", key=TOGGLE_KEY, on_change=_toggled,
+              help="One screen for a projector: no sidebar, big type, the step in a sentence or two, the pool, "
+                   "the block tables and the contiguous baseline. Opens directly with ?present=1 in the URL.")
+
+
+def sizes() -> dict:
+    """Figure heights and the smallest font for this browser's window (``viz.presenter.presenter_sizes``)."""
+    vp = viewport()
+    return presenter_sizes(vp["h"] if vp else None)
+
+
+def style_page() -> None:
+    font = sizes()["font"]
+    st.markdown(CSS.format(words=round(font * 1.25), numbers=round(font * 1.05)), unsafe_allow_html=True)
+
+
+def numbers(lab, paged, contiguous) -> list[str]:
+    """The few numbers that tell the story, a line per side, each read through ``engine.metrics``."""
+    snap = paged.snapshot
+    used = snap.num_blocks - snap.num_free_blocks
+    line = (f"**Paged**: {used}/{snap.num_blocks} blocks in use, "
+            f"{metrics.slack_pct(snap):.0f}% slack" if metrics.slots_allocated(snap) else
+            f"**Paged**: {used}/{snap.num_blocks} blocks in use")
+    line += f", {len(snap.running)} running"
+    if snap.waiting:
+        line += f", {len(snap.waiting)} waiting"
+    if snap.swapped:
+        line += f", {len(snap.swapped)} swapped out"
+    cache = metrics.prefix_cache_stats(snap.prefix_cache)
+    if lab.settings.enable_prefix_caching and cache["query_tokens"]:
+        line += f", hit rate {cache['hit_rate_pct']:.0f}%"
+    lines = [line]
+    if contiguous is not None:
+        cs = contiguous.snapshot
+        unused = f", {metrics.slack_pct(cs):.0f}% of reserved unused" if metrics.slots_allocated(cs) else ""
+        lines.append(f"**Contiguous** ({POLICY_LABELS[lab.settings.contiguous_policy]}): {len(cs.running)} "
+                     f"admitted, {len(cs.waiting)} waiting{unused}")
+    return lines
+
+
+def few_sentences(paged, contiguous, budget: int | None) -> list[str]:
+    """The step in at most ``SENTENCES`` sentences, the moment first (``step_sentences(key_first=True)``);
+    the last says how many more decisions the Playground view lists."""
+    said = step_sentences(paged, contiguous, budget, limit=10**6, key_first=True, group_from=2)
+    shown = said[:SENTENCES]
+    if len(said) > SENTENCES:
+        shown[-1] += f" (+{len(said) - SENTENCES} more)"
+    return shown
+
+
+def block_table_picture(lab, paged, size: dict, decode):
+    """The block-table picture of the step (``viz.block_table``), styled for the projector."""
+    from viz.block_table import block_table_figure
+
+    fig = block_table_figure(paged, lab.order, compact=True, decode=decode, title="block tables: logical -> physical")
+    fig = projector_style(fig, height=size["pool"], min_font=size["font"])
+    fig.update_layout(title_pad_t=8, title_yref="container", title_y=1.0)  # the title's first line inside the figure
+    return fig
+
+
+def views(lab, history: list, index: int, has_work: bool, decode) -> None:
+    """The presenter's screen for recorded step ``index`` of ``history`` (see the module docstring)."""
+    paged, contiguous = history[index]
+    size = sizes()
+    with st.container(key="present_words"):
+        st.markdown("\n".join(f"- {html.escape(x)}" for x in few_sentences(paged, contiguous, step_budget(lab))))
+    snap = paged.snapshot
+    changed = sorted({b for e in paged.events if e.kind != "append" for b in e.blocks})
+    left, right = st.columns([1, 1])
+    with left, st.container(key="present_pool"):
+        title = f"paged pool: {snap.num_blocks - snap.num_free_blocks}/{snap.num_blocks} blocks in use"
+        fig = projector_style(block_pool_figure(snap, lab.order, decode=decode, highlight=changed, title=title),
+                              height=size["pool"], min_font=size["font"])
+        rows = max(1, len(fig.data[0].z))
+        one_line_cells(fig, (size["pool"] - fig.layout.margin.t - 10) / rows, size["font"])
+        st.plotly_chart(fig, width="stretch",
+                        key="present_pool_fig",
+                        config={"displayModeBar": False})
+    with right, st.container(key="present_tables"):
+        st.plotly_chart(block_table_picture(lab, paged, size, decode), width="stretch", key="present_tables_fig",
+                        config={"displayModeBar": False})
+    low_left, low_right = st.columns([3, 2])
+    with low_left, st.container(key="present_contiguous"):
+        if contiguous is not None:
+            layout = contiguous.snapshot.contiguous
+            fig = contiguous_region_figure(layout, lab.order, lab.contiguous_final_lengths())
+            fig.update_layout(title_text=f"contiguous baseline: {layout_line(contiguous.snapshot)}",
+                              margin={"t": 36, "b": 36})
+            st.plotly_chart(projector_style(fig, height=size["strip"], min_font=size["font"] - 2, scale=1.2),
+                            width="stretch",
+                            key="present_region_fig", config={"displayModeBar": False})
+        else:
+            st.info(" ".join(lab.notes) or "No contiguous baseline for these settings.")
+    with low_right, st.container(key="present_numbers"):
+        st.markdown("  \n".join(numbers(lab, paged, contiguous)))
+        st.caption(f"step {paged.step} of {history[-1][0].step} · {step_label(paged)} · {SEMANTICS_SHORT[paged.semantics]}"
+                   + ("" if has_work else " · all requests finished"))
+
+
+def layout_line(cs) -> str:
+    """The contiguous strip's title in one line: slots used / reserved (``engine.metrics``)."""
+    return f"{metrics.slots_used(cs):,} used / {metrics.slots_allocated(cs):,} reserved slots"
+
+
+def step_budget(lab) -> int | None:
+    return lab.paged.max_num_batched_tokens if lab.paged.semantics == "v1" else None

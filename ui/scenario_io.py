@@ -1,0 +1,271 @@
+"""Scenario files and links in the Playground: the run on screen saved as a JSON or YAML file
+(``engine.scenario_file``), a file opened from disk, and the page's URL kept as a link to the same run.
+
+The link is two query parameters next to the lessons' ``progress`` (which ``lessons.render.sync_progress_url``
+writes on every page and this module never touches):
+
+- ``scenario``: a shipped preset's name when the lab runs that preset as shipped (its own settings, nothing
+  added by hand), else the whole scenario packed (``engine.scenario_file.encode_link``: the file's JSON without
+  defaults, zlib, base64url, at most ``MAX_LINK_CHARS``);
+- ``step``: the engine step on screen (0 before the first).
+
+Opening such a URL on a fresh server (``open_scenario_link``, the first Playground run of a session) builds the
+lab for that scenario and runs that many steps (at most ``MAX_LINK_STEPS``), so the same run appears: the
+engines are deterministic given the requests' seeds (a sampled request saved without one gets the seed the paged
+engine drew; the baseline drew its own, so for such a request only the paged side repeats exactly).
+``scenario_sidebar`` keeps the URL in step with the lab on every full run of the page (after Apply, a request
+added, Step, Back, the slider; while Play runs, the views re-run alone and the URL catches up at Pause) and draws
+the sidebar's download, upload and link.
+
+What a link cannot carry: the model (a link opens on the embedded model; its token ids are that tokenizer's)
+and a run too big for ``MAX_LINK_CHARS`` (then the sidebar says so: save the file instead).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import streamlit as st
+
+from engine import EMBEDDED_MODEL
+from engine.scenario_file import (ScenarioFile, ScenarioSettings, decode_link, dump_scenario, encode_link,
+                                  from_workload, parse_text)
+from engine.scenarios import SCENARIOS
+from engine.workloads import Workload
+
+from .lab import Lab, LabSettings, fit_semantics
+from .state import build_lab, get_lab, preset_settings, scenario_settings
+
+LINK_PARAM = "scenario"
+STEP_PARAM = "step"
+MAX_LINK_STEPS = 2000  # steps a link may ask to run when it opens (seconds on the embedded model)
+OPENED = "scenario_link_opened"  # the session's first Playground run has read the URL
+ERROR = "scenario_error"  # what went wrong opening a link or a file, said once on the next run
+
+
+# --------------------------------------------------------------------------------- the lab as a scenario
+def lab_scenario(lab: Lab) -> ScenarioFile:
+    """The lab's run as a scenario file: its settings in effect (a pool sized by a KV budget as the blocks it
+    got), every request added so far at the step it arrived with its priority, then those still to arrive.
+    A sampled request without a seed gets the one the paged engine drew, so the file runs the same tokens.
+    Raises ValueError if the run cannot be a file (e.g. more than ``MAX_REQUESTS`` requests)."""
+    settings = lab.settings
+    fields = {k: getattr(settings, k) for k in ScenarioSettings.model_fields}
+    if settings.kv_budget_mb > 0 and lab.paged is not None:
+        fields["num_blocks"] = lab.paged.num_blocks
+    requests = [_with_seed(lab, rid, r) for rid, r in list(lab.arrivals)] + [r for r, _ in list(lab.pending)]
+    if settings.preset != "custom":
+        name, description = settings.preset, SCENARIOS[settings.preset].description
+    elif settings.scenario is not None:
+        name, description = settings.scenario.name, settings.scenario.description
+    else:
+        name, description = "custom", "requests added by hand in the Playground"
+    workload = Workload(name, settings.seed, requests, description)
+    return from_workload(workload, fields, settings.semantics)
+
+
+def _with_seed(lab: Lab, rid: str, request):
+    """``request`` with the seed the paged engine drew for it, when it samples without one of its own."""
+    params = request.params
+    if params.seed is not None or params.greedy or params.beam_width > 1 or lab.paged is None:
+        return request
+    engine_request = lab.paged.requests.get(rid) or lab.paged.requests.get(f"{rid}.0")  # V1: n child requests
+    if engine_request is None:
+        return request
+    return dataclasses.replace(request, params=dataclasses.replace(params, seed=engine_request.seed))
+
+
+def runs_shipped_preset(lab: Lab) -> bool:
+    """Whether the lab runs a shipped preset as shipped: its own settings (model aside) and nothing added by
+    hand, so its name alone is the link."""
+    s = lab.settings
+    if s.preset == "custom" or len(lab.arrivals) + len(lab.pending) != lab.queued:
+        return False
+    shipped, _ = fit_semantics(preset_settings(s.preset, s.model))
+    return s == shipped
+
+
+def shown_step(lab: Lab) -> int:
+    """The engine step on screen (0 before the first step)."""
+    history, index, _ = lab.frame()
+    return history[index][0].step if index >= 0 else 0
+
+
+def link_query(lab: Lab, scenario: ScenarioFile | None = None) -> dict[str, str]:
+    """The query parameters that open this lab's run at the step on screen (``scenario``: ``lab_scenario(lab)``
+    when already made). Raises ValueError if the scenario is too big for a link (``encode_link``) or cannot be
+    a file."""
+    if runs_shipped_preset(lab):
+        value = lab.settings.preset
+    else:
+        value = encode_link(scenario if scenario is not None else lab_scenario(lab))
+    return {LINK_PARAM: value, STEP_PARAM: str(shown_step(lab))}
+
+
+# ------------------------------------------------------------------------------------------ opening a link
+def link_settings(value: str, model: str = EMBEDDED_MODEL) -> LabSettings:
+    """The Playground settings a link's ``scenario`` value opens: a preset's name, or a packed scenario
+    (``decode_link``). Raises ValueError naming what is wrong."""
+    value = value.strip()
+    if value in SCENARIOS:
+        return preset_settings(value, model)
+    return scenario_settings(decode_link(value), model)
+
+
+def link_steps(value: str | None) -> int:
+    """A link's ``step`` value as a number of steps to run (absent: 0). Raises ValueError unless it is a whole
+    number from 0 to ``MAX_LINK_STEPS``."""
+    if value is None or value.strip() == "":
+        return 0
+    value = value.strip()
+    if not re.fullmatch(r"[0-9]{1,9}", value):
+        raise ValueError(f"step {value[:20]!r} is not a whole number of steps")
+    if int(value) > MAX_LINK_STEPS:
+        raise ValueError(f"step {int(value):,} is more than the {MAX_LINK_STEPS:,} steps a link may run; the "
+                         f"scenario opened at step 0 (press Step, or Play, to go on)")
+    return int(value)
+
+
+def open_scenario_link() -> None:
+    """At the start of the Playground's first run in a session: a URL with ``?scenario=`` (and ``&step=``)
+    builds that scenario's lab and runs that many steps, so the same run appears. A bad link leaves the
+    usual lab and says why (``ERROR``); a link asking for more steps than the run has stops at its end and
+    says so."""
+    if st.session_state.get(OPENED):
+        return
+    st.session_state[OPENED] = True
+    value = st.query_params.get(LINK_PARAM)
+    if not value:
+        return
+    try:
+        settings = link_settings(value)
+    except ValueError as exc:
+        st.session_state[ERROR] = f"This link's scenario cannot be opened: {exc}"
+        return
+    try:
+        steps = link_steps(st.query_params.get(STEP_PARAM))
+    except ValueError as exc:
+        st.session_state[ERROR] = f"This link's step cannot be opened: {exc}."
+        steps = 0
+    if not build_lab(settings):  # said here: the default lab built next would clear build_lab's lab_error
+        st.session_state[ERROR] = f"This link's scenario cannot be opened: {st.session_state.pop('lab_error', '')}"
+        return
+    lab = get_lab()
+    ran = run_steps(lab, steps)
+    if ran < steps and lab.failure is None:
+        st.session_state[ERROR] = (f"This link asks for step {steps:,}, but the run ends at step {ran:,}: "
+                                   f"showing step {ran:,}.")
+
+
+def run_steps(lab: Lab, steps: int) -> int:
+    """Run up to ``steps`` steps of a fresh lab (fewer if its work ends first or a step fails, which the page
+    then shows as the lab's ``failure``), with a progress bar when there are many. Returns the steps run."""
+    bar = st.progress(0.0, text=f"Running the link's {steps:,} steps...") if steps > 50 else None
+    try:
+        for i in range(steps):
+            if not lab.has_work():
+                break
+            try:
+                lab.step()
+            except Exception:  # noqa: BLE001 - the lab keeps the failure; the page says it
+                break
+            if bar is not None and i % 25 == 0:
+                bar.progress(i / steps, text=f"Running the link's steps: {i:,} of {steps:,}")
+    finally:
+        if bar is not None:
+            bar.empty()
+    return lab.steps_run
+
+
+# -------------------------------------------------------------------------------------------- the sidebar
+def scenario_sidebar(lab: Lab) -> None:
+    """Keep the URL on this run and step (``sync_scenario_url``) and draw the sidebar's "Scenario file and
+    link": download the run as JSON or YAML, open a file, and the link to copy."""
+    try:
+        scenario, why_no_file = lab_scenario(lab), None
+    except ValueError as exc:
+        scenario, why_no_file = None, str(exc)
+    why_no_link = sync_scenario_url(lab, scenario)
+    if err := st.session_state.pop(ERROR, None):
+        st.error(err)
+    with st.sidebar.expander("Scenario file and link", icon=":material/share:"):
+        if why_no_file:
+            st.caption(f"This run cannot be saved as a scenario: {why_no_file}")
+        if scenario is not None:
+            added = len(scenario.requests) - lab.queued
+            st.caption(f"Scenario **{scenario.name}**: {len(scenario.requests)} request"
+                       f"{'s' * (len(scenario.requests) != 1)}" + (f", {added} added by hand" if added > 0 and
+                                                                    lab.queued else "")
+                       + ". Save it, edit it, open it again, or share the link below.")
+            stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", scenario.name).strip("-.") or "scenario"
+            c1, c2 = st.columns(2)
+            # the text is made when clicked (a callable): YAML of 32 token-id prompts takes 0.2 s on 2 cores
+            c1.download_button("Save JSON", functools.partial(dump_scenario, scenario, "json"),
+                               file_name=f"{stem}.json",
+                               mime="application/json", on_click="ignore", key="scenario_save_json",
+                               width="stretch")
+            c2.download_button("Save YAML", functools.partial(dump_scenario, scenario, "yaml"),
+                               file_name=f"{stem}.yaml",
+                               mime="application/yaml", on_click="ignore", key="scenario_save_yaml",
+                               width="stretch")
+        gen = st.session_state.get("lab_generation", 0)
+        key = f"scenario_upload_{gen}"  # a fresh uploader for every new lab, so a file is applied once
+        st.file_uploader("Open a scenario file", type=["json", "yaml", "yml"], key=key, on_change=_uploaded,
+                         args=(key,), max_upload_size=1,  # MB; parse_text refuses more than 256 KiB by name
+                         help="A scenario file (JSON or YAML, at most 256 KiB) saved here or written by hand: "
+                              "settings, requests with arrival steps, seed. It replaces the run.")
+        if why_no_link:
+            st.caption(f"No link for this run: {why_no_link}")
+        else:
+            st.caption("Link to this run at this step (opens the same run on any server of this app):")
+            st.code(page_link(), language=None, wrap_lines=True)
+        if lab.settings.model != EMBEDDED_MODEL:
+            st.caption("A link does not carry the model: it opens on the embedded model (a file opened here runs "
+                       "on the model in effect).")
+
+
+def sync_scenario_url(lab: Lab, scenario: ScenarioFile | None = None) -> str | None:
+    """Write ``scenario`` and ``step`` for this run into the page's URL (only when they changed; ``progress``
+    and any other parameter are left alone). Returns why there is no link (the parameters are then removed, so
+    the URL never opens another run), or None."""
+    try:
+        query = link_query(lab, scenario)
+    except ValueError as exc:
+        for name in (LINK_PARAM, STEP_PARAM):
+            if name in st.query_params:
+                del st.query_params[name]
+        return str(exc)
+    for name, value in query.items():
+        if st.query_params.get(name) != value:
+            st.query_params[name] = value
+    return None
+
+
+def page_link() -> str:
+    """The page's URL with this run's ``scenario`` and ``step`` (what ``sync_scenario_url`` wrote)."""
+    from urllib.parse import urlencode
+
+    query = urlencode({name: st.query_params.get(name, "") for name in (LINK_PARAM, STEP_PARAM)})
+    base = (getattr(st.context, "url", None) or "").split("?")[0]
+    return f"{base}?{query}"
+
+
+def _uploaded(key: str) -> None:
+    """A scenario file was chosen (the uploader's callback, before the page is drawn): validate it and build
+    its lab, on the model in effect; a bad file is said, naming the field, and the lab stays."""
+    upload = st.session_state.get(key)
+    if upload is None:
+        return
+    fmt = "yaml" if upload.name.lower().endswith((".yaml", ".yml")) else "json" \
+        if upload.name.lower().endswith(".json") else None
+    lab = get_lab()
+    try:
+        scenario = parse_text(upload.getvalue(), fmt)
+        settings = scenario_settings(scenario, lab.settings.model if lab is not None else EMBEDDED_MODEL)
+    except ValueError as exc:
+        st.session_state[ERROR] = f"{upload.name} cannot be opened: {exc}"
+        return
+    if not build_lab(settings):  # the previous lab stays
+        st.session_state[ERROR] = f"{upload.name} cannot be opened: {st.session_state.pop('lab_error', '')}"

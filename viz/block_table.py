@@ -1,0 +1,488 @@
+"""The block-table picture: each sequence's logical blocks in a row, an arrow from each to its physical block.
+
+Left, one row per sequence (its id after a square of its request's colour); its logical blocks L0..Lk are
+boxes, each showing the physical block it maps to. Right, the physical blocks those tables reference
+(sorted by id, in up to three columns), each labelled ``id xcount`` with its reference count; a block shared
+by several tables is grey (``colors.SHARED``, as in the pool) and receives several arrows. What the step
+changed is outlined black (the pool's outline): blocks it allocated (less the ones a prefix-cache hit
+reused), took for a new token, copied to (copy-on-write) or swapped in. A copy-on-write this step is drawn as
+its old arrow (dotted, to ``src``) next to the new one (to ``dst``), with a note "copy-on-write: R1.0 block
+1 -> 2" under the figure. Picking a token (sequence, position) outlines in magenta (``colors.SELECTED``) its
+logical block, physical block and the arrow between them, marks its offset in both boxes and says, in one
+line, ``logical block = t // B``, ``offset = t % B``, ``slot = physical x B + offset`` -- the engine's slot
+mapping (``engine/block_manager.py``: a slot indexes the flattened pool ``[num_blocks * B, ...]``; Kwon et
+al., SOSP 2023, section 4.1).
+
+Geometry: y is in pixels (rows ``ROW_PX`` apart, physical boxes ``PHYS_PX`` apart), so labels keep >= 14 px
+on a projector whatever the figure's width; x is in logical-block widths. The figure is sized for the
+Playground beside the pool at 1280x720 and 1920x1080: up to ``max_rows`` sequences (8) and ``max_blocks``
+logical blocks (16) are drawn, 300-420 px high; past that the highlighted request's rows come first, the
+first logical blocks and the last ones are drawn (and the picked token's), and the title says what is left
+out.
+
+``block_table_picture`` is the pure data (rows, physical boxes, arrows, outlines, notes; tested directly);
+``block_table_figure`` draws it. Pure: plotly only.
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from typing import Callable
+
+import plotly.graph_objects as go
+
+from .colors import FREE, OUTLINE, SELECTED, SHARED, request_color, request_id_of
+
+CHANGED = OUTLINE  # outline of what a step changed: the pool's (viz/pool.py)
+FONT_PX = 14         # smallest text on the figure: readable on a projector
+ROW_PX, ROW_PX_COMPACT = 38, 34  # one sequence's row
+PHYS_PX = 30         # one physical block in its column
+MAX_PHYS_COLS = 3
+MIN_PLOT_PX = 230    # plot area at least this high, so a small preset is not a sliver (height ~ 300 px)
+CAPTION_CHARS = 72   # a caption line wraps here (~7 px a character at 14 px: fits half of a 1280 px screen)
+LOGICAL_W, PHYS_W = 0.8, 1.8     # box widths, in logical-block widths
+ARROW_GAP = 2.6                  # room between the last logical block and the physical column(s)
+PHYS_PITCH_X = 2.2
+CHANGED_KINDS = ("allocate", "new_block", "cow", "swap_in")
+
+
+def _changed_blocks(events) -> set[int]:
+    """Physical blocks the step wrote into a table anew: allocated (less prefix-cache hits of that request,
+    which only reused blocks), taken for a new token, copied to, swapped in."""
+    hits = {}
+    for e in events:
+        if e.kind == "prefix_hit":
+            hits.setdefault(e.request_id, set()).update(e.blocks)
+    changed: set[int] = set()
+    for e in events:
+        if e.kind == "allocate":
+            changed.update(b for b in e.blocks if b not in hits.get(e.request_id, set()))
+        elif e.kind == "new_block":
+            changed.update(e.blocks)
+        elif e.kind == "cow":
+            changed.add(e.data["dst"] if "dst" in e.data else e.blocks[-1])
+        elif e.kind == "swap_in":
+            changed.update(e.blocks)
+    return changed
+
+
+def _shown_rows(sequences, selected: str | None, max_rows: int) -> tuple[list, int]:
+    """Sequences that hold blocks (running: GPU table; swapped: CPU swap-pool table), the highlighted
+    request's first, at most ``max_rows``; and how many were left out."""
+    live = [s for s in sequences if s.block_table and s.status in ("running", "swapped")]
+    if selected:
+        live = [s for s in live if request_id_of(s.seq_id) == selected] + \
+               [s for s in live if request_id_of(s.seq_id) != selected]
+    return live[:max_rows], max(0, len(live) - max_rows)
+
+
+def _shown_columns(num_logical: int, max_blocks: int, keep: int | None) -> list[int]:
+    """Logical block indices drawn: all, or the first half and the last half of ``max_blocks`` (the prefix
+    and where the step writes), plus ``keep`` (the picked token's block)."""
+    if num_logical <= max_blocks:
+        return list(range(num_logical))
+    head = max_blocks // 2
+    cols = set(range(head)) | set(range(num_logical - (max_blocks - head), num_logical))
+    if keep is not None and 0 <= keep < num_logical:
+        cols.add(keep)
+    return sorted(cols)
+
+
+def _token_pick(snapshot, token, rows) -> dict | None:
+    """(seq_id, position) -> logical block, offset, physical block, slot. Raises ValueError naming the bad
+    sequence or position."""
+    if token is None:
+        return None
+    seq_id, position = token
+    seq = next((s for s in snapshot.sequences if s.seq_id == seq_id), None)
+    if seq is None or seq.status != "running" or not seq.block_table:
+        raise ValueError(f"token: sequence {seq_id!r} holds no GPU blocks after this step "
+                         f"(sequences holding blocks: {', '.join(s.seq_id for s in rows) or 'none'})")
+    if not isinstance(position, int) or isinstance(position, bool) or not 0 <= position < seq.num_tokens:
+        raise ValueError(f"token: position {position!r} is not held by {seq_id!r} (it holds tokens 0.."
+                         f"{seq.num_tokens - 1})")
+    B = snapshot.block_size
+    logical, offset = divmod(position, B)
+    physical = seq.block_table[logical]
+    slot = physical * B + offset  # the engine's slot mapping (BlockManager.slot)
+    return {"seq_id": seq_id, "position": position, "logical": logical, "offset": offset, "physical": physical,
+            "slot": slot,
+            "caption": f"token {position} of {seq_id}: logical block {position} // {B} = {logical}, offset "
+                       f"{position} % {B} = {offset} -> physical block {physical} -> slot {physical} x {B} + "
+                       f"{offset} = {slot}"}
+
+
+def block_table_picture(snapshot, events=(), request_order: list[str] | None = None, selected: str | None = None,
+                        token: tuple[str, int] | None = None, max_rows: int = 8, max_blocks: int = 16,
+                        max_physical: int | None = None) -> dict:
+    """The picture as plain data (no plotly), for ``block_table_figure`` and the tests.
+
+    Args:
+        snapshot: an ``engine.records.Snapshot`` (paged) after the step.
+        events: that step's ``Event`` list (``StepRecord.events``); copy-on-write and what changed come from it.
+        request_order: request ids in first-seen order (fixes each request's colour).
+        selected: a request id drawn first and in full (others' arrows faded).
+        token: (sequence id, token position) to locate.
+        max_rows / max_blocks: most sequences / logical blocks per row drawn.
+        max_physical: most physical blocks drawn (what fits their columns): fewer logical blocks, then fewer
+            rows are drawn until the blocks they reference fit.
+
+    Returns a dict: ``rows`` (seq_id, status, color, table, num_tokens), ``columns`` (logical indices drawn),
+    ``physical`` (block, ref_count, fill, owners, shared, changed, free), ``arrows`` (seq_id, logical, physical,
+    kind "table" or "cow_old": the table's arrow before this step's copy-on-write), ``changed`` (physical
+    blocks), ``cow`` (events drawn: seq_id, logical, src, dst), ``token`` (see ``_token_pick``) and
+    ``notes`` (what is left out).
+
+    Raises:
+        ValueError: ``snapshot`` is the contiguous baseline's, ``max_rows`` / ``max_blocks`` < 1, or the
+            token names a sequence without GPU blocks or a position it does not hold.
+    """
+    if getattr(snapshot, "allocator", "paged") != "paged":
+        raise ValueError(f"snapshot.allocator: {snapshot.allocator!r}; block tables exist only in a paged pool")
+    if max_rows < 1 or max_blocks < 1:
+        raise ValueError(f"max_rows {max_rows} / max_blocks {max_blocks}: each must be >= 1")
+    order = request_order or []
+    B = snapshot.block_size
+    rows, rows_left = _shown_rows(snapshot.sequences, selected, max_rows)
+    pick = _token_pick(snapshot, token, rows)
+    if pick and all(s.seq_id != pick["seq_id"] for s in rows):  # the picked sequence is always drawn
+        rows = rows[:-1] + [next(s for s in snapshot.sequences if s.seq_id == pick["seq_id"])]
+    changed = _changed_blocks(events)
+    keep = pick["logical"] if pick else None
+    while True:  # fewer logical blocks, then fewer rows, until the physical blocks fit their columns
+        num_logical = max((len(s.block_table) for s in rows), default=0)
+        columns = _shown_columns(num_logical, max_blocks, keep)
+        arrows, cows = _arrows(rows, set(columns), events, B)
+        if max_physical is None or len({a["physical"] for a in arrows}) <= max_physical:
+            break
+        if len(columns) > 2:
+            max_blocks = max(1, min(max_blocks, len(columns)) - 1)
+        elif len(rows) > 1:
+            drop = next(i for i in range(len(rows) - 1, -1, -1) if not pick or rows[i].seq_id != pick["seq_id"])
+            rows_left += 1
+            rows = rows[:drop] + rows[drop + 1:]
+        else:
+            break
+
+    hashes = snapshot.block_hashes or [None] * snapshot.num_blocks
+    physical = [{"block": b, "ref_count": snapshot.ref_counts[b], "fill": snapshot.fills[b],
+                 "owners": list(snapshot.owners[b]), "shared": snapshot.ref_counts[b] > 1,
+                 "free": snapshot.ref_counts[b] == 0, "changed": b in changed, "hash": hashes[b],
+                 "color": (FREE if snapshot.ref_counts[b] == 0 else SHARED if snapshot.ref_counts[b] > 1
+                           else request_color(request_id_of(snapshot.owners[b][0]), order))}
+                for b in sorted({a["physical"] for a in arrows})]
+
+    notes = []
+    if rows_left:
+        notes.append(f"{len(rows)} of {len(rows) + rows_left} sequences")
+    if len(columns) < num_logical:
+        notes.append(f"{len(columns)} of {num_logical} logical blocks")
+    return {"rows": [{"seq_id": s.seq_id, "status": str(s.status), "table": list(s.block_table),
+                      "token_ids": s.token_ids,
+                      "num_tokens": s.num_tokens, "color": request_color(request_id_of(s.seq_id), order)}
+                     for s in rows],
+            "columns": columns, "physical": physical, "arrows": arrows, "changed": sorted(changed),
+            "cow": cows, "token": pick, "notes": notes, "block_size": B}
+
+
+def _arrows(rows, shown: set[int], events, B: int) -> tuple[list[dict], list[dict]]:
+    """One arrow per (sequence, logical block drawn) to its physical block; for each copy-on-write of the
+    step, the arrow it replaced (to ``src``; the table's own arrow now goes to ``dst``)."""
+    arrows, cows = [], []
+    for s in rows:
+        if s.status != "running":
+            continue  # a swapped sequence's table lists CPU swap-pool blocks: no arrow into the GPU pool
+        arrows += [{"seq_id": s.seq_id, "logical": i, "physical": b, "kind": "table"}
+                   for i, b in enumerate(s.block_table) if i in shown]
+    live = {s.seq_id: s.block_table for s in rows if s.status == "running"}
+    for e in events:
+        if e.kind != "cow" or e.request_id not in live:
+            continue  # a sequence copied and then pruned in the same step has no row left
+        logical = e.data.get("position", 0) // B
+        src, dst = e.data.get("src", e.blocks[0]), e.data.get("dst", e.blocks[-1])
+        table = live[e.request_id]
+        if logical in shown and logical < len(table) and table[logical] == dst:
+            arrows.append({"seq_id": e.request_id, "logical": logical, "physical": src, "kind": "cow_old"})
+            cows.append({"seq_id": e.request_id, "logical": logical, "src": src, "dst": dst})
+    return arrows, cows
+
+
+# ------------------------------------------------------------------------------------------------ drawing
+def _geometry(pic: dict, compact: bool) -> dict:
+    """Where everything goes: y in pixels (top = 0), x in logical-block widths."""
+    row_px = ROW_PX_COMPACT if compact else ROW_PX
+    n_rows, n_phys = len(pic["rows"]), len(pic["physical"])
+    per_col = max(1, (n_rows * row_px) // PHYS_PX)  # physical boxes that fit beside the rows
+    if math.ceil(n_phys / per_col) > MAX_PHYS_COLS:
+        per_col = math.ceil(n_phys / MAX_PHYS_COLS)
+    plot_px = max(MIN_PLOT_PX, n_rows * row_px, min(n_phys, per_col) * PHYS_PX)
+    row_top = (plot_px - n_rows * row_px) / 2
+    row_y = {r["seq_id"]: row_top + (i + 0.5) * row_px for i, r in enumerate(pic["rows"])}
+    x_of, x = {}, 0.0
+    for k, col in enumerate(pic["columns"]):
+        if k and col != pic["columns"][k - 1] + 1:
+            x += 0.6  # a gap where logical blocks are left out (an ellipsis is drawn there)
+        x_of[col] = x
+        x += 1
+    x_end = x - 1 + LOGICAL_W / 2 if pic["columns"] else 0
+    phys_xy = {}
+    for j, p in enumerate(pic["physical"]):
+        col, k = divmod(j, per_col)
+        in_col = min(per_col, n_phys - col * per_col)
+        phys_xy[p["block"]] = (x_end + ARROW_GAP + PHYS_W / 2 + col * PHYS_PITCH_X,
+                               (plot_px - in_col * PHYS_PX) / 2 + (k + 0.5) * PHYS_PX)
+    n_cols = math.ceil(n_phys / per_col) if n_phys else 0
+    return {"row_px": row_px, "box_h": row_px * 0.62, "phys_h": PHYS_PX - 7, "plot_px": plot_px, "row_y": row_y,
+            "x_of": x_of, "x_end": x_end, "phys_xy": phys_xy,
+            "x_max": x_end + ARROW_GAP + max(n_cols, 1) * PHYS_PITCH_X}
+
+
+def _rect(x: float, y: float, w: float, h: float) -> tuple[list, list]:
+    """A closed rectangle path centred at (x, y), then a gap (None) so several share one trace."""
+    return ([x - w / 2, x + w / 2, x + w / 2, x - w / 2, x - w / 2, None],
+            [y - h / 2, y - h / 2, y + h / 2, y + h / 2, y - h / 2, None])
+
+
+def _arrow_path(x0: float, y0: float, box_h: float, x1: float, y1: float, row_px: float) -> tuple[list, list]:
+    """Leave the logical box by its top or bottom edge (towards the target), sweep right through the gap
+    between rows, enter the physical box from the left: 4 points, drawn as a spline."""
+    up = y1 < y0 - 1  # y grows downwards
+    edge = y0 - box_h / 2 if up else y0 + box_h / 2
+    bend = edge + (-1 if up else 1) * (row_px - box_h) / 2 * 0.8
+    end = x1 - PHYS_W / 2 - 0.12
+    return [x0, x0 + 0.25, end - 0.7, end], [edge, bend, y1, y1]
+
+
+def _box_traces(pic: dict, g: dict, faded: set[str], decode) -> list[go.Scatter]:
+    """Filled boxes (one trace per colour) and their labels with hover text."""
+    B = pic["block_size"]
+    fills: dict[tuple[str, str, float], tuple[list, list]] = {}
+
+    def add(key, x, y, w, h):
+        xs, ys = _rect(x, y, w, h)
+        fills.setdefault(key, ([], []))
+        fills[key][0].extend(xs)
+        fills[key][1].extend(ys)
+
+    lx, ly, ltext, lhover = [], [], [], []
+    for r in pic["rows"]:
+        y = g["row_y"][r["seq_id"]]
+        swapped = r["status"] == "swapped"
+        for i, b in enumerate(r["table"]):
+            if i not in g["x_of"]:
+                continue
+            x = g["x_of"][i]
+            held = max(0, min(B, r["num_tokens"] - i * B))
+            color = FREE if swapped else r["color"]
+            add((color, r["color"], 0.35 if r["seq_id"] in faded else 1.0), x, y, LOGICAL_W, g["box_h"])
+            lx.append(x)
+            ly.append(y)
+            ltext.append(f"c{b}" if swapped else str(b))
+            where = (f"CPU swap-pool block {b} (swapped out)" if swapped else
+                     f"physical block {b}, slots {b * B}..{b * B + B - 1}")
+            text = decode(r["token_ids"][i * B:i * B + held]) if decode and held else ""
+            lhover.append(f"{r['seq_id']} logical block {i} (tokens {i * B}..{i * B + B - 1}; holds {held}/{B})"
+                          f"<br>-> {where}" + (f"<br>text: {_escape(text)}" if text else ""))
+    px, py, ptext, phover = [], [], [], []
+    for p in pic["physical"]:
+        x, y = g["phys_xy"][p["block"]]
+        color = p["color"]
+        add((color, "#404040" if p["shared"] or p["free"] else color, 1.0), x, y, PHYS_W, g["phys_h"])
+        px.append(x)
+        py.append(y)
+        label = f"{p['block']} x{p['ref_count']}" + (" free" if p["free"] else "")
+        ptext.append(f"<b>{label}</b>" if p["shared"] else label)
+        b = p["block"]
+        phover.append(f"physical block {b}: reference count {p['ref_count']}<br>owners: "
+                      f"{', '.join(p['owners']) or 'none (free)'}<br>fill {p['fill']}/{B}, slots {b * B}.."
+                      f"{b * B + B - 1}" + (f"<br>prefix hash {p['hash'][:12]}" if p["hash"] else ""))
+    traces = []
+    for (fill, line, opacity), (xs, ys) in fills.items():
+        # the fill is a tint of the colour, so black labels stay readable on every palette colour
+        traces.append(go.Scatter(x=xs, y=ys, mode="lines", fill="toself", fillcolor=_tint(fill),
+                                 line={"color": line, "width": 2}, opacity=opacity, hoverinfo="skip",
+                                 showlegend=False, meta={"role": "boxes"}))
+    for xs, ys, text, hover, role in ((lx, ly, ltext, lhover, "logical"), (px, py, ptext, phover, "physical")):
+        traces.append(go.Scatter(x=xs, y=ys, mode="markers+text", text=text, hovertext=hover,
+                                 hovertemplate="%{hovertext}<extra></extra>", textfont={"size": FONT_PX},
+                                 marker={"size": 22, "color": "rgba(0,0,0,0)", "symbol": "square"},
+                                 showlegend=False, meta={"role": f"{role}_labels"}))
+    return traces
+
+
+def _escape(text: str) -> str:
+    """Token text for a hover label: plotly reads ``<`` as markup, and a newline would break the label."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("\n", "\u23ce")
+
+
+def _tint(color: str) -> str:
+    """``#RRGGBB`` -> the same colour at 35 % over white (a pale fill; the outline keeps the full colour)."""
+    if color == FREE:
+        return FREE
+    r, g, b = (int(color[i:i + 2], 16) for i in (1, 3, 5))
+    return "#" + "".join(f"{round(255 - 0.35 * (255 - c)):02X}" for c in (r, g, b))
+
+
+def _arrow_traces(pic: dict, g: dict, faded: set[str]) -> list[go.Scatter]:
+    """One trace per (sequence, kind): the table's arrows, and (dotted) the arrows a copy-on-write moved."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for a in pic["arrows"]:
+        groups.setdefault((a["seq_id"], a["kind"]), []).append(a)
+    colors = {r["seq_id"]: r["color"] for r in pic["rows"]}
+    traces = []
+    for (seq_id, kind), arrows in groups.items():
+        xs, ys, sizes, custom = [], [], [], []
+        for a in arrows:
+            ax, ay = _arrow_path(g["x_of"][a["logical"]], g["row_y"][seq_id], g["box_h"],
+                                 *g["phys_xy"][a["physical"]], g["row_px"])
+            xs += ax + [None]
+            ys += ay + [None]
+            sizes += [0, 0, 0, 11, 0]
+            custom += [[seq_id, a["logical"], a["physical"], kind]] * 4 + [None]
+        old = kind == "cow_old"
+        traces.append(go.Scatter(
+            x=xs, y=ys, mode="lines+markers", line={"color": colors[seq_id], "width": 1.5 if old else 2,
+                                                    "shape": "spline", "dash": "dot" if old else "solid"},
+            marker={"symbol": "triangle-right", "size": sizes, "color": colors[seq_id]},
+            opacity=0.3 if seq_id in faded else 0.55 if old else 0.9, customdata=custom, showlegend=False,
+            hovertemplate=("%{customdata[0]}: logical block %{customdata[1]} -> physical block %{customdata[2]}"
+                           + (" (before this step's copy-on-write)" if old else "") + "<extra></extra>"),
+            name=f"{seq_id} {'before copy-on-write' if old else 'block table'}",
+            meta={"role": "arrows", "kind": kind, "seq_id": seq_id}))
+    return traces
+
+
+def _outline_traces(pic: dict, g: dict, selected: str | None) -> list[go.Scatter]:
+    """Black: blocks this step changed (in both columns); magenta: the selected request's boxes (thin) and
+    the picked token's logical block, physical block, arrow and slot (thick)."""
+    changed = set(pic["changed"])
+    outlines = {"changed": ([], [], CHANGED, 3), "selected": ([], [], SELECTED, 2), "token": ([], [], SELECTED, 4)}
+
+    def add(kind, x, y, w, h):
+        xs, ys = _rect(x, y, w, h)
+        outlines[kind][0].extend(xs)
+        outlines[kind][1].extend(ys)
+
+    for r in pic["rows"]:
+        if r["status"] != "running":
+            continue
+        for i, b in enumerate(r["table"]):
+            if i in g["x_of"] and b in changed:
+                add("changed", g["x_of"][i], g["row_y"][r["seq_id"]], LOGICAL_W + 0.08, g["box_h"] + 4)
+    for p in pic["physical"]:
+        x, y = g["phys_xy"][p["block"]]
+        if p["changed"]:
+            add("changed", x, y, PHYS_W + 0.1, g["phys_h"] + 4)
+        if selected and any(request_id_of(o) == selected for o in p["owners"]):
+            add("selected", x, y, PHYS_W + 0.22, g["phys_h"] + 8)
+    pick = pic["token"]
+    if pick:
+        add("token", g["x_of"][pick["logical"]], g["row_y"][pick["seq_id"]], LOGICAL_W + 0.16, g["box_h"] + 8)
+        add("token", *g["phys_xy"][pick["physical"]], PHYS_W + 0.3, g["phys_h"] + 12)
+    traces = [go.Scatter(x=xs, y=ys, mode="lines", line={"color": color, "width": width}, hoverinfo="skip",
+                         showlegend=False, meta={"role": f"outline_{kind}"})
+              for kind, (xs, ys, color, width) in outlines.items() if xs]
+    if pick:
+        ax, ay = _arrow_path(g["x_of"][pick["logical"]], g["row_y"][pick["seq_id"]], g["box_h"],
+                             *g["phys_xy"][pick["physical"]], g["row_px"])
+        traces.append(go.Scatter(x=ax, y=ay, mode="lines", line={"color": SELECTED, "width": 4, "shape": "spline"},
+                                 hoverinfo="skip", showlegend=False, meta={"role": "token_arrow"}))
+        # the offset: a marker over the slot's place inside each box (B slots across the box's width)
+        B = pic["block_size"]
+        lx = g["x_of"][pick["logical"]] - LOGICAL_W / 2 + (pick["offset"] + 0.5) * LOGICAL_W / B
+        px_, py_ = g["phys_xy"][pick["physical"]]
+        sx = px_ - PHYS_W / 2 + (pick["offset"] + 0.5) * PHYS_W / B
+        traces.append(go.Scatter(
+            x=[lx, sx], y=[g["row_y"][pick["seq_id"]] - g["box_h"] / 2 - 3, py_ - g["phys_h"] / 2 - 3],
+            mode="markers", marker={"symbol": "triangle-down", "size": 12, "color": SELECTED},
+            hovertext=[f"offset {pick['offset']} of logical block {pick['logical']}",
+                       f"slot {pick['slot']} (offset {pick['offset']} of physical block {pick['physical']})"],
+            hovertemplate="%{hovertext}<extra></extra>", showlegend=False, meta={"role": "token_slot"}))
+    return traces
+
+
+def block_table_figure(source, request_order: list[str] | None = None, selected: str | None = None,
+                       token: tuple[str, int] | None = None, events=None, decode: Callable | None = None,
+                       max_rows: int | None = None, max_blocks: int | None = None, compact: bool = False,
+                       title: str | None = None) -> go.Figure:
+    """The block tables after a step as arrows from logical to physical blocks.
+
+    Args:
+        source: a ``StepRecord`` (its snapshot and events are used) or a ``Snapshot`` (then ``events``).
+        request_order: request ids in first-seen order (fixes each request's colour, as in the pool).
+        selected: a request id: its rows first and its arrows in full, the others' faded; its physical
+            blocks outlined magenta as in the pool.
+        token: ``(sequence id, position)``: locate that token (logical block, offset, physical block, slot).
+        events: the step's events when ``source`` is a Snapshot (else ``source.events``).
+        decode: token ids -> text, for the logical blocks' hover (optional).
+        max_rows / max_blocks: most sequences / logical blocks drawn (default 8 / 16; ``compact``: 4 / 8).
+        compact: smaller rows and limits, for the presenter view beside the pool.
+        title: the first line of the title (default "Block tables after step N").
+
+    Returns a figure ~300-420 px high (``layout.height``); fonts >= 14 px.
+
+    Raises:
+        ValueError: as ``block_table_picture`` (contiguous snapshot, bad limits, a token not held).
+    """
+    snapshot = getattr(source, "snapshot", source)
+    if events is None:
+        events = getattr(source, "events", [])
+    max_rows = (4 if compact else 8) if max_rows is None else max_rows
+    max_blocks = (8 if compact else 16) if max_blocks is None else max_blocks
+    # as many physical blocks as fit beside the rows in MAX_PHYS_COLS columns (the figure stays <= ~420 px)
+    row_px = ROW_PX_COMPACT if compact else ROW_PX
+    fit = MAX_PHYS_COLS * (max(MIN_PLOT_PX, max_rows * row_px) // PHYS_PX)
+    pic = block_table_picture(snapshot, events, request_order, selected, token, max_rows, max_blocks, fit)
+    g = _geometry(pic, compact)
+    faded = {r["seq_id"] for r in pic["rows"] if selected and request_id_of(r["seq_id"]) != selected}
+    fig = go.Figure(_arrow_traces(pic, g, faded) + _box_traces(pic, g, faded, decode)
+                    + _outline_traces(pic, g, selected))
+    step = getattr(source, "step", None)
+    head = title or ("Block tables" + (f" after step {step}" if step else "") + ": logical -> physical")
+    if pic["notes"]:  # on a line of its own: the title must fit half of a 1280 px screen
+        head += f"<br>showing {', '.join(pic['notes'])}"
+    if not pic["rows"]:
+        head += ": no sequence holds blocks"
+    bottom = []
+    if pic["cow"]:
+        bottom.append("copy-on-write: " + ", ".join(f"{c['seq_id']} block {c['src']} -> {c['dst']}"
+                                                    for c in pic["cow"][:4])
+                      + (f" (+{len(pic['cow']) - 4} more)" if len(pic["cow"]) > 4 else "")
+                      + " (dotted: the arrow before the copy)")
+    if pic["token"]:
+        bottom.append(pic["token"]["caption"])
+    _layout(fig, pic, g, head, bottom)
+    return fig
+
+
+def _layout(fig: go.Figure, pic: dict, g: dict, head: str, bottom: list[str]) -> None:
+    top, line = 62 + 20 * head.count("<br>"), 20  # title + the logical-block labels along the top
+    lines = [part for text in bottom for part in textwrap.wrap(text, CAPTION_CHARS, subsequent_indent="  ")]
+    margin_b = 10 + line * len(lines)
+    for k, text in enumerate(lines):
+        fig.add_annotation(text=text, xref="paper", yref="paper", x=0, y=0, yshift=-8 - line * k,
+                           xanchor="left", yanchor="top", showarrow=False, font={"size": FONT_PX},
+                           name="caption")
+    ticks = [(g["x_of"][c], f"L{c}") for c in pic["columns"]]
+    gaps = [(g["x_of"][c] - 0.8, "...") for k, c in enumerate(pic["columns"][1:], 1)
+            if c != pic["columns"][k - 1] + 1]
+    ticks = sorted(ticks + gaps)
+    if pic["physical"]:
+        fig.add_annotation(text="physical block x ref count", x=g["x_end"] + ARROW_GAP, xanchor="left",
+                           y=1, yref="paper", yanchor="bottom", yshift=4, showarrow=False,
+                           font={"size": FONT_PX})
+    fig.update_layout(
+        title={"text": head, "font": {"size": 16}, "x": 0, "xanchor": "left", "y": 1, "yanchor": "top",
+               "pad": {"t": 8, "l": 8}},
+        height=int(g["plot_px"] + top + margin_b), margin={"l": 10, "r": 10, "t": top, "b": margin_b},
+        font={"size": FONT_PX}, plot_bgcolor="white", hovermode="closest", dragmode=False,
+        xaxis={"side": "top", "tickmode": "array", "tickvals": [t[0] for t in ticks],
+               "ticktext": [t[1] for t in ticks], "tickfont": {"size": FONT_PX}, "showgrid": False,
+               "zeroline": False, "range": [-0.7, g["x_max"]], "fixedrange": True},
+        yaxis={"range": [g["plot_px"], 0], "tickmode": "array", "fixedrange": True, "showgrid": False,
+               "zeroline": False, "tickvals": [g["row_y"][r["seq_id"]] for r in pic["rows"]],
+               "ticktext": [f'<span style="color:{r["color"]}">\u25a0</span> {r["seq_id"]}'
+                            + (" (swapped)" if r["status"] == "swapped" else "") for r in pic["rows"]],
+               "tickfont": {"size": FONT_PX}, "automargin": True},
+    )

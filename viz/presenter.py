@@ -1,0 +1,88 @@
+"""Figures restyled for a projector: bigger type, a fixed height, no toolbar clutter (pure: Plotly only).
+
+The presenter view (``ui/presenter.py``) draws the same figures as the Playground, then passes each through
+``projector_style`` so that labels read from the back of a room: every font in the figure (title, cell
+labels, ticks, legend, annotations) is scaled to at least ``min_font`` px. Sizes in px; the figure is
+changed in place and returned.
+"""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+PROJECTOR_FONT = 18  # px: the smallest type a presenter view draws (the Playground's labels are 10-13 px)
+
+
+def _bigger(size: float | None, min_font: int, scale: float) -> float:
+    return max(min_font, round((size or min_font) * scale))
+
+
+def projector_style(fig: go.Figure, height: int | None = None, min_font: int = PROJECTOR_FONT,
+                    scale: float = 1.4) -> go.Figure:
+    """Scale every font of ``fig`` by ``scale`` to at least ``min_font`` px and set its ``height`` (px).
+
+    Raises ValueError for a non-positive height or font."""
+    if height is not None and (not isinstance(height, int) or height <= 0):
+        raise ValueError(f"height must be a positive number of pixels, got {height!r}")
+    if min_font <= 0 or scale <= 0:
+        raise ValueError(f"min_font and scale must be positive, got {min_font!r}, {scale!r}")
+    layout = fig.layout
+    fig.update_layout(font={"size": _bigger(layout.font.size, min_font, scale)})
+    if layout.title.text:  # a title stays a label, not a headline: the figure's own type, a little bigger
+        fig.update_layout(title_font_size=min_font + 2)
+    for trace in fig.data:
+        if "textfont" in trace and trace.textfont is not None:
+            trace.textfont.size = _bigger(trace.textfont.size, min_font, scale)
+    for ann in layout.annotations or ():
+        ann.font.size = _bigger(ann.font.size, min_font, scale)
+    for axis in ("xaxis", "yaxis"):
+        ax = layout[axis]
+        if ax is not None and ax.tickfont is not None:
+            ax.tickfont.size = _bigger(ax.tickfont.size, min_font - 2, scale)
+    fig.update_layout(legend_font_size=_bigger(layout.legend.font.size, min_font - 2, scale))
+    if height is not None:
+        fig.update_layout(height=height)
+    if layout.title.text:  # room for every line of the title at its new size
+        lines = layout.title.text.count("<br>") + 1
+        fig.update_layout(margin_t=max(layout.margin.t or 0, lines * (min_font + 10) + 12))
+    return fig
+
+
+def one_line_cells(fig: go.Figure, row_px: float, min_font: int = PROJECTOR_FONT) -> go.Figure:
+    """A pool heatmap's cell labels cut to their first line ("3: R2", not its fill below) and sized to fit
+    a cell ``row_px`` px high (at most ``min_font`` x 1.4, at least 10 px): a big pool stays legible at a
+    distance instead of overflowing its cells. In place; returns ``fig``."""
+    for trace in fig.data:
+        if trace.type == "heatmap" and trace.text is not None:
+            trace.text = [[str(t).split("<br>")[0] for t in row] for row in trace.text]
+            trace.textfont.size = max(10, min(round(min_font * 1.4), int(row_px * 0.55)))
+    return fig
+
+
+def smallest_font(fig: go.Figure) -> float:
+    """The smallest font size set anywhere in ``fig`` (px; Plotly's default 12 where none is set)."""
+    sizes = [fig.layout.font.size or 12]
+    sizes += [t.textfont.size for t in fig.data if "textfont" in t and t.textfont is not None and t.textfont.size]
+    sizes += [a.font.size for a in fig.layout.annotations or () if a.font.size]
+    sizes += [fig.layout[ax].tickfont.size for ax in ("xaxis", "yaxis") if fig.layout[ax].tickfont.size]
+    if fig.layout.title.text:
+        sizes.append(fig.layout.title.font.size or fig.layout.font.size or 12)
+    return min(sizes)
+
+
+# The presenter view's vertical budget (px): the controls row, the step's sentences and the gaps between
+# rows take about CHROME_PX; the rest is shared by the pool row (POOL_SHARE) and the contiguous strip.
+CHROME_PX = 250
+POOL_SHARE = 0.62
+BASE_VIEWPORT_H = 720  # the smallest screen the view is laid out for (1280x720)
+
+
+def presenter_sizes(viewport_h: int | None) -> dict:
+    """Figure heights and the smallest font (px) for a window ``viewport_h`` CSS px high (None: 720).
+
+    At 720 px: pool row 291, strip 151, type 18; at 1080 px: 514, 268, 27 (type grows with the screen, so
+    it reads the same from the back of the room). Windows under 720 px get the 720 layout (scrolls)."""
+    h = max(BASE_VIEWPORT_H, viewport_h or BASE_VIEWPORT_H)
+    room = h - CHROME_PX
+    return {"pool": max(290, int(room * POOL_SHARE)), "strip": max(150, int(room * (1 - POOL_SHARE) * 0.85)),
+            "font": round(PROJECTOR_FONT * min(h / BASE_VIEWPORT_H, 2.0))}

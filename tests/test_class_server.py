@@ -335,3 +335,20 @@ def test_the_page_requests_nothing_from_outside_the_server(class_url):
     assert not outside, outside
     assert len(requests) > 10  # the page did load its scripts, styles and data
     assert icon and all(urlparse(u).netloc == host for u in icon), icon
+
+
+def test_a_scenario_file_over_the_request_cap_is_refused_whole(monkeypatch):
+    """A class server refuses a file with more requests than its cap when the lab is built (nothing queued),
+    not at the arrival step where the cap would be reached."""
+    from engine.scenario_file import load_preset
+    from ui.lab import Lab
+    from ui.state import scenario_settings
+
+    monkeypatch.setenv(limits.CLASS_SERVER_ENV, "1")
+    cap = limits.class_limits().max_requests
+    one = load_preset("single")
+    request = one.requests[0]
+    many = one.model_copy(update={"name": "many", "requests": [request.model_copy(update={"arrival_step": i})
+                                                               for i in range(cap + 1)]})
+    with pytest.raises(ValueError, match=f"at most {cap} requests"):
+        Lab.create(scenario_settings(many, EMBEDDED_MODEL), load_shared(EMBEDDED_MODEL))

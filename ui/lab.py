@@ -255,6 +255,8 @@ class Lab:
             # a preset's shipped file (engine.scenario_file.preset_workload), or a loaded file under "custom"
             workload = (to_workload(settings.scenario, tokenize) if settings.preset == "custom"
                         else preset_workload(settings.preset, settings.seed, tokenize, settings.model))
+            # a class server's request cap, for the whole file at once (not at the arrival step it is reached)
+            limits.check_request_count(len(workload.requests) - 1)
             for r in workload.requests:
                 lab.check(r.prompt, r.params)
             finals: list[int | None] = [None] * len(workload.requests)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from engine import EMBEDDED_MODEL
+from engine import EMBEDDED_MODEL, limits
 from engine.capture import CaptureReplay, capture_from_raw, dumps_capture, new_header, read_capture
 from engine.config import check_endpoint
 from engine.kv_subscriber import KVEventSubscriber
@@ -271,6 +271,7 @@ def decoder():
         st.sidebar.warning(f"Tokenizer folder {folder!r} does not exist; blocks show token ids only.")
         return None
     try:
+        limits.check_model(folder)  # a class server reads only the folders it serves (and caches each once)
         tok = load_tokenizer(folder)
     except Exception as exc:  # any loader failure is a message, never a traceback
         st.sidebar.warning(f"No tokenizer could be loaded from {folder!r} ({type(exc).__name__}: "

@@ -190,7 +190,9 @@ def check_config(config) -> None:
     for name, cap in limits.caps().items():
         value = getattr(config, name)
         if value is not None and value > cap:
-            raise ValueError(f"{name} {value:,} is above this class server's limit of {cap:,} (one session may "
+            said = (f"{value:,} ({value / MIB:,.0f} MiB)", f"{cap:,} ({cap / MIB:,.0f} MiB)") \
+                if name.endswith("_bytes") else (f"{value:,}", f"{cap:,}")  # a form asks for the budget in MiB
+            raise ValueError(f"{name} {said[0]} is above this class server's limit of {said[1]} (one session may "
                              f"not hold more; ask the teacher for a lab machine of your own)")
     check_model(config.model)
 

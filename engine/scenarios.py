@@ -112,12 +112,14 @@ register(Scenario(
     "parallel-sampling",
     "one prompt, n=4 samples: the samples share the prompt's blocks; the partly filled last block is "
     "copied on write by every sample but the last",
-    _parallel_sampling, {"block_size": 16, "num_blocks": 32, "max_model_len": 256},
+    # "max_tokens" (prompt + max_tokens, what a server knows at admission): four rows of 256 slots would
+    # not fit the 512-slot region at all, and the baseline beside the copy-on-write presets is the point
+    _parallel_sampling, {"block_size": 16, "num_blocks": 32, "max_model_len": 256, "contiguous_policy": "max_tokens"},
 ))
 register(Scenario(
     "beam-search",
     "one prompt, beam search with 4 beams: beams fork from their parents and share their prefix blocks",
-    _beam_search, {"block_size": 8, "num_blocks": 64, "max_model_len": 256},
+    _beam_search, {"block_size": 8, "num_blocks": 64, "max_model_len": 256, "contiguous_policy": "max_tokens"},
 ))
 register(Scenario(
     "shared-prefix",

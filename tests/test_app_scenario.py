@@ -76,9 +76,10 @@ def test_a_custom_request_in_a_link_opens_the_same_run_in_a_fresh_session():
 
 
 @pytest.mark.parametrize("query, said, steps", [
-    ({"scenario": "eJzLSM3JyQcABiwCFQ"}, "This link's scenario cannot be opened: the scenario link is damaged", 0),
+    ({"scenario": "eJzLSM3JyQcABiwCFQ"},
+     "This link's scenario 'eJzLSM3JyQcABiwCFQ' cannot be opened: the scenario link is damaged", 0),
     ({"scenario": sf.encode_link(sf.parse_scenario({"name": "x", "requests": [{"prompt": "a"}]}))[:-6]},
-     "This link's scenario cannot be opened", 0),
+     "cannot be opened", 0),
     ({"scenario": "batch", "step": "5000"}, "step 5,000 is more than the 2,000 steps a link may run", 0),
     ({"scenario": "single", "step": "400"}, "This link asks for step 400, but the run ends at step", None),
 ])

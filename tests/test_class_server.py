@@ -78,7 +78,7 @@ def test_class_caps_refuse_each_field_by_name_before_allocation(class_mode, no_a
     kwargs = {field: value}
     if field == "kv_budget_bytes":
         kwargs["num_blocks"] = None
-    with pytest.raises(ValueError, match=rf"^{field} {value:,} is above this class server's limit of [\d,]+"):
+    with pytest.raises(ValueError, match=rf"^{field} {value:,} (\(\S+ MiB\) )?is above this class server's limit of [\d,]+"):
         EngineConfig(**kwargs)
 
 

@@ -105,3 +105,21 @@ def test_copies_on_write_are_one_sentence_naming_each_copy(loaded):
     assert first.startswith(f"copy-on-write: {len(cows)} sequences")
     for e in cows:
         assert f"{e.data['src']}->{e.data['dst']}" in first
+
+
+def test_pool_labels_fit_their_cells(loaded):
+    """One line per cell, sized to the cell: a 12-block pool gets big type, the same labels in narrow cells
+    get smaller type (never under 10 px), and the fill line is gone."""
+    from viz.presenter import one_line_cells
+
+    lab = run(loaded, "batch", 3)
+    snap = lab.history[-1][0].snapshot
+    roomy = one_line_cells(block_pool_figure(snap, lab.order), row_px=80, col_px=150)
+    narrow = one_line_cells(block_pool_figure(snap, lab.order), row_px=80, col_px=30)
+    labels = [t for row in roomy.data[0].text for t in row if t]
+    assert labels and not any("<br>" in t for t in labels)
+    widest = max(len(t) for t in labels)
+    assert roomy.data[0].textfont.size == max(10, min(round(PROJECTOR_FONT * 1.4), 44,
+                                                      int(150 * 0.9 / (0.6 * widest))))
+    assert narrow.data[0].textfont.size == max(10, int(30 * 0.9 / (0.6 * widest)))
+    assert narrow.data[0].textfont.size < roomy.data[0].textfont.size

@@ -105,3 +105,25 @@ def test_finished_requests_keep_their_text_on_screen(loaded):
             if seq.status == "finished":
                 finished[seq.seq_id] = seq.token_ids
     assert {k: v.token_ids for k, v in shown.items()} == finished
+
+
+def test_next_event_and_run_to_end_stop_play(loaded):
+    """A speaker who jumps to the next moment wants it to stay on screen: Next event and Run to the end
+    stop Play."""
+    lab = Lab.create(preset_settings("batch"), loaded)
+    for kind in ("next", "end"):
+        assert lab.press("play") == "play" and lab.playing
+        assert lab.press(kind) == kind and not lab.playing
+
+
+def test_a_pool_field_the_preset_overrides_is_named(loaded):
+    """With "Use the preset's pool settings" ticked, a pool size typed in the form is the preset's after
+    Apply: ``overridden_fields`` names it (the page says so); unticked, nothing is overridden."""
+    from ui.state import applied_settings, form_values, overridden_fields
+
+    current = preset_settings("batch")
+    chosen = {**form_values(current), "num_blocks": 300_000, "seed": 7}
+    assert overridden_fields(current, "batch", chosen) == ["num_blocks"]
+    assert applied_settings(current, "batch", chosen).num_blocks == current.num_blocks
+    assert overridden_fields(current, "batch", chosen, use_preset=False) == []
+    assert overridden_fields(current, "custom", chosen) == []

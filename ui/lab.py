@@ -519,6 +519,7 @@ class Lab:
         steps until one has a key event; "end": run until no work is left. At most ``MAX_RUN_STEPS`` steps per
         press. Returns "next" / "end", or ignores the press when nothing can run."""
         total = self.step_count
+        self.playing = False  # the moment a speaker jumps to must stay on screen: Play stops
         if kind == "next" and 0 <= self.cursor < total - 1:
             later = [i for i in range(self.cursor + 1, total) if self.key_events(self.history[i][0])]
             self.cursor = later[0] if later else -1

@@ -22,8 +22,8 @@ from ui.exports import export_panel
 from ui.lab import (MAX_RUN_STEPS, POLICY_LABELS, POLICY_RESERVES, SCHEDULING_LABELS, SEMANTICS_LABELS,
                     LabSettings, count_only_tokenizer, engine_semantics_line)
 from ui.scenario_io import open_scenario_link, scenario_sidebar
-from ui.state import (applied_settings, build_lab, default_settings, get_lab, preset_settings, shared_model,
-                      stage_keys, take_stage_presses)
+from ui.state import (applied_settings, build_lab, default_settings, get_lab, overridden_fields, preset_settings,
+                      shared_model, stage_keys, take_stage_presses)
 from viz import (block_pool_figure, block_table_rows, contiguous_region_figure, paged_slots_figure,
                  swap_pool_figure, timeline_figure)
 from viz.block_table import block_table_figure
@@ -141,6 +141,10 @@ def settings_form(current: LabSettings) -> None:
                 chosen.update(scheduling_policy=scheduling, max_num_batched_tokens=int(tokens))
             else:
                 chosen.update(preemption_mode=mode, swap_space_blocks=int(swap))
+            if ignored := overridden_fields(current, preset, chosen, use_preset=bool(use_preset)):
+                st.session_state["flash_warning"] = (
+                    f"{', '.join(ignored)}: taken from the preset {preset!r}, not from the form, because \"Use the "
+                    f"preset's pool settings\" is ticked. Untick it to run your own values.")
             build_lab(applied_settings(current, preset, chosen, use_preset=bool(use_preset)))
             st.rerun()
     st.sidebar.caption(in_effect(current))
@@ -290,8 +294,10 @@ def main() -> None:
         lab = get_lab()
     take_stage_presses(lab)  # the presses counted in the browser since the last run, each run once, before drawing
     st.session_state["playing"] = lab.playing  # a mirror for reading; the lab keeps it with the steps
-    stage_keys(lab)  # the (invisible) press counter: keys and Step / Back clicks, whatever has the focus
     present = presenter.presenting()
+    # the (invisible) press counter: keys and the stage's clicks, whatever has the focus; in the presenter view
+    # it also sends the window's size (a rerun: never in the Playground's view, where it would wipe a message)
+    stage_keys(lab, want_viewport=present)
     if present:  # the presenter view: no sidebar (hidden, its forms not drawn), big type, one screen
         presenter.style_page()
     else:
@@ -305,6 +311,8 @@ def main() -> None:
         st.error(f"Request not added: {err}")
     if msg := st.session_state.pop("flash", None):
         st.success(msg)
+    if msg := st.session_state.pop("flash_warning", None):
+        st.warning(msg)
 
     if not present:
         st.title("Playground")
@@ -359,9 +367,6 @@ def controls(lab, present: bool = False) -> None:
     lab.set_play_speed(speed)
     with c[7]:
         presenter.toggle()
-    if lab.playing and (rate := lab.play_rate()) is not None:
-        st.caption(f"Playing at {lab.play_speed:g} steps per second: {rate:.1f} measured since Play started"
-                   + (" (the page draws every few steps to keep the pace)" if lab.play_speed > 2 else ""))
 
 
 def _press(kind: str) -> None:
@@ -416,6 +421,8 @@ def views(lab, present: bool = False) -> None:
     st.caption(f"step {paged.step} of {latest} ({step_label(paged)}; {SEMANTICS_SHORT[paged.semantics]}); "
                f"{'replaying recorded steps' if index < total - 1 else 'latest'}"
                + ("" if has_work else "; all requests finished"))
+    if said := presenter.playing_line(lab):  # in the fragment: Play's timer redraws it with the rate
+        st.caption(said)
     class_server.history_note(lab)  # a class server keeps the last steps only: say when older ones were dropped
     metrics_row(lab, paged, contiguous)
     st.caption(sharing_line(lab, history, index))
@@ -437,10 +444,14 @@ def advance_play(lab) -> None:
 
 
 def nothing_yet(lab) -> None:
+    queued, added = len(lab.pending), len(lab.order)
+    said = []
+    if queued:
+        said.append(f"{queued} request{' is' if queued == 1 else 's are'} queued by the preset")
+    if added:
+        said.append(f"{added} request{' was' if added == 1 else 's were'} added")
     st.info("Nothing has run yet. Press **Step** (or PageDown) to run the first engine step"
-            + (f"; {len(lab.pending)} request{' is' if len(lab.pending) == 1 else 's are'} queued by the preset."
-               if lab.pending else
-               "; add a request in the sidebar first."))
+            + (f"; {' and '.join(said)}." if said else "; add a request in the sidebar first."))
     for note in lab.notes:
         st.caption(note)
 

@@ -126,6 +126,10 @@ def block_table_picture(lab, paged, size: dict, decode):
     from viz.block_table import block_table_figure
 
     fig = block_table_figure(paged, lab.order, compact=True, decode=decode, title="block tables: logical -> physical")
+    # the captions under the picture (the copy-on-write's words) are the sentences above: left out here, so the
+    # bigger type cannot run past the figure's edge
+    fig.layout.annotations = [a for a in fig.layout.annotations if not (a.yref == "paper" and a.y == 0)]
+    fig.update_layout(margin_b=10)
     fig = projector_style(fig, height=size["pool"], min_font=size["font"])
     fig.update_layout(title_pad_t=8, title_yref="container", title_y=1.0)  # the title's first line inside the figure
     return fig
@@ -144,8 +148,9 @@ def views(lab, history: list, index: int, has_work: bool, decode) -> None:
         title = f"paged pool: {snap.num_blocks - snap.num_free_blocks}/{snap.num_blocks} blocks in use"
         fig = projector_style(block_pool_figure(snap, lab.order, decode=decode, highlight=changed, title=title),
                               height=size["pool"], min_font=size["font"])
-        rows = max(1, len(fig.data[0].z))
-        one_line_cells(fig, (size["pool"] - fig.layout.margin.t - 10) / rows, size["font"])
+        rows, cols = max(1, len(fig.data[0].z)), max(1, len(fig.data[0].z[0]))
+        width = (viewport() or {"w": 1280})["w"] / 2 - 60  # the pool's column: half the window, less padding
+        one_line_cells(fig, (size["pool"] - fig.layout.margin.t - 10) / rows, size["font"], col_px=width / cols)
         st.plotly_chart(fig, width="stretch",
                         key="present_pool_fig",
                         config={"displayModeBar": False})
@@ -166,8 +171,20 @@ def views(lab, history: list, index: int, has_work: bool, decode) -> None:
             st.info(" ".join(lab.notes) or "No contiguous baseline for these settings.")
     with low_right, st.container(key="present_numbers"):
         st.markdown("  \n".join(numbers(lab, paged, contiguous)))
+        if playing_line(lab):
+            st.caption(playing_line(lab))
+        for note in lab.notes:  # e.g. a request the baseline cannot admit at all
+            st.caption(note)
         st.caption(f"step {paged.step} of {history[-1][0].step} · {step_label(paged)} · {SEMANTICS_SHORT[paged.semantics]}"
                    + ("" if has_work else " · all requests finished"))
+
+
+def playing_line(lab) -> str | None:
+    """While Play runs: its speed and the rate measured since it started (``Lab.play_rate``)."""
+    if not lab.playing or (rate := lab.play_rate()) is None:
+        return None
+    return (f"Playing at {lab.play_speed:g} steps per second: {rate:.1f} measured since Play started"
+            + (" (the page draws every few steps to keep the pace)" if lab.play_speed > 2 else ""))
 
 
 def layout_line(cs) -> str:

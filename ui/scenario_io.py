@@ -121,7 +121,7 @@ def link_steps(value: str | None) -> int:
         return 0
     value = value.strip()
     if not re.fullmatch(r"[0-9]{1,9}", value):
-        raise ValueError(f"step {value[:20]!r} is not a whole number of steps")
+        raise ValueError(f"step {value[:20]!r} is not a number of steps from 0 to {MAX_LINK_STEPS:,}")
     if int(value) > MAX_LINK_STEPS:
         raise ValueError(f"step {int(value):,} is more than the {MAX_LINK_STEPS:,} steps a link may run; the "
                          f"scenario opened at step 0 (press Step, or Play, to go on)")
@@ -142,7 +142,8 @@ def open_scenario_link() -> None:
     try:
         settings = link_settings(value)
     except ValueError as exc:
-        st.session_state[ERROR] = f"This link's scenario cannot be opened: {exc}"
+        st.session_state[ERROR] = (f"This link's scenario {value[:40]!r} cannot be opened: {exc}; the Playground "
+                                   f"shows its default preset instead")
         return
     try:
         steps = link_steps(st.query_params.get(STEP_PARAM))

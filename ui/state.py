@@ -156,6 +156,18 @@ def _settings_fields(values: dict) -> dict:
     return fields
 
 
+def overridden_fields(current: LabSettings, preset: str, chosen: dict, use_preset: bool = True) -> list[str]:
+    """The form's fields changed in ``chosen`` that ``applied_settings`` takes from the preset instead (with
+    "Use the preset's pool settings" ticked: the pool and what the preset fixes itself), in the form's keys;
+    the page says so, rather than silently showing the preset's value again."""
+    if preset == "custom" or not use_preset:
+        return []
+    shown = form_values(current, chosen.get("semantics", current.semantics))
+    fixed = set(POOL_FIELDS) | preset_fixed_fields(preset)
+    changed = [k for k, v in chosen.items() if k in shown and v != shown[k]]
+    return [k for k in changed if k in fixed or _settings_fields({k: chosen[k]}).keys() & fixed]
+
+
 def applied_settings(current: LabSettings, preset: str, chosen: dict, use_preset: bool = True) -> LabSettings:
     """The settings "Apply and reset" builds from the form: ``chosen`` holds what the form's widgets hold
     (``form_values``' keys, only the widgets drawn), ``current`` the settings in effect, which the form
@@ -260,6 +272,7 @@ export default function (component) {
   // the window's size, for the presenter view's figure heights: sent when Python's copy differs (first
   // render, a resize), so it never loops
   g.viewport = () => {
+    if (!g.wantViewport) return;  // only the presenter view sizes its figures by the window
     const vp = { w: w.innerWidth, h: w.innerHeight };
     const known = g.knownViewport;
     if (!known || known.w !== vp.w || known.h !== vp.h) {
@@ -268,6 +281,7 @@ export default function (component) {
     }
   };
   g.knownViewport = (data && data.viewport) || null;
+  g.wantViewport = !!(data && data.wantViewport);
   if (!g.onResize) {
     g.onResize = () => { clearTimeout(g.resizeTimer); g.resizeTimer = setTimeout(() => g.viewport(), 400); };
     w.addEventListener("resize", g.onResize);
@@ -307,7 +321,7 @@ def _stage():
     return _stage_component
 
 
-def stage_keys(lab: Lab) -> None:
+def stage_keys(lab: Lab, want_viewport: bool = False) -> None:
     """Draw the stage's press counter (invisible) for ``lab``. It carries, as data attributes of its element
     (``.paged-attention-stage``), what a browser test compares: steps recorded, each engine's own step count,
     presses handled and ignored."""
@@ -315,7 +329,7 @@ def stage_keys(lab: Lab) -> None:
     attrs = {**counts, "token": lab.token, "contiguousSteps": "" if counts["contiguousSteps"] is None
              else counts["contiguousSteps"]}
     _stage()(key=STAGE_KEY, data={"token": lab.token, "handled": counts["handled"], "attrs": attrs,
-                                  "viewport": viewport()},
+                                  "viewport": viewport(), "wantViewport": want_viewport},
              on_presses_change=lambda: None, on_viewport_change=lambda: None, width="stretch", height="content")
 
 

@@ -48,14 +48,20 @@ def projector_style(fig: go.Figure, height: int | None = None, min_font: int = P
     return fig
 
 
-def one_line_cells(fig: go.Figure, row_px: float, min_font: int = PROJECTOR_FONT) -> go.Figure:
+def one_line_cells(fig: go.Figure, row_px: float, min_font: int = PROJECTOR_FONT,
+                   col_px: float | None = None) -> go.Figure:
     """A pool heatmap's cell labels cut to their first line ("3: R2", not its fill below) and sized to fit
-    a cell ``row_px`` px high (at most ``min_font`` x 1.4, at least 10 px): a big pool stays legible at a
-    distance instead of overflowing its cells. In place; returns ``fig``."""
+    a cell ``row_px`` px high and ``col_px`` px wide (a character is about 0.6 of the font size wide; at most
+    ``min_font`` x 1.4, at least 10 px): a big pool stays legible at a distance instead of overflowing its
+    cells. In place; returns ``fig``."""
     for trace in fig.data:
         if trace.type == "heatmap" and trace.text is not None:
             trace.text = [[str(t).split("<br>")[0] for t in row] for row in trace.text]
-            trace.textfont.size = max(10, min(round(min_font * 1.4), int(row_px * 0.55)))
+            size = min(round(min_font * 1.4), int(row_px * 0.55))
+            widest = max((len(t) for row in trace.text for t in row), default=0)
+            if col_px and widest:
+                size = min(size, int(col_px * 0.9 / (0.6 * widest)))
+            trace.textfont.size = max(10, size)
     return fig
 
 

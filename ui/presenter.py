@@ -125,7 +125,9 @@ def block_table_picture(lab, paged, size: dict, decode):
     """The block-table picture of the step (``viz.block_table``), styled for the projector."""
     from viz.block_table import block_table_figure
 
-    fig = block_table_figure(paged, lab.order, compact=True, decode=decode, title="block tables: logical -> physical")
+    fig = block_table_figure(paged, lab.order, compact=True, decode=decode, title="block tables")
+    # one title line (a second one was clipped at the top of the chart): "block tables · showing 4 of 8 sequences"
+    fig.update_layout(title_text=fig.layout.title.text.replace("<br>", " · "))
     # the captions under the picture (the copy-on-write's words) are the sentences above: left out here, so the
     # bigger type cannot run past the figure's edge
     fig.layout.annotations = [a for a in fig.layout.annotations if not (a.yref == "paper" and a.y == 0)]

@@ -14,9 +14,11 @@ import streamlit as st
 # fonts.gstatic.com (Streamlit's frontend builds that URL), which fails on an offline class server.
 FAVICON = str(Path(__file__).resolve().parent / "assets" / "favicon.png")
 st.set_page_config(page_title="Paged Attention Lab", page_icon=FAVICON, layout="wide")
-starting = None
+# The placeholder is drawn on every run, empty after the first: an element only the first run drew would shift
+# every element after it, and Streamlit would mount them afresh on the second run (the stage's key counter
+# among them, losing the presses made meanwhile).
+starting = st.empty()
 if "torch" not in sys.modules:  # the server's first page view: importing PyTorch and the engine takes seconds
-    starting = st.empty()  # so a learner on a fresh server's direct link sees why, not a blank page
     starting.info("Starting the lab: importing PyTorch and the engine (once per server start, a few seconds on "
                   "2 cores)...", icon=":material/hourglass_top:")
 
@@ -26,8 +28,7 @@ from lessons.render import keep_widget_state, sync_progress_url  # noqa: E402
 from lessons.runs import preload_model  # noqa: E402
 from ui.class_server import keep_session  # noqa: E402
 
-if starting is not None:
-    starting.empty()
+starting.empty()
 configure_gc()  # fewer garbage collections per step (engine/threads.py)
 configure_threads("app")  # one intra-op thread per step: sessions step at once (engine/threads.py)
 preload_model()  # the embedded model loads in the background from the server's first page view, once per process

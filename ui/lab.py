@@ -539,6 +539,11 @@ class Lab:
         self.cursor = -1
         return kind
 
+    def step_budget(self) -> int | None:
+        """The paged engine's token budget per step in vLLM V1 (``max_num_batched_tokens``, tokens); None in
+        the paper's semantics (a step is a prefill or a decode step, no budget)."""
+        return self.paged.max_num_batched_tokens if self.paged.semantics == "v1" else None
+
     def contiguous_final_lengths(self) -> dict[str, int]:
         """The baseline's sequences' final lengths known in advance (tokens), by sequence id: from its
         policy's learnt lengths or ``ignore_eos``. ``viz.region`` draws a live row's slots past it as internal

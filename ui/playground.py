@@ -427,7 +427,7 @@ def views(lab, present: bool = False) -> None:
     metrics_row(lab, paged, contiguous)
     st.caption(sharing_line(lab, history, index))
     pools(lab, paged, contiguous)
-    step_in_words(paged, contiguous, step_budget(lab))
+    step_in_words(paged, contiguous, lab.step_budget())
     tables_and_text(lab, paged, [p for p, _ in history[: index + 1]])
     timeline(lab, history, index, paged, contiguous)
     export_panel(lab)  # HTML / GIF / MP4 / PNG of the run, built only on click
@@ -552,11 +552,6 @@ def pools(lab, paged, contiguous) -> None:
                               None if selected == "none" else selected, strips=True))
 
 
-def step_budget(lab) -> int | None:
-    """The paged engine's token budget per step in vLLM V1 (None in the paper's semantics)."""
-    return lab.paged.max_num_batched_tokens if lab.paged.semantics == "v1" else None
-
-
 def sharing_line(lab, history, index: int) -> str:
     """How the paged engine shared blocks up to the step shown, counted from the recorded events: forks and
     copy-on-write copies (paper) or child requests and prefix-cache hits (vLLM V1)."""
@@ -582,30 +577,27 @@ def step_in_words(paged, contiguous, budget: int | None = None) -> None:
     st.markdown("\n".join(f"- {html.escape(x)}" for x in lines) or "nothing changed")
 
 
-def tables_and_text(lab, snap, records: list | None = None) -> None:
+def tables_and_text(lab, record, records: list) -> None:
     """Block tables as a picture (each logical block's arrow to its physical block, this step's new blocks and
     copy-on-write, the picked token's slot), the same tables as rows below (folded), and each sequence's text
-    tinted by logical block. ``snap``: the step's StepRecord, or its Snapshot (its record, for the step's
-    events, is then found in the lab's history). ``records``: the paged steps up to the one shown, so that
-    the text of requests that finished earlier stays on screen."""
+    tinted by logical block. ``record``: the paged StepRecord shown (its snapshot and events); ``records``:
+    the paged steps up to it, so that the text of requests that finished earlier stays on screen."""
     decode = shared_model(lab.settings.model)[1].decode
-    record = snap if hasattr(snap, "snapshot") else next(
-        (p for p, _ in reversed(list(lab.history)) if p.snapshot is snap), None)
-    snap = getattr(snap, "snapshot", snap)
+    snap = record.snapshot
     selected = st.session_state.get("selected", "none")  # the pool's "Highlight a request"
     st.subheader("Block tables")
     rows = block_table_rows(snap, decode)
     if rows:
         picture = st.container()  # the picture first, the pick's widgets under it (they are read before it is drawn)
         token = token_locator(snap, snap.block_size)
-        figure = block_table_figure(record or snap, lab.order, selected=None if selected == "none" else selected,
-                                    token=token, events=None if record else [], decode=decode)
+        figure = block_table_figure(record, lab.order, selected=None if selected == "none" else selected,
+                                    token=token, decode=decode)
         picture.plotly_chart(figure, width="stretch", key="block_tables")
         with st.expander("Block tables as rows (logical -> physical)"):
             st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
 
     st.subheader("Generated text (tokens tinted by logical block)")
-    for seq in latest_sequences(records) if records else snap.sequences:
+    for seq in latest_sequences(records):
         color = request_color(request_id_of(seq.seq_id), lab.order)
         st.markdown(f"**{seq.seq_id}** ({seq.status}) " + tinted_text(seq, color), unsafe_allow_html=True)
 
@@ -617,7 +609,7 @@ def timeline(lab, history, index: int, paged, contiguous) -> None:
     if contiguous is not None:
         series["contiguous"] = [c for _, c in history[: index + 1] if c is not None]
     st.plotly_chart(timeline_figure(series, current_step=paged.step), width="stretch", key="timeline")
-    st.plotly_chart(step_tokens_figure(series["paged"], budget=step_budget(lab), current_step=paged.step,
+    st.plotly_chart(step_tokens_figure(series["paged"], budget=lab.step_budget(), current_step=paged.step,
                                        semantics=paged.semantics), width="stretch", key="step_tokens")
 
 main()

@@ -142,7 +142,7 @@ def views(lab, history: list, index: int, has_work: bool, decode) -> None:
     paged, contiguous = history[index]
     size = sizes()
     with st.container(key="present_words"):
-        st.markdown("\n".join(f"- {html.escape(x)}" for x in few_sentences(paged, contiguous, step_budget(lab))))
+        st.markdown("\n".join(f"- {html.escape(x)}" for x in few_sentences(paged, contiguous, lab.step_budget())))
     snap = paged.snapshot
     changed = sorted({b for e in paged.events if e.kind != "append" for b in e.blocks})
     left, right = st.columns([1, 1])
@@ -192,7 +192,3 @@ def playing_line(lab) -> str | None:
 def layout_line(cs) -> str:
     """The contiguous strip's title in one line: slots used / reserved (``engine.metrics``)."""
     return f"{metrics.slots_used(cs):,} used / {metrics.slots_allocated(cs):,} reserved slots"
-
-
-def step_budget(lab) -> int | None:
-    return lab.paged.max_num_batched_tokens if lab.paged.semantics == "v1" else None

@@ -74,6 +74,35 @@ def percentile(values: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process below it (a class server's workers and nginx), from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += children.get(p, [])
+    return tree
+
+
+def tree_rss_mib(pid: int) -> tuple[float, float]:
+    """(VmRSS, VmHWM) summed over ``pid``'s process tree, in MiB (the peaks' sum bounds the joint peak)."""
+    rss = peak = 0.0
+    for p in process_tree(pid):
+        try:
+            r, h = rss_mib(p)
+        except (OSError, KeyError):
+            continue
+        rss, peak = rss + r, peak + h
+    return rss, peak
+
+
 def rss_mib(pid: int) -> tuple[float, float]:
     """(VmRSS, VmHWM) of process ``pid`` in MiB, from /proc (psutil is not installed here)."""
     fields = {}
@@ -85,18 +114,28 @@ def rss_mib(pid: int) -> tuple[float, float]:
 
 
 # ------------------------------------------------------------------------------------------------ server
-def start_server(port: int, profile: str | None = None, options: tuple[str, ...] = ()) -> subprocess.Popen:
-    """``streamlit run app.py`` on ``port`` (or ``bench/class_profile.py`` around it), once healthy;
-    ``options``: extra Streamlit config options, "name=value" (e.g. "runner.postScriptGC=false")."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    args = ["app.py", "--server.port", str(port), "--server.address", "127.0.0.1", "--server.headless", "true"]
-    args += [f"--{o}" for o in options]
-    if profile:
-        cmd = [sys.executable, str(_HERE / "class_profile.py"), profile, *args]
+def start_server(port: int, profile: str | None = None, options: tuple[str, ...] = (),
+                 workers: int = 1) -> subprocess.Popen:
+    """A class server (``PAL_CLASS_SERVER=1``) on ``port``, once healthy: ``streamlit run app.py`` (or
+    ``bench/class_profile.py`` around it), or with ``workers`` > 1 ``scripts/class_server.py`` (that many
+    Streamlit processes behind nginx, as a class would run it). ``options``: extra Streamlit config options,
+    "name=value" (e.g. "runner.postScriptGC=false")."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PAL_CLASS_SERVER": "1"}
+    options = [f"--{o}" for o in options]
+    if workers > 1:
+        if profile:
+            raise ValueError("--profile profiles one server process: use it with --workers 1")
+        cmd = [sys.executable, str(ROOT / "scripts" / "class_server.py"), "--workers", str(workers), "--port",
+               str(port), "--address", "127.0.0.1", "--first-worker-port", str(free_port()), *options]
     else:
-        cmd = [sys.executable, "-m", "streamlit", "run", *args]
+        args = ["app.py", "--server.port", str(port), "--server.address", "127.0.0.1", "--server.headless",
+                "true", *options]
+        if profile:
+            cmd = [sys.executable, str(_HERE / "class_profile.py"), profile, *args]
+        else:
+            cmd = [sys.executable, "-m", "streamlit", "run", *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.time() + 120
+    deadline = time.time() + 240
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
@@ -106,7 +145,7 @@ def start_server(port: int, profile: str | None = None, options: tuple[str, ...]
         except OSError:
             time.sleep(0.5)
     proc.kill()
-    raise RuntimeError("streamlit did not start within 120 s")
+    raise RuntimeError("the server did not start within 240 s")
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -116,6 +155,12 @@ def stop_server(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def _cookies_of(url: str) -> str:
+    """The cookies a GET of ``url`` sets, as a ``Cookie`` header value."""
+    with urllib.request.urlopen(url, timeout=60) as response:
+        return "; ".join(c.split(";", 1)[0] for c in response.headers.get_all("Set-Cookie") or [])
 
 
 # ----------------------------------------------------------------------------------------------- student
@@ -129,6 +174,7 @@ class Student:
     ws: object = None
     page_hash: str = ""
     ids: dict = field(default_factory=dict)  # (element type, label or key) -> widget id
+    fragments: dict = field(default_factory=dict)  # widget id -> the id of the fragment that drew it, if any
     tokens: set = field(default_factory=set)  # lab tokens seen in its messages
     text: list = field(default_factory=list)  # its messages, tags stripped, for the isolation check
     step_s: list = field(default_factory=list)
@@ -138,15 +184,20 @@ class Student:
     async def connect(self) -> None:
         import websockets
 
+        # as a browser: the health check first (a class server's proxy answers with the cookie that keeps
+        # this browser on one worker), then the websocket with the cookies it was given
+        cookies = await asyncio.to_thread(_cookies_of, self.url + "/_stcore/health")
         self.ws = await websockets.connect(self.url.replace("http", "ws", 1) + "/_stcore/stream",
                                            subprotocols=["streamlit"], origin=self.url, max_size=None,
-                                           open_timeout=120, ping_interval=None)
+                                           open_timeout=120, ping_interval=None,
+                                           additional_headers={"Cookie": cookies} if cookies else None)
 
     async def close(self) -> None:
         await self.ws.close()
 
-    async def rerun(self, widgets=()) -> tuple[float, int]:
-        """One script run with these widget states; (seconds to ``script_finished``, bytes received)."""
+    async def rerun(self, widgets=(), fragment_id: str = "") -> tuple[float, int]:
+        """One script run with these widget states; (seconds to ``script_finished``, bytes received). A widget
+        drawn inside a fragment re-runs that fragment only: the browser then sends its ``fragment_id``."""
         from streamlit.proto.BackMsg_pb2 import BackMsg
         from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
 
@@ -154,6 +205,7 @@ class Student:
         msg.rerun_script.query_string = ""
         msg.rerun_script.page_script_hash = self.page_hash
         msg.rerun_script.widget_states.widgets.extend(widgets)
+        msg.rerun_script.fragment_id = fragment_id
         t0 = time.perf_counter()
         await self.ws.send(msg.SerializeToString())
         received = 0
@@ -182,6 +234,7 @@ class Student:
             self.errors.append(f"{inner.type}: {inner.message}")
         widget_id = getattr(inner, "id", "")
         if widget_id:
+            self.fragments[widget_id] = delta.fragment_id
             self.ids[(kind, getattr(inner, "label", ""))] = widget_id
             self.ids[(kind, widget_id.rsplit("-", 1)[-1])] = widget_id  # by key, e.g. ("button", "stage_step")
 
@@ -207,7 +260,8 @@ class Student:
     async def step(self, record: bool = True) -> None:
         from streamlit.proto.WidgetStates_pb2 import WidgetState
 
-        seconds, received = await self.rerun([WidgetState(id=self.widget("button", STEP_KEY), trigger_value=True)])
+        step = self.widget("button", STEP_KEY)
+        seconds, received = await self.rerun([WidgetState(id=step, trigger_value=True)], self.fragments.get(step, ""))
         if record:
             self.step_s.append(seconds)
             self.step_bytes.append(received)
@@ -228,6 +282,7 @@ class ClassResult:
     own_seen: int  # students that saw their own marker and exactly one token, their own
     leaks: list[str]  # "student i saw student j's marker / token"
     errors: list[str]
+    workers: int = 1  # Streamlit processes serving the class (more than 1: behind nginx)
 
     @property
     def median(self) -> float:
@@ -255,7 +310,7 @@ async def run_class(url: str, pid: int, n: int, rounds: int) -> ClassResult:
     """``n`` students on the server at ``url`` (process ``pid``): open, add a marked request, warm up, then
     ``rounds`` rounds of everyone clicking Step at once."""
     students = [Student(i, url) for i in range(n)]
-    idle_rss = rss_mib(pid)[0]
+    idle_rss = tree_rss_mib(pid)[0]
     await _gather_limited([s.open_page() for s in students], 4)  # opening is not what is measured
     await _gather_limited([s.add_marked_request() for s in students], 4)
     await _gather_limited([s.step(record=False) for s in students], 4)
@@ -263,7 +318,7 @@ async def run_class(url: str, pid: int, n: int, rounds: int) -> ClassResult:
     for _ in range(rounds):
         await asyncio.gather(*(s.step() for s in students))
     wall = time.perf_counter() - t0
-    rss, peak = rss_mib(pid)
+    rss, peak = tree_rss_mib(pid)
     for s in students:
         await s.close()
     leaks, own = isolation(students)
@@ -291,12 +346,14 @@ def isolation(students: list[Student]) -> tuple[list[str], int]:
     return leaks, own
 
 
-def measure(n: int, rounds: int, profile: str | None = None, options: tuple[str, ...] = ()) -> ClassResult:
+def measure(n: int, rounds: int, profile: str | None = None, options: tuple[str, ...] = (),
+            workers: int = 1) -> ClassResult:
     port = free_port()
-    proc = start_server(port, profile, options)
+    proc = start_server(port, profile, options, workers)
     try:
         result = asyncio.run(run_class(f"http://127.0.0.1:{port}", proc.pid, n, rounds))
         result.options = tuple(options)
+        result.workers = workers
         return result
     finally:
         stop_server(proc)
@@ -318,14 +375,15 @@ def goal_text(r: ClassResult) -> str:
 
 
 def table(results: list[ClassResult]) -> str:
-    rows = ["| students | Step clicks | median Step | p95 Step | clicks served / s | server RSS after (peak) | "
-            "KiB sent / Step | isolation | goal (issue 16) |",
-            "|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    rows = ["| students | server | Step clicks | median Step | p95 Step | clicks served / s | server RSS after "
+            "(peak) | KiB sent / Step | isolation | goal (issue 16) |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in results:
         iso = ("ok: no leak; " if not r.leaks else f"{len(r.leaks)} LEAKS; ") + \
             f"{r.own_seen}/{r.students} saw their own marker and token"
         who = f"{r.students}" + "".join(f" with `{o}`" for o in r.options)
-        rows.append(f"| {who} | {len(r.step_s)} | {r.median:.2f} s | {r.p95:.2f} s | {r.clicks_per_s:.2f} | "
+        server = "1 process" if r.workers == 1 else f"{r.workers} processes + nginx"
+        rows.append(f"| {who} | {server} | {len(r.step_s)} | {r.median:.2f} s | {r.p95:.2f} s | {r.clicks_per_s:.2f} | "
                     f"{r.rss_mib:,.0f} MiB ({r.peak_mib:,.0f}) | {r.bytes_per_step / 1024:,.0f} | {iso} | "
                     f"{goal_text(r)} |")
     return "\n".join(rows)
@@ -386,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--students", type=int, nargs="+", default=[10, 30, 60])
     parser.add_argument("--rounds", type=int, default=4, help="Step clicks per student (measured)")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2],
+                        help="Streamlit processes serving the class: each class size is measured with each "
+                             "(more than 1: scripts/class_server.py, nginx in front)")
     parser.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"), help="Markdown file to write")
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     parser.add_argument("--profile", help="profile the server's script runs (cProfile) into this file")
@@ -399,12 +460,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="a Streamlit config option for the server, name=value (repeatable); not written to the doc")
     args = parser.parse_args(argv)
     results = []
-    runs = [(n, tuple(args.option)) for n in args.students]
-    runs[1:1] = [(args.students[0], (*args.option, v)) for v in args.variant]  # right after the default run
-    for n, options in runs:
-        r = measure(n, args.rounds, args.profile, options)
+    runs = [(n, tuple(args.option), w) for w in args.workers for n in args.students]
+    runs[1:1] = [(args.students[0], (*args.option, v), args.workers[0]) for v in args.variant]  # after the first
+    for n, options, workers in runs:
+        r = measure(n, args.rounds, args.profile, options, workers)
         results.append(r)
-        print(f"{n} students: median {r.median:.2f} s, p95 {r.p95:.2f} s, {r.clicks_per_s:.2f} clicks/s, "
+        print(f"{n} students, {workers} worker{'s' * (workers != 1)}: median {r.median:.2f} s, p95 {r.p95:.2f} s, {r.clicks_per_s:.2f} clicks/s, "
               f"RSS {r.rss_mib:.0f} MiB (peak {r.peak_mib:.0f}), leaks {len(r.leaks)}, own {r.own_seen}/{n}, "
               f"errors {len(r.errors)}", flush=True)
         for line in r.leaks[:5] + r.errors[:5]:

@@ -32,7 +32,14 @@ def test_stepping_in_a_real_browser(app_url, tmp_path):
             step.click()
             page.wait_for_selector(f"text=step {n} of {n}", timeout=60_000)
         assert page.locator(".js-plotly-plot").first.inner_html() != first_pool  # the pool figure changed
-        assert page.locator("[data-testid='stDataFrame']").count() >= 1  # the block table is shown
+        assert page.locator(".st-key-block_tables .js-plotly-plot").count() == 1  # the block-table picture
+        # the tables as rows are drawn only once their expander is opened (a lazy expander: no table per step)
+        assert page.locator("[data-testid='stDataFrame']").count() == 0
+        page.get_by_text(re.compile(r"^Block tables as rows")).click()
+        page.locator("[data-testid='stDataFrame']").first.wait_for(timeout=60_000)
+        step.click()  # and it stays open, redrawn with the next step
+        page.wait_for_selector("text=step 4 of 4", timeout=60_000)
+        assert page.locator("[data-testid='stDataFrame']").count() == 1
         assert "Traceback" not in page.locator("body").inner_text()
         assert page.locator("[data-testid='stException']").count() == 0
         page.screenshot(path=str(tmp_path / "playground.png"), full_page=False)

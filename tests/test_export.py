@@ -198,7 +198,7 @@ def test_playground_export_panel_builds_on_click_only(kaleido_ok):
     import imageio.v3 as iio
     from streamlit.testing.v1 import AppTest
 
-    from ui.exports import CACHE_KEY, html_builder
+    from ui.exports import CACHE_KEY, OPEN_KEY, html_builder
 
     at = AppTest.from_file(str(__import__("pathlib").Path(__file__).resolve().parent.parent / "app.py"),
                            default_timeout=240)
@@ -208,6 +208,9 @@ def test_playground_export_panel_builds_on_click_only(kaleido_ok):
     assert not at.exception
     assert any(e.label.startswith("Export") for e in at.expander)
     assert at.session_state[CACHE_KEY] == {}  # drawing the page built nothing
+    assert not any(b.label.startswith("Build") for b in at.button)  # closed: its widgets are not even drawn
+    at.session_state[OPEN_KEY] = True  # the expander opened (its state reruns the page)
+    at.run()
     next(b for b in at.button if b.label.startswith("Build GIF")).click().run()
     assert not at.exception
     lab = at.session_state["lab"]

@@ -55,6 +55,9 @@ def html_builder(lab, history, cache: dict, decode=None):
     return build
 
 
+OPEN_KEY = "export_open"  # the Export expander's open state (session state)
+
+
 def export_panel(lab) -> None:
     """The "Export" expander under the Playground's views, for the run recorded so far (``Lab.frame``)."""
     history, index, _ = lab.frame()
@@ -62,7 +65,11 @@ def export_panel(lab) -> None:
         return
     total = len(history)
     cache = _cache(lab, total)
-    with st.expander("Export: this run as HTML, GIF or MP4; this step as PNG"):
+    # drawn only while open (a lazy expander: its open state reruns the page): its widgets cost every step
+    panel = st.expander("Export: this run as HTML, GIF or MP4; this step as PNG", key=OPEN_KEY, on_change="rerun")
+    if not panel.open:
+        return
+    with panel:
         decode = shared_model(lab.settings.model)[1].decode
         shown = min(total, MAX_HTML_STEPS)
         st.download_button(

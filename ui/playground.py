@@ -21,7 +21,8 @@ from ui import class_server, presenter
 from ui.exports import export_panel
 from ui.lab import (MAX_RUN_STEPS, POLICY_LABELS, POLICY_RESERVES, SCHEDULING_LABELS, SEMANTICS_LABELS,
                     LabSettings, count_only_tokenizer, engine_semantics_line)
-from ui.scenario_io import open_scenario_link, scenario_sidebar
+from ui.scenario_io import follow_step, open_scenario_link, scenario_sidebar
+from ui.stage_gate import stage_slot
 from ui.state import (applied_settings, build_lab, default_settings, get_lab, overridden_fields, preset_settings,
                       shared_model, stage_keys, take_stage_presses)
 from viz import (block_pool_figure, block_table_rows, contiguous_region_figure, paged_slots_figure,
@@ -292,15 +293,10 @@ def main() -> None:
             st.error(st.session_state.get("lab_error"))
             st.stop()
         lab = get_lab()
-    take_stage_presses(lab)  # the presses counted in the browser since the last run, each run once, before drawing
-    st.session_state["playing"] = lab.playing  # a mirror for reading; the lab keeps it with the steps
+    with stage_slot():  # a full run takes the presses first too, so that the sidebar's link shows their step
+        run_presses(lab)
     present = presenter.presenting()
-    # the (invisible) press counter: keys and the stage's clicks, whatever has the focus; in the presenter view
-    # it also sends the window's size (a rerun: never in the Playground's view, where it would wipe a message)
-    stage_keys(lab, want_viewport=present)
-    if present:  # the presenter view: no sidebar (hidden, its forms not drawn), big type, one screen
-        presenter.style_page()
-    else:
+    if not present:  # the presenter view has no sidebar (hidden, its forms not drawn)
         settings_form(lab.settings)
         prefix_cache_reset(lab)
         request_form(lab)
@@ -317,10 +313,37 @@ def main() -> None:
     if not present:
         st.title("Playground")
         semantics_banner(lab)
-    controls(lab, present)
-    # Play re-runs only the views below, on a timer (a fragment); each tick runs the steps that keep Play at
-    # its speed (``Lab.play_tick``), so a page that draws slower than the speed shows every k-th step.
-    st.fragment(run_every=1.0 / lab.play_speed if lab.playing else None)(views)(lab, present)
+    # Everything a step changes is one fragment: a press (Step, PageDown, a clicker, Back, the slider) re-runs
+    # only it, not the sidebar's forms above (a class server steps many labs at once: issue 16's load goals).
+    # Play re-runs it on a timer; each tick runs the steps that keep Play at its speed (``Lab.play_tick``).
+    timer = timer_of(lab)
+    st.fragment(run_every=1.0 / lab.play_speed if lab.playing else None)(stage)(lab, present, timer)
+
+
+def stage(lab, present: bool, timer: tuple[bool, float]) -> None:
+    """The stage (a fragment): the presses counted in the browser since the last run, each run once before
+    anything is drawn; the press counter; the controls row; the views. ``timer``: (playing, speed) as the full
+    run that made this fragment set its timer; when a press here changes them, or the presenter toggle flips,
+    the whole page runs again (the timer and the sidebar belong to it). It runs in one of the process's stage
+    slots (``ui.stage_gate``): a class stepping at once is served in order, a few at a time."""
+    with stage_slot():
+        run_presses(lab)
+        st.session_state["playing"] = lab.playing  # a mirror for reading; the lab keeps it with the steps
+        # the (invisible) press counter: keys and the stage's clicks, whatever has the focus; in the presenter view
+        # it also sends the window's size (a rerun: never in the Playground's view, where it would wipe a message)
+        stage_keys(lab, want_viewport=present)
+        if present:
+            presenter.style_page()  # type sized to the window the counter reported
+        controls(lab, present)
+        if timer_of(lab) != timer or presenter.presenting() != present:
+            st.rerun(scope="app")
+        follow_step(lab)  # the URL's step follows the step on screen (the scenario part is the full run's)
+        views(lab, present)
+
+
+def timer_of(lab) -> tuple[bool, float | None]:
+    """What the stage fragment's timer depends on: whether Play runs, and at what speed (steps per second)."""
+    return lab.playing, lab.play_speed if lab.playing else None
 
 
 PLAY_SPEEDS = [0.5, 1, 2, 4, 8]  # steps per second Play offers (``Lab.play_tick`` keeps to them)
@@ -369,10 +392,21 @@ def controls(lab, present: bool = False) -> None:
         presenter.toggle()
 
 
+CLICKED = "stage_clicked"  # presses clicked on the buttons themselves, run by the stage (in its slot)
+
+
 def _press(kind: str) -> None:
-    """Step / Back clicked (a button's callback, before the page is drawn): one press of the lab."""
-    lab = get_lab()
-    if lab is not None:
+    """Step / Back / Next event / Run to end clicked (a button's callback, before the page is drawn): one press,
+    run by ``run_clicked`` at the top of the stage, inside its slot (a callback runs outside it). In a browser the
+    stage's counter takes the clicks over (``ui.state.stage_keys``); AppTest and the load test click directly."""
+    st.session_state.setdefault(CLICKED, []).append(kind)
+
+
+def run_presses(lab) -> None:
+    """The presses made since the last run, each once, in order (``Lab.press``: atomic, or ignored and said):
+    those the browser's stage counted (``take_stage_presses``), then those ``_press`` queued."""
+    take_stage_presses(lab)
+    for kind in st.session_state.pop(CLICKED, []):
         lab.press(kind)
 
 
@@ -586,20 +620,23 @@ def tables_and_text(lab, record, records: list) -> None:
     snap = record.snapshot
     selected = st.session_state.get("selected", "none")  # the pool's "Highlight a request"
     st.subheader("Block tables")
-    rows = block_table_rows(snap, decode)
-    if rows:
+    if snap.sequences:  # a row per sequence (``block_table_rows``)
         picture = st.container()  # the picture first, the pick's widgets under it (they are read before it is drawn)
         token = token_locator(snap, snap.block_size)
         figure = block_table_figure(record, lab.order, selected=None if selected == "none" else selected,
                                     token=token, decode=decode)
         picture.plotly_chart(figure, width="stretch", key="block_tables")
-        with st.expander("Block tables as rows (logical -> physical)"):
-            st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
+        # drawn only while open (a lazy expander): a table to serialise on every step otherwise
+        rows_panel = st.expander("Block tables as rows (logical -> physical)", key="block_rows_open",
+                                 on_change="rerun")
+        if rows_panel.open:
+            rows_panel.dataframe(pd.DataFrame(block_table_rows(snap, decode)), hide_index=True, width="stretch")
 
     st.subheader("Generated text (tokens tinted by logical block)")
-    for seq in latest_sequences(records):
-        color = request_color(request_id_of(seq.seq_id), lab.order)
-        st.markdown(f"**{seq.seq_id}** ({seq.status}) " + tinted_text(seq, color), unsafe_allow_html=True)
+    # one element for all sequences (a paragraph each): fewer elements to send on every step
+    st.markdown("\n\n".join(f"**{seq.seq_id}** ({seq.status}) "
+                              + tinted_text(seq, request_color(request_id_of(seq.seq_id), lab.order))
+                              for seq in latest_sequences(records)), unsafe_allow_html=True)
 
 
 def timeline(lab, history, index: int, paged, contiguous) -> None:

@@ -220,7 +220,9 @@ def scenario_sidebar(lab: Lab) -> None:
         if why_no_link:
             st.caption(f"No link for this run: {why_no_link}")
         else:
-            st.caption("Link to this run at this step (opens the same run on any server of this app):")
+            # a step re-runs only the stage (a fragment), not this sidebar: say which step this link holds
+            st.caption(f"Link to this run at step {st.query_params.get(STEP_PARAM, '0')} (opens the same run on any "
+                       f"server of this app; the browser's address bar follows every step):")
             st.code(page_link(), language=None, wrap_lines=True)
         if lab.settings.model != EMBEDDED_MODEL:
             st.caption("A link does not carry the model: it opens on the embedded model (a file opened here runs "
@@ -242,6 +244,16 @@ def sync_scenario_url(lab: Lab, scenario: ScenarioFile | None = None) -> str | N
         if st.query_params.get(name) != value:
             st.query_params[name] = value
     return None
+
+
+def follow_step(lab: Lab) -> None:
+    """The URL's ``step`` follows the step on screen, in the stage's fragment runs (a step re-runs only the
+    stage, so ``sync_scenario_url``, which writes the scenario too, runs on the page's full runs). No link
+    (no ``scenario`` in the URL): nothing to follow."""
+    if LINK_PARAM in st.query_params:
+        step = str(shown_step(lab))
+        if st.query_params.get(STEP_PARAM) != step:
+            st.query_params[STEP_PARAM] = step
 
 
 def page_link() -> str:

@@ -21,7 +21,10 @@ first logical blocks and the last ones are drawn (and the picked token's), and t
 out.
 
 ``block_table_picture`` is the pure data (rows, physical boxes, arrows, outlines, notes; tested directly);
-``block_table_figure`` draws it. Pure: plotly only.
+``block_table_figure`` draws it. Pure: plotly only. The traces and the layout are written as plain dicts and
+wrapped by ``viz.plain.figure`` (no Plotly validation on the step's path: ~47 ms -> ~2-3 ms a figure at step
+12 of the "batch" preset on the 2-core dev machine, see ``viz/plain.py``); tests/test_viz_plain.py validates the
+figure of every preset.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Callable
 import plotly.graph_objects as go
 
 from .colors import FREE, OUTLINE, SELECTED, SHARED, request_color, request_id_of
+from .plain import figure
 
 CHANGED = OUTLINE  # outline of what a step changed: the pool's (viz/pool.py)
 FONT_PX = 14         # smallest text on the figure: readable on a projector
@@ -254,8 +258,8 @@ def _arrow_path(x0: float, y0: float, box_h: float, x1: float, y1: float, row_px
     return [x0, x0 + 0.25, end - 0.7, end], [edge, bend, y1, y1]
 
 
-def _box_traces(pic: dict, g: dict, faded: set[str], decode) -> list[go.Scatter]:
-    """Filled boxes (one trace per colour) and their labels with hover text."""
+def _box_traces(pic: dict, g: dict, faded: set[str], decode) -> list[dict]:
+    """Filled boxes (one scatter trace dict per colour) and their labels with hover text."""
     B = pic["block_size"]
     fills: dict[tuple[str, str, float], tuple[list, list]] = {}
 
@@ -300,14 +304,15 @@ def _box_traces(pic: dict, g: dict, faded: set[str], decode) -> list[go.Scatter]
     traces = []
     for (fill, line, opacity), (xs, ys) in fills.items():
         # the fill is a tint of the colour, so black labels stay readable on every palette colour
-        traces.append(go.Scatter(x=xs, y=ys, mode="lines", fill="toself", fillcolor=_tint(fill),
-                                 line={"color": line, "width": 2}, opacity=opacity, hoverinfo="skip",
-                                 showlegend=False, meta={"role": "boxes"}))
+        traces.append({"type": "scatter", "x": xs, "y": ys, "mode": "lines", "fill": "toself",
+                       "fillcolor": _tint(fill), "line": {"color": line, "width": 2}, "opacity": opacity,
+                       "hoverinfo": "skip", "showlegend": False, "meta": {"role": "boxes"}})
     for xs, ys, text, hover, role in ((lx, ly, ltext, lhover, "logical"), (px, py, ptext, phover, "physical")):
-        traces.append(go.Scatter(x=xs, y=ys, mode="markers+text", text=text, hovertext=hover,
-                                 hovertemplate="%{hovertext}<extra></extra>", textfont={"size": FONT_PX},
-                                 marker={"size": 22, "color": "rgba(0,0,0,0)", "symbol": "square"},
-                                 showlegend=False, meta={"role": f"{role}_labels"}))
+        traces.append({"type": "scatter", "x": xs, "y": ys, "mode": "markers+text", "text": text,
+                       "hovertext": hover, "hovertemplate": "%{hovertext}<extra></extra>",
+                       "textfont": {"size": FONT_PX},
+                       "marker": {"size": 22, "color": "rgba(0,0,0,0)", "symbol": "square"},
+                       "showlegend": False, "meta": {"role": f"{role}_labels"}})
     return traces
 
 
@@ -324,8 +329,9 @@ def _tint(color: str) -> str:
     return "#" + "".join(f"{round(255 - 0.35 * (255 - c)):02X}" for c in (r, g, b))
 
 
-def _arrow_traces(pic: dict, g: dict, faded: set[str]) -> list[go.Scatter]:
-    """One trace per (sequence, kind): the table's arrows, and (dotted) the arrows a copy-on-write moved."""
+def _arrow_traces(pic: dict, g: dict, faded: set[str]) -> list[dict]:
+    """One scatter trace dict per (sequence, kind): the table's arrows, and (dotted) the arrows a copy-on-write
+    moved."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for a in pic["arrows"]:
         groups.setdefault((a["seq_id"], a["kind"]), []).append(a)
@@ -341,21 +347,22 @@ def _arrow_traces(pic: dict, g: dict, faded: set[str]) -> list[go.Scatter]:
             sizes += [0, 0, 0, 11, 0]
             custom += [[seq_id, a["logical"], a["physical"], kind]] * 4 + [None]
         old = kind == "cow_old"
-        traces.append(go.Scatter(
-            x=xs, y=ys, mode="lines+markers", line={"color": colors[seq_id], "width": 1.5 if old else 2,
-                                                    "shape": "spline", "dash": "dot" if old else "solid"},
-            marker={"symbol": "triangle-right", "size": sizes, "color": colors[seq_id]},
-            opacity=0.3 if seq_id in faded else 0.55 if old else 0.9, customdata=custom, showlegend=False,
-            hovertemplate=("%{customdata[0]}: logical block %{customdata[1]} -> physical block %{customdata[2]}"
-                           + (" (before this step's copy-on-write)" if old else "") + "<extra></extra>"),
-            name=f"{seq_id} {'before copy-on-write' if old else 'block table'}",
-            meta={"role": "arrows", "kind": kind, "seq_id": seq_id}))
+        traces.append({
+            "type": "scatter", "x": xs, "y": ys, "mode": "lines+markers",
+            "line": {"color": colors[seq_id], "width": 1.5 if old else 2, "shape": "spline",
+                     "dash": "dot" if old else "solid"},
+            "marker": {"symbol": "triangle-right", "size": sizes, "color": colors[seq_id]},
+            "opacity": 0.3 if seq_id in faded else 0.55 if old else 0.9, "customdata": custom, "showlegend": False,
+            "hovertemplate": ("%{customdata[0]}: logical block %{customdata[1]} -> physical block %{customdata[2]}"
+                              + (" (before this step's copy-on-write)" if old else "") + "<extra></extra>"),
+            "name": f"{seq_id} {'before copy-on-write' if old else 'block table'}",
+            "meta": {"role": "arrows", "kind": kind, "seq_id": seq_id}})
     return traces
 
 
-def _outline_traces(pic: dict, g: dict, selected: str | None) -> list[go.Scatter]:
-    """Black: blocks this step changed (in both columns); magenta: the selected request's boxes (thin) and
-    the picked token's logical block, physical block, arrow and slot (thick)."""
+def _outline_traces(pic: dict, g: dict, selected: str | None) -> list[dict]:
+    """Scatter trace dicts. Black: blocks this step changed (in both columns); magenta: the selected request's
+    boxes (thin) and the picked token's logical block, physical block, arrow and slot (thick)."""
     changed = set(pic["changed"])
     outlines = {"changed": ([], [], CHANGED, 3), "selected": ([], [], SELECTED, 2), "token": ([], [], SELECTED, 4)}
 
@@ -380,25 +387,27 @@ def _outline_traces(pic: dict, g: dict, selected: str | None) -> list[go.Scatter
     if pick:
         add("token", g["x_of"][pick["logical"]], g["row_y"][pick["seq_id"]], LOGICAL_W + 0.16, g["box_h"] + 8)
         add("token", *g["phys_xy"][pick["physical"]], PHYS_W + 0.3, g["phys_h"] + 12)
-    traces = [go.Scatter(x=xs, y=ys, mode="lines", line={"color": color, "width": width}, hoverinfo="skip",
-                         showlegend=False, meta={"role": f"outline_{kind}"})
+    traces = [{"type": "scatter", "x": xs, "y": ys, "mode": "lines", "line": {"color": color, "width": width},
+               "hoverinfo": "skip", "showlegend": False, "meta": {"role": f"outline_{kind}"}}
               for kind, (xs, ys, color, width) in outlines.items() if xs]
     if pick:
         ax, ay = _arrow_path(g["x_of"][pick["logical"]], g["row_y"][pick["seq_id"]], g["box_h"],
                              *g["phys_xy"][pick["physical"]], g["row_px"])
-        traces.append(go.Scatter(x=ax, y=ay, mode="lines", line={"color": SELECTED, "width": 4, "shape": "spline"},
-                                 hoverinfo="skip", showlegend=False, meta={"role": "token_arrow"}))
+        traces.append({"type": "scatter", "x": ax, "y": ay, "mode": "lines",
+                       "line": {"color": SELECTED, "width": 4, "shape": "spline"}, "hoverinfo": "skip",
+                       "showlegend": False, "meta": {"role": "token_arrow"}})
         # the offset: a marker over the slot's place inside each box (B slots across the box's width)
         B = pic["block_size"]
         lx = g["x_of"][pick["logical"]] - LOGICAL_W / 2 + (pick["offset"] + 0.5) * LOGICAL_W / B
         px_, py_ = g["phys_xy"][pick["physical"]]
         sx = px_ - PHYS_W / 2 + (pick["offset"] + 0.5) * PHYS_W / B
-        traces.append(go.Scatter(
-            x=[lx, sx], y=[g["row_y"][pick["seq_id"]] - g["box_h"] / 2 - 3, py_ - g["phys_h"] / 2 - 3],
-            mode="markers", marker={"symbol": "triangle-down", "size": 12, "color": SELECTED},
-            hovertext=[f"offset {pick['offset']} of logical block {pick['logical']}",
-                       f"slot {pick['slot']} (offset {pick['offset']} of physical block {pick['physical']})"],
-            hovertemplate="%{hovertext}<extra></extra>", showlegend=False, meta={"role": "token_slot"}))
+        traces.append({
+            "type": "scatter", "x": [lx, sx],
+            "y": [g["row_y"][pick["seq_id"]] - g["box_h"] / 2 - 3, py_ - g["phys_h"] / 2 - 3],
+            "mode": "markers", "marker": {"symbol": "triangle-down", "size": 12, "color": SELECTED},
+            "hovertext": [f"offset {pick['offset']} of logical block {pick['logical']}",
+                          f"slot {pick['slot']} (offset {pick['offset']} of physical block {pick['physical']})"],
+            "hovertemplate": "%{hovertext}<extra></extra>", "showlegend": False, "meta": {"role": "token_slot"}})
     return traces
 
 
@@ -436,8 +445,7 @@ def block_table_figure(source, request_order: list[str] | None = None, selected:
     pic = block_table_picture(snapshot, events, request_order, selected, token, max_rows, max_blocks, fit)
     g = _geometry(pic, compact)
     faded = {r["seq_id"] for r in pic["rows"] if selected and request_id_of(r["seq_id"]) != selected}
-    fig = go.Figure(_arrow_traces(pic, g, faded) + _box_traces(pic, g, faded, decode)
-                    + _outline_traces(pic, g, selected))
+    data = _arrow_traces(pic, g, faded) + _box_traces(pic, g, faded, decode) + _outline_traces(pic, g, selected)
     step = getattr(source, "step", None)
     head = title or ("Block tables" + (f" after step {step}" if step else "") + ": logical -> physical")
     if pic["notes"]:  # on a line of its own: the title must fit half of a 1280 px screen
@@ -452,37 +460,39 @@ def block_table_figure(source, request_order: list[str] | None = None, selected:
                       + " (dotted: the arrow before the copy)")
     if pic["token"]:
         bottom.append(pic["token"]["caption"])
-    _layout(fig, pic, g, head, bottom)
-    return fig
+    return figure(data, _layout(pic, g, head, bottom))
 
 
-def _layout(fig: go.Figure, pic: dict, g: dict, head: str, bottom: list[str]) -> None:
+def _layout(pic: dict, g: dict, head: str, bottom: list[str]) -> dict:
+    """The layout dict: title ``head``, the ``bottom`` captions (wrapped) under the plot, the logical-block
+    ticks along the top, the rows' ticks on the left; height in px from the geometry ``g``."""
     top, line = 62 + 20 * head.count("<br>"), 20  # title + the logical-block labels along the top
     lines = [part for text in bottom for part in textwrap.wrap(text, CAPTION_CHARS, subsequent_indent="  ")]
     margin_b = 10 + line * len(lines)
-    for k, text in enumerate(lines):
-        fig.add_annotation(text=text, xref="paper", yref="paper", x=0, y=0, yshift=-8 - line * k,
-                           xanchor="left", yanchor="top", showarrow=False, font={"size": FONT_PX},
-                           name="caption")
+    annotations = [{"text": text, "xref": "paper", "yref": "paper", "x": 0, "y": 0, "yshift": -8 - line * k,
+                    "xanchor": "left", "yanchor": "top", "showarrow": False, "font": {"size": FONT_PX},
+                    "name": "caption"}
+                   for k, text in enumerate(lines)]
     ticks = [(g["x_of"][c], f"L{c}") for c in pic["columns"]]
     gaps = [(g["x_of"][c] - 0.8, "...") for k, c in enumerate(pic["columns"][1:], 1)
             if c != pic["columns"][k - 1] + 1]
     ticks = sorted(ticks + gaps)
     if pic["physical"]:
-        fig.add_annotation(text="physical block x ref count", x=g["x_end"] + ARROW_GAP, xanchor="left",
-                           y=1, yref="paper", yanchor="bottom", yshift=4, showarrow=False,
-                           font={"size": FONT_PX})
-    fig.update_layout(
-        title={"text": head, "font": {"size": 16}, "x": 0, "xanchor": "left", "y": 1, "yanchor": "top",
-               "pad": {"t": 8, "l": 8}},
-        height=int(g["plot_px"] + top + margin_b), margin={"l": 10, "r": 10, "t": top, "b": margin_b},
-        font={"size": FONT_PX}, plot_bgcolor="white", hovermode="closest", dragmode=False,
-        xaxis={"side": "top", "tickmode": "array", "tickvals": [t[0] for t in ticks],
-               "ticktext": [t[1] for t in ticks], "tickfont": {"size": FONT_PX}, "showgrid": False,
-               "zeroline": False, "range": [-0.7, g["x_max"]], "fixedrange": True},
-        yaxis={"range": [g["plot_px"], 0], "tickmode": "array", "fixedrange": True, "showgrid": False,
-               "zeroline": False, "tickvals": [g["row_y"][r["seq_id"]] for r in pic["rows"]],
-               "ticktext": [f'<span style="color:{r["color"]}">\u25a0</span> {r["seq_id"]}'
-                            + (" (swapped)" if r["status"] == "swapped" else "") for r in pic["rows"]],
-               "tickfont": {"size": FONT_PX}, "automargin": True},
-    )
+        annotations.append({"text": "physical block x ref count", "x": g["x_end"] + ARROW_GAP, "xanchor": "left",
+                            "y": 1, "yref": "paper", "yanchor": "bottom", "yshift": 4, "showarrow": False,
+                            "font": {"size": FONT_PX}})
+    return {
+        "title": {"text": head, "font": {"size": 16}, "x": 0, "xanchor": "left", "y": 1, "yanchor": "top",
+                  "pad": {"t": 8, "l": 8}},
+        "height": int(g["plot_px"] + top + margin_b), "margin": {"l": 10, "r": 10, "t": top, "b": margin_b},
+        "font": {"size": FONT_PX}, "plot_bgcolor": "white", "hovermode": "closest", "dragmode": False,
+        "annotations": annotations,
+        "xaxis": {"side": "top", "tickmode": "array", "tickvals": [t[0] for t in ticks],
+                  "ticktext": [t[1] for t in ticks], "tickfont": {"size": FONT_PX}, "showgrid": False,
+                  "zeroline": False, "range": [-0.7, g["x_max"]], "fixedrange": True},
+        "yaxis": {"range": [g["plot_px"], 0], "tickmode": "array", "fixedrange": True, "showgrid": False,
+                  "zeroline": False, "tickvals": [g["row_y"][r["seq_id"]] for r in pic["rows"]],
+                  "ticktext": [f'<span style="color:{r["color"]}">\u25a0</span> {r["seq_id"]}'
+                               + (" (swapped)" if r["status"] == "swapped" else "") for r in pic["rows"]],
+                  "tickfont": {"size": FONT_PX}, "automargin": True},
+    }

@@ -1,9 +1,12 @@
-"""The paged block pool as one ``go.Heatmap`` (one cell per physical block, or per slot in slot mode).
+"""The paged block pool as one heatmap (one cell per physical block, or per slot in slot mode).
 
 Cell colour: the owning request's colour; grey with the reference count written on it when several
 sequences share the block; light grey when free but still holding a cached prefix; near-white when free.
 Cell text (small pools): owner and fill "k/B". Hover: block id, owners, reference count, fill, prefix-cache
 hash, and the text of the tokens the block holds (``decode`` turns token ids into text).
+
+Traces and layout are plain dicts wrapped by ``viz.plain.figure`` (no Plotly validation on the step's path:
+~1 ms instead of ~20 ms a figure; tests/test_viz_plain.py validates every figure instead).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Callable
 import plotly.graph_objects as go
 
 from .colors import CACHED_FREE, FREE, OUTLINE, SELECTED, SHARED, request_color, request_id_of
+from .plain import figure
 
 TEXT_LIMIT = 512  # above this many cells the labels are left out (unreadable, and slow to draw)
 FRAME_LIMIT = 64  # above this many outlined blocks, markers instead of one shape per block
@@ -112,14 +116,16 @@ def block_pool_figure(snapshot, request_order: list[str], decode: Callable[[list
             custom[r][col] = [c["block"], ", ".join(c["owners"]) or "free", c["ref_count"], f"{c['fill']}/{B}",
                               c["hash"] or "-", c["text"], c["block"] * B]
             pos[c["block"]] = (r, col)
-    fig = go.Figure(go.Heatmap(
-        z=z, text=text, texttemplate="%{text}", customdata=custom, colorscale=_discrete_scale(colors),
-        zmin=-0.5, zmax=len(colors) - 0.5, showscale=False, xgap=2, ygap=2,
-        hovertemplate=("block %{customdata[0]}<br>owners: %{customdata[1]}<br>reference count: "
-                       "%{customdata[2]}<br>fill: %{customdata[3]}<br>prefix hash: %{customdata[4]}"
-                       "<br>tokens: %{customdata[5]}<extra></extra>"),
-        textfont={"size": 12 if ncols <= 16 else 10},
-    ))
+    data = [{
+        "type": "heatmap", "z": z, "text": text, "texttemplate": "%{text}", "customdata": custom,
+        "colorscale": _discrete_scale(colors), "zmin": -0.5, "zmax": len(colors) - 0.5, "showscale": False,
+        "xgap": 2, "ygap": 2,
+        "hovertemplate": ("block %{customdata[0]}<br>owners: %{customdata[1]}<br>reference count: "
+                          "%{customdata[2]}<br>fill: %{customdata[3]}<br>prefix hash: %{customdata[4]}"
+                          "<br>tokens: %{customdata[5]}<extra></extra>"),
+        "textfont": {"size": 12 if ncols <= 16 else 10},
+    }]
+    shapes = []
     chosen = set()
     if selected:
         chosen = {c["block"] for c in cells if any(request_id_of(o) == selected for o in c["owners"])}
@@ -128,26 +134,29 @@ def block_pool_figure(snapshot, request_order: list[str], decode: Callable[[list
         # FRAME_LIMIT frames (a big prefill in a big pool) one trace of open squares is lighter to send and draw
         pts = [pos[b] for b in sorted(blocks) if b in pos]
         if len(pts) > FRAME_LIMIT and not slot_mode:
-            fig.add_trace(go.Scatter(x=[p[1] for p in pts], y=[p[0] for p in pts], mode="markers",
-                                     hoverinfo="skip", showlegend=False,
-                                     marker={"symbol": "square-open", "size": 7, "color": color,
-                                             "line": {"width": 2, "color": color}}))
+            data.append({"type": "scatter", "x": [p[1] for p in pts], "y": [p[0] for p in pts], "mode": "markers",
+                         "hoverinfo": "skip", "showlegend": False,
+                         "marker": {"symbol": "square-open", "size": 7, "color": color,
+                                    "line": {"width": 2, "color": color}}})
             continue
         for row, col in pts:
             x0, x1 = (-0.5, B - 0.5) if slot_mode else (col - 0.5, col + 0.5)
-            fig.add_shape(type="rect", x0=x0, x1=x1, y0=row - 0.5, y1=row + 0.5, line={"color": color, "width": 3})
+            shapes.append({"type": "rect", "x0": x0, "x1": x1, "y0": row - 0.5, "y1": row + 0.5,
+                           "line": {"color": color, "width": 3}})
     yaxis = {"visible": False, "autorange": "reversed"}
     if slot_mode:  # one row per block: name each row after its block, owners and reference count
         yaxis = {"autorange": "reversed", "tickmode": "array", "tickvals": list(range(nrows)), "showgrid": False,
                  "zeroline": False, "ticktext": [_row_label(c) for c in cells], "tickfont": {"size": 13}}
     title = title or f"{snapshot.num_blocks - snapshot.num_free_blocks}/{snapshot.num_blocks} blocks in use"
-    fig.update_layout(
-        title=title,
-        margin={"l": 10, "r": 10, "t": 40 + 22 * title.count("<br>"), "b": 10},  # room for a title's second line
-        height=max(220, min(640, (34 if slot_mode else 48) * nrows + 60)), xaxis={"visible": False}, yaxis=yaxis,
-        plot_bgcolor="white",
-    )
-    return fig
+    layout = {
+        "title": {"text": title},
+        "margin": {"l": 10, "r": 10, "t": 40 + 22 * title.count("<br>"), "b": 10},  # room for a title's 2nd line
+        "height": max(220, min(640, (34 if slot_mode else 48) * nrows + 60)), "xaxis": {"visible": False},
+        "yaxis": yaxis, "plot_bgcolor": "white",
+    }
+    if shapes:  # only when framed: an empty list would still be sent to the browser with every step
+        layout["shapes"] = shapes
+    return figure(data, layout)
 
 
 def _row_label(cell: dict) -> str:
@@ -189,11 +198,11 @@ def swap_pool_figure(snapshot, request_order: list[str]) -> go.Figure:
     z = [[None] * cols for _ in range(rows)]
     for c, color in enumerate(colors_of):
         z[c // cols][c % cols] = index[color]
-    fig = go.Figure(go.Heatmap(z=z, colorscale=_discrete_scale(colors), zmin=-0.5, zmax=len(colors) - 0.5,
-                               showscale=False, xgap=1, ygap=1, hoverinfo="skip"))
+    data = [{"type": "heatmap", "z": z, "colorscale": _discrete_scale(colors), "zmin": -0.5,
+             "zmax": len(colors) - 0.5, "showscale": False, "xgap": 1, "ygap": 1, "hoverinfo": "skip"}]
     used = n - snapshot.num_free_swap_blocks
-    fig.update_layout(title={"text": f"CPU swap pool: {used}/{n} blocks in use", "font": {"size": 13}},
-                      height=60 + 14 * rows, margin={"l": 10, "r": 10, "t": 36, "b": 6},
-                      xaxis={"visible": False}, yaxis={"visible": False, "autorange": "reversed"},
-                      plot_bgcolor="white")
-    return fig
+    layout = {"title": {"text": f"CPU swap pool: {used}/{n} blocks in use", "font": {"size": 13}},
+              "height": 60 + 14 * rows, "margin": {"l": 10, "r": 10, "t": 36, "b": 6},
+              "xaxis": {"visible": False}, "yaxis": {"visible": False, "autorange": "reversed"},
+              "plot_bgcolor": "white"}
+    return figure(data, layout)

@@ -12,6 +12,9 @@ many cells, each cell standing for the same number of slots, compares them fairl
   as "released"), external fragmentation (light orange: free slots in gaps too small for the next
   reservation although together they would hold it), free (near-white);
 - paged: used (the owner's colour), last-block slack (light grey), free (near-white).
+
+Traces and layout are plain dicts wrapped by ``viz.plain.figure`` (no Plotly validation on the step's path:
+~1 ms instead of ~15-20 ms a strip; tests/test_viz_plain.py validates every figure instead).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from engine.metrics import (contiguous_waste_now, internal_fragmentation, row_fi
                             slots_allocated, slots_used)
 
 from .colors import EXTERNAL, FREE, INTERNAL, RESERVED, SHARED, SLACK, request_color
+from .plain import figure
 from .pool import _discrete_scale
 
 MAX_CELLS = 2048  # cells drawn per strip; above this each cell stands for several slots (majority wins)
@@ -77,7 +81,10 @@ def paged_slot_cells(snapshot, request_order: list[str]) -> list[str]:
     return slots
 
 
-def _strip(slots: list[str], title: str, hover_unit: str) -> go.Figure:
+def _strip(slots: list[str], title: str, hover_unit: str) -> tuple[list[dict], dict]:
+    """The strip of ``slots`` (one colour per slot) as ``(data, layout)`` dicts for ``viz.plain.figure``: at most
+    ``MAX_CELLS`` cells of ``ceil(len(slots) / MAX_CELLS)`` slots each (a cell takes its slots' most common
+    colour), 64 to a row; the title gets a last line naming the slots per cell."""
     n = len(slots)
     per_cell = max(1, math.ceil(n / MAX_CELLS))
     cells = []
@@ -94,14 +101,14 @@ def _strip(slots: list[str], title: str, hover_unit: str) -> go.Figure:
         r, col = divmod(k, cols)
         z[r][col] = index[c]
         custom[r][col] = f"{hover_unit} {k * per_cell:,}..{min(n, (k + 1) * per_cell) - 1:,}"
-    fig = go.Figure(go.Heatmap(z=z, customdata=custom, colorscale=_discrete_scale(colors), zmin=-0.5,
-                               zmax=len(colors) - 0.5, showscale=False, xgap=1, ygap=1,
-                               hovertemplate="%{customdata}<extra></extra>"))
+    data = [{"type": "heatmap", "z": z, "customdata": custom, "colorscale": _discrete_scale(colors), "zmin": -0.5,
+             "zmax": len(colors) - 0.5, "showscale": False, "xgap": 1, "ygap": 1,
+             "hovertemplate": "%{customdata}<extra></extra>"}]
     title += f"<br>one cell = {per_cell} slots" if per_cell > 1 else "<br>one cell = one slot"
-    fig.update_layout(title={"text": title, "font": {"size": 14}}, margin={"l": 10, "r": 10, "t": 76, "b": 10},
-                      height=max(160, min(480, 14 * rows + 60)), xaxis={"visible": False},
-                      yaxis={"visible": False, "autorange": "reversed"}, plot_bgcolor="white")
-    return fig
+    layout = {"title": {"text": title, "font": {"size": 14}}, "margin": {"l": 10, "r": 10, "t": 76, "b": 10},
+              "height": max(160, min(480, 14 * rows + 60)), "xaxis": {"visible": False},
+              "yaxis": {"visible": False, "autorange": "reversed"}, "plot_bgcolor": "white"}
+    return data, layout
 
 
 WASTE_LEGEND = (("reserved_not_yet_used", RESERVED, "reserved, not yet used"),
@@ -126,21 +133,22 @@ def contiguous_region_figure(layout: dict, request_order: list[str],
     used, reserved = slots_used(snap), slots_allocated(snap)
     title = (f"contiguous: {used:,} used / {reserved:,} reserved ({slack_pct(snap):.1f}% unused)<br>"
              f"internal fragmentation of released reservations so far: {layout['internal_frag_slots']:,} slots")
-    fig = _strip(region_cells(layout, request_order, final_lengths), title, "slots")
+    data, fig_layout = _strip(region_cells(layout, request_order, final_lengths), title, "slots")
     for (_, color, _), label in zip(WASTE_LEGEND, waste_legend_labels(layout, final_lengths)):
         # a legend entry per kind, drawn as a square swatch by a trace with no point on the strip
-        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=label, showlegend=True,
-                                 marker={"symbol": "square", "size": 12, "color": color,
-                                         "line": {"color": "#7F7F7F", "width": 1}}, hoverinfo="skip"))
-    fig.update_layout(showlegend=True, legend={"orientation": "h", "yanchor": "top", "y": -0.02, "x": 0,
+        data.append({"type": "scatter", "x": [None], "y": [None], "mode": "markers", "name": label,
+                     "showlegend": True, "hoverinfo": "skip",
+                     "marker": {"symbol": "square", "size": 12, "color": color,
+                                "line": {"color": "#7F7F7F", "width": 1}}})
+    fig_layout.update(showlegend=True, legend={"orientation": "h", "yanchor": "top", "y": -0.02, "x": 0,
                                                "font": {"size": 12}},
-                      margin={"l": 10, "r": 10, "t": 76, "b": 40})
-    fig.update_layout(height=fig.layout.height + 30)
-    return fig
+                      margin={"l": 10, "r": 10, "t": 76, "b": 40},  # room below the strip for the legend
+                      height=fig_layout["height"] + 30)
+    return figure(data, fig_layout)
 
 
 def paged_slots_figure(snapshot, request_order: list[str]) -> go.Figure:
     """The paged pool as a strip of slots; the title's numbers are ``engine.metrics``'s."""
     title = (f"paged: {slots_used(snapshot):,} used / {slots_allocated(snapshot):,} allocated<br>"
              f"({slack_pct(snapshot):.1f}% last-block slack)")
-    return _strip(paged_slot_cells(snapshot, request_order), title, "slots")
+    return figure(*_strip(paged_slot_cells(snapshot, request_order), title, "slots"))

@@ -21,6 +21,8 @@ import re
 
 import plotly.graph_objects as go
 
+from .plain import figure
+
 # one colour per part of a step (not request colours: this chart is about the step, not who ran)
 PART_COLORS = {"decode": "#56B4E9", "prefill": "#332288"}
 KIND_WORDS = {"prefill": "prefill step", "decode": "decode step", "mixed": "mixed step", "idle": "idle step"}
@@ -156,29 +158,31 @@ def step_tokens_figure(records: list, budget: int | None = None, current_step: i
         for kind in counts:
             counts[kind].append(sum(p["num_tokens"] for p in parts if p["kind"] == kind))
         hover.append(step_label(r))
-    fig = go.Figure()
-    for kind, label in (("decode", "decode tokens"), ("prefill", "prefill tokens (chunks too)")):
-        fig.add_trace(go.Bar(x=steps, y=counts[kind], name=label, marker={"color": PART_COLORS[kind]},
-                             customdata=hover,
-                             hovertemplate=f"step %{{x}} (%{{customdata}}): %{{y}} {label}<extra></extra>"))
+    data = [{"type": "bar", "x": steps, "y": counts[kind], "name": label, "marker": {"color": PART_COLORS[kind]},
+             "customdata": hover, "hovertemplate": f"step %{{x}} (%{{customdata}}): %{{y}} {label}<extra></extra>"}
+            for kind, label in (("decode", "decode tokens"), ("prefill", "prefill tokens (chunks too)"))]
     tallest = max((d + p for d, p in zip(counts["decode"], counts["prefill"])), default=0)
     off_scale = bool(budget) and budget > 4 * max(tallest, 1)  # a line far above would flatten every bar
-    if budget and not off_scale:
-        fig.add_hline(y=budget, line={"dash": "dash", "color": "#D55E00"},
-                      annotation_text=f"token budget {budget:,}", annotation_position="top left")
-    if current_step is not None:
-        fig.add_vline(x=current_step, line={"dash": "dot", "color": "#888888"})
+    shapes, annotations = [], []
+    if budget and not off_scale:  # what ``fig.add_hline(..., annotation_position="top left")`` writes
+        shapes.append({"type": "line", "x0": 0, "x1": 1, "xref": "x domain", "y0": budget, "y1": budget,
+                       "yref": "y", "line": {"dash": "dash", "color": "#D55E00"}})
+        annotations.append({"text": f"token budget {budget:,}", "showarrow": False, "x": 0, "xanchor": "left",
+                            "xref": "x domain", "y": budget, "yanchor": "bottom", "yref": "y"})
+    if current_step is not None:  # ``fig.add_vline``
+        shapes.append({"type": "line", "x0": current_step, "x1": current_step, "xref": "x", "y0": 0, "y1": 1,
+                       "yref": "y domain", "line": {"dash": "dot", "color": "#888888"}})
     title = "tokens computed per step"
     if semantics:
         title += f" ({SEMANTICS_SHORT.get(semantics, semantics)})"
     if off_scale:
         title += f"; token budget {budget:,} per step, far above every step"
-    fig.update_layout(barmode="stack", title={"text": title, "font": {"size": 14}}, height=260,
-                      margin={"l": 10, "r": 10, "t": 60, "b": 10}, plot_bgcolor="white",
-                      legend={"orientation": "h", "yanchor": "bottom", "y": 1.02, "x": 0},
-                      xaxis={"title": "step", "tickformat": "d", "dtick": 1 if len(steps) <= 12 else None},
-                      yaxis={"rangemode": "tozero"})
-    return fig
+    layout = {"barmode": "stack", "title": {"text": title, "font": {"size": 14}}, "height": 260,
+              "margin": {"l": 10, "r": 10, "t": 60, "b": 10}, "plot_bgcolor": "white",
+              "legend": {"orientation": "h", "yanchor": "bottom", "y": 1.02, "x": 0},
+              "xaxis": {"title": {"text": "step"}, "tickformat": "d", **({"dtick": 1} if len(steps) <= 12 else {})},
+              "yaxis": {"rangemode": "tozero"}, "shapes": shapes, "annotations": annotations}
+    return figure(data, layout)
 
 
 def sharing_counts(records: list) -> dict:

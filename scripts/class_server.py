@@ -1,0 +1,190 @@
+"""A class server on several cores: N Streamlit processes of the app behind one nginx, each browser kept on one.
+
+    python scripts/class_server.py --workers 2 --port 8501          (bash scripts/run.sh --class --workers 2)
+
+Why: one Streamlit process runs Python on one core at a time (the GIL), however many students step at once; a
+second process on a second core doubles what a class gets (issue 16's load goals; ``bench/class_load.py
+--workers 2`` measures it). A browser session lives in one process (its labs, its uploads, its download links),
+so the proxy must send all of a browser's requests to the same worker: nginx gives a browser without one a
+cookie ``pal_worker`` (its request id) and routes by a consistent hash of it. Streamlit's own XSRF cookie cannot
+serve: its masked value changes with every response.
+
+Every worker runs in class-server mode (``PAL_CLASS_SERVER=1``, ``engine.limits``), listens on 127.0.0.1 only,
+and shares one random ``server.cookieSecret`` (so any worker accepts the cookies another set). nginx runs in the
+foreground from a private folder (its config, pid, logs and buffers), needing no root and touching nothing in
+/etc. Stopping this script (Ctrl+C, SIGTERM) stops nginx and every worker. With ``--workers 1`` it runs one
+Streamlit on the public port without nginx.
+
+Raises SystemExit with a message naming the problem when nginx is missing or a port is not free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STICKY_COOKIE = "pal_worker"
+MAX_WORKERS = 64
+
+
+def nginx_config(listen: str, port: int, worker_ports: list[int], folder: str) -> str:
+    """nginx.conf text: listen on ``listen:port``, proxy HTTP and websockets to ``127.0.0.1:<worker_ports>``,
+    one worker per browser (the ``pal_worker`` cookie, set on a browser's first response, hashed consistently).
+    ``folder``: nginx's private folder (pid, error log, temp buffers). Raises ValueError for no worker ports."""
+    if not worker_ports:
+        raise ValueError("worker_ports is empty: at least one Streamlit worker is needed")
+    servers = "\n".join(f"        server 127.0.0.1:{p} max_fails=0;" for p in worker_ports)
+    temp = "\n".join(f"    {kind}_temp_path {folder}/{kind};" for kind in
+                     ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    return f"""# written by scripts/class_server.py: {len(worker_ports)} Streamlit workers behind one port
+worker_processes 1;
+daemon off;
+pid {folder}/nginx.pid;
+error_log {folder}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+{temp}
+    client_max_body_size 2m;  # a scenario file is at most 256 KiB
+    map $http_upgrade $connection_upgrade {{ default upgrade; '' close; }}
+    # a browser's worker: its cookie, or for its first request a fresh id (then sent to it as the cookie)
+    map $cookie_{STICKY_COOKIE} $pal_worker {{ "" $request_id; default $cookie_{STICKY_COOKIE}; }}
+    upstream streamlit_workers {{
+        hash $pal_worker consistent;
+{servers}
+    }}
+    server {{
+        listen {listen}:{port};
+        location / {{
+            add_header Set-Cookie "{STICKY_COOKIE}=$pal_worker; Path=/; SameSite=Lax; HttpOnly" always;
+            add_header X-PAL-Worker $upstream_addr always;  # which worker answered (tests, debugging)
+            proxy_pass http://streamlit_workers;
+            proxy_http_version 1.1;
+            proxy_set_header Upgrade $http_upgrade;
+            proxy_set_header Connection $connection_upgrade;
+            proxy_set_header Host $host;
+            proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
+            proxy_read_timeout 1d;  # a student's websocket stays open for the whole class
+            proxy_send_timeout 1d;
+            proxy_buffering off;
+        }}
+    }}
+}}
+"""
+
+
+def port_free(address: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((address, port))
+        except OSError:
+            return False
+    return True
+
+
+def worker_command(port: int, extra: list[str]) -> list[str]:
+    """The ``streamlit run app.py`` command line of one worker on ``127.0.0.1:port``."""
+    return [sys.executable, "-m", "streamlit", "run", str(ROOT / "app.py"), "--server.address", "127.0.0.1",
+            "--server.port", str(port), "--server.headless", "true", *extra]
+
+
+def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 180.0) -> None:
+    """Wait until the worker on ``port`` answers /_stcore/health. Raises SystemExit if it exits or times out."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise SystemExit(f"class server: the worker on port {port} exited with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.3)
+    raise SystemExit(f"class server: the worker on port {port} did not answer within {timeout:.0f} s")
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                        help="Streamlit processes (default: one per core)")
+    parser.add_argument("--port", type=int, default=8501, help="the port students open")
+    parser.add_argument("--address", default="0.0.0.0", help="the interface students reach (default: all)")
+    parser.add_argument("--first-worker-port", type=int, default=None,
+                        help="workers listen on 127.0.0.1 from this port up (default: --port + 1)")
+    args, extra = parser.parse_known_args(argv)
+    if not 1 <= args.workers <= MAX_WORKERS:
+        parser.error(f"--workers {args.workers}: between 1 and {MAX_WORKERS}")
+    return args, extra
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, extra = parse_args(argv)
+    os.environ["PAL_CLASS_SERVER"] = "1"
+    if args.workers == 1:  # no proxy needed
+        os.chdir(ROOT)
+        os.execv(sys.executable, [sys.executable, "-m", "streamlit", "run", "app.py", "--server.address",
+                                  args.address, "--server.port", str(args.port), *extra])
+    nginx = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.path.exists(p)), None)
+    if nginx is None:
+        raise SystemExit("class server: --workers > 1 needs nginx (Debian: apt-get install nginx), or run "
+                         "--workers 1")
+    first = args.first_worker_port or args.port + 1
+    ports = list(range(first, first + args.workers))
+    for address, port in [(args.address, args.port)] + [("127.0.0.1", p) for p in ports]:
+        if not port_free(address, port):
+            raise SystemExit(f"class server: port {port} on {address} is in use")
+    folder = tempfile.mkdtemp(prefix="pal-class-nginx-")
+    Path(folder, "nginx.conf").write_text(nginx_config(args.address, args.port, ports, folder))
+    # one cookie secret for all (Streamlit takes it from the environment only, never from the command line)
+    env = {**os.environ, "STREAMLIT_SERVER_COOKIE_SECRET": secrets.token_hex(16)}
+    procs: list[subprocess.Popen] = []
+
+    def on_signal(signum, _frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        for port in ports:
+            procs.append(subprocess.Popen(worker_command(port, extra), cwd=ROOT, env=env))
+        for port, proc in zip(ports, procs):
+            wait_healthy(port, proc)
+        procs.append(subprocess.Popen([nginx, "-p", folder, "-c", f"{folder}/nginx.conf"]))
+        print(f"class server: http://{args.address}:{args.port} -> {args.workers} workers on 127.0.0.1:"
+              f"{ports[0]}-{ports[-1]} (nginx, one worker per browser)", flush=True)
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+        dead = next(p for p in procs if p.poll() is not None)
+        print(f"class server: {' '.join(map(str, dead.args[:1]))} exited ({dead.returncode}); stopping the rest",
+              file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stop(procs)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

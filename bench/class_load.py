@@ -7,16 +7,21 @@ section of docs/benchmarks.md.
 Each student is a real Streamlit session over the websocket (``/_stcore/stream``), speaking the browser's
 protocol with Streamlit's own protobufs: a ``BackMsg.rerun_script`` carries the widget states, the server
 answers with ``ForwardMsg``s (``new_session``, deltas, ..., ``script_finished``). The Step button's widget
-id (key ``stage_step``) is read from the page's deltas; a Step click is a rerun with a ``trigger_value``
-for it, as the browser sends one. A Step's time is from sending that BackMsg to its ``script_finished``.
+id (key ``stage_step``) and the fragment it is drawn in are read from the page's deltas; a Step click is a
+rerun of that fragment with a ``trigger_value`` for it, as the browser sends one. A Step's time is from
+sending that BackMsg to its ``script_finished``. Before its websocket, a student GETs the health check as a
+browser does, and sends back the cookies it was given (behind ``scripts/class_server.py`` the proxy's
+``pal_worker`` cookie keeps it on one worker).
 
-One fresh ``streamlit run app.py`` per class size (sessions of an earlier size would still hold memory).
+One fresh class server (``PAL_CLASS_SERVER=1``) per class size and ``--workers`` count (sessions of an
+earlier size would still hold memory): ``streamlit run app.py``, or with ``--workers N`` > 1
+``scripts/class_server.py --workers N`` (N Streamlit processes behind nginx).
 Every student first opens the page (its own Lab, the default "batch" preset), adds a custom request whose
 prompt carries a marker unique to it, and steps once (warm-up). Then ``--rounds`` rounds: in each, every
 student clicks Step at the same moment (the class "stepping at once") and the round ends when every page
 has finished. Reported: median and p95 Step time, Step clicks served per second (all clicks / wall time of
-the rounds), the server's resident memory (``/proc/PID/status``: VmRSS after the rounds and the peak
-VmHWM), bytes sent per Step, and isolation: every student sees its own marker and its own Lab token
+the rounds), the server's resident memory (``/proc/PID/status`` of each of its processes: VmRSS after
+the rounds and the peak VmHWM, summed), bytes sent per Step, and isolation: every student sees its own marker and its own Lab token
 (the stage counter's ``token``), and no other student's marker or token ever appears in its messages.
 
 ``--profile PATH``: the server runs under ``bench/class_profile.py``, which profiles every script run with
@@ -24,7 +29,8 @@ cProfile (per ScriptRunner thread) and writes the merged stats to PATH when the 
 profiler's own cost inflates every time, so profiled runs are reported apart.
 
 Goals (issue 16): 30 students median <= 0.5 s and p95 <= 1.5 s; 60 students p95 <= 3 s. A bench, not a
-timed test; ``tests/test_classroom.py`` runs it with 2 students so it cannot rot.
+timed test; ``tests/test_classroom.py`` runs it with 2 students and ``tests/test_class_workers.py`` with 4
+students behind nginx, so it cannot rot.
 """
 
 from __future__ import annotations
@@ -412,13 +418,17 @@ def section(results: list[ClassResult], rounds: int, load: str, extra: str = "")
     return "\n".join([
         "## A class at once: students stepping the Playground together (issue 16)",
         "",
-        f"Command: `nice -n 10 python bench/class_load.py`. One `streamlit run app.py` per class size on this "
-        f"shared 2-core CPU ({load}); every student a real session over the websocket, speaking the "
-        f"browser's protocol (`bench/class_load.py`). Each student opens the Playground (its own lab, the "
-        f"default \"batch\" preset), adds a request with a marker of its own and steps once; then {rounds} "
-        f"rounds in which every student clicks Step at the same moment. Step time: from the click's message "
-        f"to the page's `script_finished`. Clicks served per second: all clicks over the rounds' wall time. "
-        f"Server memory from /proc (the server before any page view: {idle:,.0f} MiB).",
+        f"Command: `nice -n 10 python bench/class_load.py`. A fresh class server (`PAL_CLASS_SERVER=1`) per "
+        f"row on this shared 2-core CPU ({load}): one `streamlit run app.py` process, or `scripts/class_server.py "
+        f"--workers 2` (two Streamlit processes behind nginx, each browser kept on one by a cookie). Every "
+        f"student is a real session over the websocket, speaking the browser's protocol (`bench/class_load.py`: "
+        f"the health check first, for the proxy's cookie; a Step is a rerun of the stage fragment, as a browser "
+        f"sends it). Each student opens the Playground (its own lab, the default \"batch\" preset), adds a "
+        f"request with a marker of its own and steps once; then {rounds} rounds in which every student clicks "
+        f"Step at the same moment. Step time: from the click's message to the page's `script_finished`. Clicks "
+        f"served per second: all clicks over the rounds' wall time. Server memory from /proc, summed over the "
+        f"server's processes (workers and nginx; the peak column sums each process's own peak); before any page "
+        f"view: {idle:,.0f} MiB.",
         "",
         table(results),
         "",

@@ -12,7 +12,8 @@ serve: its masked value changes with every response.
 Every worker runs in class-server mode (``PAL_CLASS_SERVER=1``, ``engine.limits``), listens on 127.0.0.1 only,
 and shares one random ``server.cookieSecret`` (so any worker accepts the cookies another set). nginx runs in the
 foreground from a private folder (its config, pid, logs and buffers), needing no root and touching nothing in
-/etc. Stopping this script (Ctrl+C, SIGTERM) stops nginx and every worker. With ``--workers 1`` it runs one
+/etc. The Class page's classes live in a file of that folder the workers share (``PAL_CLASS_STATE``,
+``ui.class_room_state.ClassRegistry``): a presenter and their students may be on different workers. Stopping this script (Ctrl+C, SIGTERM) stops nginx and every worker. With ``--workers 1`` it runs one
 Streamlit on the public port without nginx.
 
 Raises SystemExit with a message naming the problem when nginx is missing or a port is not free.
@@ -127,8 +128,8 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                        help="Streamlit processes (default: one per core)")
+    parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
+                        help="Streamlit processes (default: one per core this process may use)")
     parser.add_argument("--port", type=int, default=8501, help="the port students open")
     parser.add_argument("--address", default="0.0.0.0", help="the interface students reach (default: all)")
     parser.add_argument("--first-worker-port", type=int, default=None,
@@ -158,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     folder = tempfile.mkdtemp(prefix="pal-class-nginx-")
     Path(folder, "nginx.conf").write_text(nginx_config(args.address, args.port, ports, folder))
     # one cookie secret for all (Streamlit takes it from the environment only, never from the command line)
-    env = {**os.environ, "STREAMLIT_SERVER_COOKIE_SECRET": secrets.token_hex(16)}
+    # and one file for the Class page's classes: a presenter and the students may be on different workers
+    env = {**os.environ, "STREAMLIT_SERVER_COOKIE_SECRET": secrets.token_hex(16),
+           "PAL_CLASS_STATE": f"{folder}/classes.json"}
     procs: list[subprocess.Popen] = []
 
     def on_signal(signum, _frame):
@@ -170,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
             procs.append(subprocess.Popen(worker_command(port, extra), cwd=ROOT, env=env))
         for port, proc in zip(ports, procs):
             wait_healthy(port, proc)
-        procs.append(subprocess.Popen([nginx, "-p", folder, "-c", f"{folder}/nginx.conf"]))
+        # -e: nginx opens its default error log before reading the config (/var/log/nginx: root's)
+        procs.append(subprocess.Popen([nginx, "-p", folder, "-e", f"{folder}/error.log", "-c",
+                                       f"{folder}/nginx.conf"]))
         print(f"class server: http://{args.address}:{args.port} -> {args.workers} workers on 127.0.0.1:"
               f"{ports[0]}-{ports[-1]} (nginx, one worker per browser)", flush=True)
         while all(p.poll() is None for p in procs):

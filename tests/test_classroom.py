@@ -96,6 +96,42 @@ def test_one_prediction_per_student_changeable_until_the_reveal():
     assert reg.view(code, now=7).answered == 0
 
 
+def _submit_many(path: str, code: str, number: int, first: int) -> None:
+    reg = ClassRegistry(path=path)  # a worker process of its own
+    for i in range(first, first + 25):
+        reg.submit(code, f"s{i}", str(i % 5), number)
+
+
+def test_a_class_spans_processes_sharing_a_file(tmp_path):
+    """A class server with several workers (scripts/class_server.py): the presenter's process and the
+    students' processes share the classes through one file."""
+    import multiprocessing
+
+    path = str(tmp_path / "classes.json")
+    presenter, student = ClassRegistry(path=path), ClassRegistry(path=path)
+    code = presenter.open_class()
+    assert student.exists(code)
+    number = presenter.ask(code, make_question("free_after", 4, ["R1"]))
+    student.submit(code, "s1", "3", number)
+    with pytest.raises(ValueError, match="'7'"):
+        student.submit(code, "s2", "7", number)  # refused, and nothing of it written
+    assert presenter.view(code, presenter=True).counts == {"3": 1}
+    # four processes submitting at once: every prediction counted once (one writer at a time: flock)
+    procs = [multiprocessing.get_context("fork").Process(target=_submit_many, args=(path, code, number, 100 + 25 * k))
+             for k in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0, 0]
+    view = presenter.view(code, presenter=True)
+    assert view.answered == 101 and sum(view.counts.values()) == 101
+    presenter.reveal(code, "3")
+    assert student.view(code, student="s1").answer == "3" and student.view(code, student="s1").mine == "3"
+    presenter.close(code)
+    assert not student.exists(code)
+
+
 def test_tally_keeps_the_choices_order():
     q = make_question("free_after", 12, ["R1"])
     assert list(tally(q, ["10", "2", "10", "9"])) == ["2", "9", "10"]
@@ -245,6 +281,6 @@ def test_class_load_bench_runs(tmp_path):
     from bench.class_load import main
 
     doc = tmp_path / "bench.md"
-    assert main(["--students", "2", "--rounds", "2", "--doc", str(doc)]) == 0
+    assert main(["--students", "2", "--rounds", "2", "--workers", "1", "--doc", str(doc)]) == 0
     text = doc.read_text()
-    assert "<!-- class-load:start -->" in text and "| 2 | 4 |" in text and "ok: no leak; 2/2" in text
+    assert "<!-- class-load:start -->" in text and "| 2 | 1 process | 4 |" in text and "ok: no leak; 2/2" in text

@@ -15,17 +15,25 @@ student's prediction under an anonymous id the student's own session made up (``
 after the reveal the right answer. No session id, no lab, no request text: a student reads only a
 ``ClassView`` (the question, the counts, its own prediction), never another student's id.
 
-Bounds: at most ``max_classes`` classes per process and ``max_students`` per class; a class whose
+Bounds: at most ``max_classes`` classes per server and ``max_students`` per class; a class whose
 presenter has not touched it for ``ttl_s`` seconds expires (its code stops working and may be reused).
 Thread-safe: every method holds the registry's lock (Streamlit runs each session's script in its own
-thread).
+thread). Shared between processes when given a ``path`` (a class server with several workers,
+``scripts/class_server.py``, sets ``PAL_CLASS_STATE``): the presenter and the students may be served by
+different processes, so every method then reads the classes from that JSON file and writes them back under an
+exclusive ``fcntl.flock`` of ``<path>.lock`` (a class holds a few KB; each page reads it about once a second).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import fcntl
+import json
+import os
 import secrets
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 # Join codes: no 0/O, 1/I/L, so a code read off a projector is typed right. 5 characters of 31: ~28.6M codes.
@@ -184,21 +192,62 @@ class ClassRoom:
     answer: str | None = None
 
 
-class ClassRegistry:
-    """Every class of this server process (see the module docstring). ``now`` arguments are for tests
-    (seconds, ``time.monotonic``'s clock)."""
+def _room_to_json(room: ClassRoom) -> dict:
+    return {**dataclasses.asdict(room), "students": sorted(room.students)}
 
-    def __init__(self, max_classes: int = MAX_CLASSES, max_students: int = MAX_STUDENTS, ttl_s: float = TTL_S):
+
+def _room_from_json(data: dict) -> ClassRoom:
+    q = data.get("question")
+    question = Question(q["kind"], q["text"], tuple(q["choices"]), q.get("target")) if q else None
+    return ClassRoom(data["code"], float(data["touched"]), question, int(data["number"]),
+                     dict(data["predictions"]), set(data["students"]), data.get("answer"))
+
+
+class ClassRegistry:
+    """Every class of this server (see the module docstring): kept in this process, or with ``path`` in that
+    JSON file, shared by every process given the same path. ``now`` arguments are for tests (seconds since
+    the epoch: ``time.time``'s clock, the one processes share)."""
+
+    def __init__(self, max_classes: int = MAX_CLASSES, max_students: int = MAX_STUDENTS, ttl_s: float = TTL_S,
+                 path: str | None = None):
         self.max_classes, self.max_students, self.ttl_s = max_classes, max_students, ttl_s
+        self.path = path
         self._classes: dict[str, ClassRoom] = {}
-        self._lock = threading.Lock()
+        self._thread_lock = threading.Lock()
+
+    @contextmanager
+    def _lock(self):
+        """This registry's lock; with a ``path``, also the file's, the classes read before and written after."""
+        with self._thread_lock:
+            if self.path is None:
+                yield
+                return
+            with open(self.path + ".lock", "a") as lock_file:
+                fcntl.flock(lock_file, fcntl.LOCK_EX)  # released when the file is closed
+                self._classes = self._read()
+                yield
+                self._write()
+
+    def _read(self) -> dict[str, ClassRoom]:
+        try:
+            with open(self.path) as f:
+                rooms = json.load(f)
+        except FileNotFoundError:
+            return {}
+        return {code: _room_from_json(room) for code, room in rooms.items()}
+
+    def _write(self) -> None:
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({code: _room_to_json(room) for code, room in self._classes.items()}, f)
+        os.replace(tmp, self.path)  # readers see the old file or the new one, never half of one
 
     def __len__(self) -> int:
-        with self._lock:
+        with self._lock():
             return len(self._classes)
 
     def _now(self, now: float | None) -> float:
-        return time.monotonic() if now is None else now
+        return time.time() if now is None else now
 
     def _sweep(self, now: float) -> None:
         for code in [c for c, room in self._classes.items() if now - room.touched > self.ttl_s]:
@@ -214,7 +263,7 @@ class ClassRegistry:
     def open_class(self, now: float | None = None) -> str:
         """Start a class; returns its join code. Raises RuntimeError when ``max_classes`` are running."""
         now = self._now(now)
-        with self._lock:
+        with self._lock():
             self._sweep(now)
             if len(self._classes) >= self.max_classes:
                 raise RuntimeError(f"this server already runs {len(self._classes)} classes (at most "
@@ -225,12 +274,12 @@ class ClassRegistry:
 
     def close(self, code: str) -> None:
         """End the class ``code`` (its code stops working); an unknown code is ignored."""
-        with self._lock:
+        with self._lock():
             self._classes.pop(normalize_code(code), None)
 
     def exists(self, code: str, now: float | None = None) -> bool:
         now = self._now(now)
-        with self._lock:
+        with self._lock():
             self._sweep(now)
             return normalize_code(code) in self._classes
 
@@ -238,7 +287,7 @@ class ClassRegistry:
         """Open ``question`` in class ``code`` (the previous one and its predictions are dropped); returns its
         number. Raises KeyError for an unknown or expired code."""
         now = self._now(now)
-        with self._lock:
+        with self._lock():
             room = self._room(code, now)
             room.question, room.answer, room.predictions = question, None, {}
             room.number += 1
@@ -254,7 +303,7 @@ class ClassRegistry:
         answer already revealed, a stale question number, a choice not offered, the class full."""
         now = self._now(now)
         choice = str(choice).strip()
-        with self._lock:
+        with self._lock():
             room = self._room(code, now)
             if room.question is None:
                 raise ValueError("no question is open in this class yet: wait for the presenter")
@@ -275,7 +324,7 @@ class ClassRegistry:
         """Close the open question with its right ``answer`` (one of its choices). Raises KeyError (unknown
         code) or ValueError (no question open, an answer not among the choices)."""
         now = self._now(now)
-        with self._lock:
+        with self._lock():
             room = self._room(code, now)
             if room.question is None:
                 raise ValueError("no question is open in this class")
@@ -291,7 +340,7 @@ class ClassRegistry:
         choices somebody predicted, plus the right answer once revealed. Raises KeyError for an unknown or
         expired code."""
         now = self._now(now)
-        with self._lock:
+        with self._lock():
             room = self._room(code, now)
             if presenter:
                 room.touched = now

@@ -9,13 +9,14 @@ Students open this page in their own browsers, type the code and submit one pred
 reveal they see the right answer and the histogram with the right bar marked.
 
 The class lives in a process-wide ``ClassRegistry`` (``st.cache_resource``, like ``ui.server``'s
-``live_registry``) holding only questions, predictions under anonymous ids and answers; a student's page
+``live_registry``; with several worker processes, in the file they share: ``PAL_CLASS_STATE``) holding only questions, predictions under anonymous ids and answers; a student's page
 reads a ``ClassView`` and never the presenter's lab or another student's session.
 """
 
 from __future__ import annotations
 
 import html
+import os
 
 import streamlit as st
 
@@ -31,10 +32,14 @@ KIND_LABELS = {"next_block": "Which block will a request take next?",
                "preempted": "Who is preempted next?"}
 
 
+STATE_ENV = "PAL_CLASS_STATE"  # a JSON file the classes live in, shared by a class server's worker processes
+
+
 @st.cache_resource
 def class_registry() -> ClassRegistry:
-    """Process-wide: every class on this server (shared by all sessions)."""
-    return ClassRegistry()
+    """Every class on this server, shared by all sessions: in this process, or in the file ``PAL_CLASS_STATE``
+    names (``scripts/class_server.py`` sets it, so a class spans its workers)."""
+    return ClassRegistry(path=os.environ.get(STATE_ENV) or None)
 
 
 def big_code(code: str) -> None:

@@ -21,8 +21,9 @@ prompt carries a marker unique to it, and steps once (warm-up). Then ``--rounds`
 student clicks Step at the same moment (the class "stepping at once") and the round ends when every page
 has finished. Reported: median and p95 Step time, Step clicks served per second (all clicks / wall time of
 the rounds), the server's resident memory (``/proc/PID/status`` of each of its processes: VmRSS after
-the rounds and the peak VmHWM, summed), bytes sent per Step, and isolation: every student sees its own marker and its own Lab token
-(the stage counter's ``token``), and no other student's marker or token ever appears in its messages.
+the rounds and the peak VmHWM, summed), bytes sent per Step, and isolation: every student sees its own
+marker and its own Lab token (the stage counter's ``token``), and no other student's marker or token ever
+appears in its messages.
 
 ``--profile PATH``: the server runs under ``bench/class_profile.py``, which profiles every script run with
 cProfile (per ScriptRunner thread) and writes the merged stats to PATH when the server stops; the

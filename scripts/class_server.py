@@ -10,10 +10,11 @@ cookie ``pal_worker`` (its request id) and routes by a consistent hash of it. St
 serve: its masked value changes with every response.
 
 Every worker runs in class-server mode (``PAL_CLASS_SERVER=1``, ``engine.limits``), listens on 127.0.0.1 only,
-and shares one random ``server.cookieSecret`` (so any worker accepts the cookies another set). nginx runs in the
+and shares one random cookie secret (so any worker accepts the cookies another set). nginx runs in the
 foreground from a private folder (its config, pid, logs and buffers), needing no root and touching nothing in
 /etc. The Class page's classes live in a file of that folder the workers share (``PAL_CLASS_STATE``,
-``ui.class_room_state.ClassRegistry``): a presenter and their students may be on different workers. Stopping this script (Ctrl+C, SIGTERM) stops nginx and every worker. With ``--workers 1`` it runs one
+``ui.class_room_state.ClassRegistry``): a presenter and their students may be on different workers.
+Stopping this script (Ctrl+C, SIGTERM) stops nginx and every worker. With ``--workers 1`` it runs one
 Streamlit on the public port without nginx.
 
 Raises SystemExit with a message naming the problem when nginx is missing or a port is not free.

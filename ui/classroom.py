@@ -9,8 +9,9 @@ Students open this page in their own browsers, type the code and submit one pred
 reveal they see the right answer and the histogram with the right bar marked.
 
 The class lives in a process-wide ``ClassRegistry`` (``st.cache_resource``, like ``ui.server``'s
-``live_registry``; with several worker processes, in the file they share: ``PAL_CLASS_STATE``) holding only questions, predictions under anonymous ids and answers; a student's page
-reads a ``ClassView`` and never the presenter's lab or another student's session.
+``live_registry``; with several worker processes, in the file they share: ``PAL_CLASS_STATE``) holding
+only questions, predictions under anonymous ids and answers; a student's page reads a ``ClassView`` and
+never the presenter's lab or another student's session.
 """
 
 from __future__ import annotations

@@ -339,6 +339,9 @@ def stage(lab, present: bool, timer: tuple[bool, float]) -> None:
             st.rerun(scope="app")
         follow_step(lab)  # the URL's step follows the step on screen (the scenario part is the full run's)
         views(lab, present)
+    if not present:
+        # outside the slot: a GIF or an MP4 takes seconds to draw, and the class's Steps need not wait for it
+        export_panel(lab)  # HTML / GIF / MP4 / PNG of the run, built only on click
 
 
 def timer_of(lab) -> tuple[bool, float | None]:
@@ -464,7 +467,6 @@ def views(lab, present: bool = False) -> None:
     step_in_words(paged, contiguous, lab.step_budget())
     tables_and_text(lab, paged, [p for p, _ in history[: index + 1]])
     timeline(lab, history, index, paged, contiguous)
-    export_panel(lab)  # HTML / GIF / MP4 / PNG of the run, built only on click
 
 
 def advance_play(lab) -> None:

@@ -242,9 +242,12 @@ def test_class_page_presenter_and_student():
     student.text_input(key="class_code_typed").set_value(code.lower())
     next(b for b in student.button if b.label == "Join").click().run()
     assert student.session_state["class_code_joined"] == code
+    next(b for b in student.button if b.label == "Submit").click().run()  # nothing chosen yet
+    student.run()  # the page's 1 s refresh: the refusal is still said
+    assert [e.value for e in student.error] == ["Not submitted: choose a prediction first"]
     student.selectbox(key="class_pick_1").set_value("5")
     next(b for b in student.button if b.label == "Submit").click().run()
-    assert any("Your prediction: **5**" in c.value for c in student.caption)
+    assert any("Your prediction: **5**" in c.value for c in student.caption) and not student.error
 
     presenter.run()
     assert any("1 prediction so far" in c.value for c in presenter.caption)

@@ -209,14 +209,20 @@ def student_live(registry, code: str, sid: str) -> None:
     mine = view.mine if view.mine in choices else None
     pick = st.selectbox("Your prediction", choices, index=choices.index(mine) if mine else None,
                         format_func=choice_label, key=f"class_pick_{view.number}")
+    # a refused submit is said until the next try: this fragment re-runs every second, and a message drawn
+    # only in the run of the click would vanish before it is read
+    refused = f"class_refused_{view.number}"
     if st.button("Submit" if mine is None else "Change my prediction", key=f"class_submit_{view.number}"):
         try:
             if pick is None:
                 raise ValueError("choose a prediction first")
             registry.submit(code, sid, pick, number=view.number)
             mine = pick
+            st.session_state.pop(refused, None)
         except (KeyError, ValueError) as exc:
-            st.error(f"Not submitted: {exc}")
+            st.session_state[refused] = f"Not submitted: {exc}"
+    if said := st.session_state.get(refused):
+        st.error(said)
     st.caption(f"Your prediction: **{choice_label(mine)}** (you may change it until the reveal)" if mine else
                "No prediction submitted yet.")
 

@@ -41,12 +41,10 @@ equal to the registry. A link is ``encode_link``: the file's JSON without defaul
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import re
 import reprlib
 import sys
-import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -57,6 +55,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .config import (CONTIGUOUS_POLICIES, EMBEDDED_MODEL, MAX_SEED, PREEMPTION_MODES, SCHEDULING_POLICIES,
                      SEMANTICS, SamplingParams)
+from . import url_codec
 from .workloads import Workload, WorkloadRequest
 
 FORMAT_VERSION = 1
@@ -74,7 +73,6 @@ MAX_PRIORITY = 2**31
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "assets" / "scenarios"
 PRESET_SEED = 0  # the seed the shipped preset files are written at (the Playground's default seed)
 FORMATS = ("json", "yaml")
-_LINK = re.compile(r"^[A-Za-z0-9_-]+={0,2}$")
 _SHORT = reprlib.Repr()  # a bad value as the error shows it: cut short, however big it was
 _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxlevel = 60, 60, 6, 4, 2
 
@@ -354,7 +352,7 @@ def encode_link(scenario: ScenarioFile) -> str:
     """The scenario as a URL query value: its JSON without defaults, zlib-compressed, base64url without
     padding. Raises ValueError if it would be longer than ``MAX_LINK_CHARS`` (save it as a file instead)."""
     raw = json.dumps(_plain(scenario, compact=True), separators=(",", ":"), ensure_ascii=False).encode()
-    code = base64.urlsafe_b64encode(zlib.compress(raw, 9)).decode().rstrip("=")
+    code = url_codec.pack(raw)
     if len(code) > MAX_LINK_CHARS:
         raise ValueError(f"this scenario's link would be {len(code):,} characters, more than {MAX_LINK_CHARS:,} "
                          f"a link may hold: save it as a file instead")
@@ -364,22 +362,10 @@ def encode_link(scenario: ScenarioFile) -> str:
 def decode_link(code: str) -> ScenarioFile:
     """A link's value back to its scenario, validated like a file. Raises ValueError saying what is wrong
     (too long, not a link's characters, damaged, inflating beyond ``MAX_FILE_BYTES``, a bad field)."""
-    code = code.strip()
-    if len(code) > MAX_LINK_CHARS:
-        raise ValueError(f"the scenario link is {len(code):,} characters, more than {MAX_LINK_CHARS:,}")
-    if not _LINK.match(code):
-        raise ValueError("the scenario link has characters other than letters, digits, '-' and '_'")
+    raw = url_codec.unpack(code, "the scenario link", MAX_LINK_CHARS, MAX_FILE_BYTES)
     try:
-        inflate = zlib.decompressobj()
-        raw = inflate.decompress(base64.urlsafe_b64decode(code + "=" * (-len(code) % 4)), MAX_FILE_BYTES)
-        if inflate.unconsumed_tail:  # a short link that inflates to megabytes is not ours
-            raise ValueError(f"the scenario link holds more than {MAX_FILE_BYTES:,} bytes")
-        if not inflate.eof:  # the compressed stream stops before its end: the link was cut short
-            raise zlib.error("truncated")
         text = raw.decode("utf-8")
-    except (zlib.error, UnicodeDecodeError, ValueError) as exc:  # binascii.Error is a ValueError
-        if "more than" in str(exc):
-            raise
+    except UnicodeDecodeError:
         raise ValueError("the scenario link is damaged (cut short or mistyped?)") from None
     try:
         data = json.loads(text)

@@ -9,20 +9,19 @@ all nine lessons answered.
 
 from __future__ import annotations
 
-import base64
 import json
 import math
 import re
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
+
+from engine import url_codec
 
 VERSION = 1
 MAX_CODE_CHARS = 8000  # a URL stays well under browsers' and proxies' limits (about 8 KiB is safe)
 MAX_PAYLOAD_BYTES = 65_536  # what a code may inflate to
 MAX_ANSWER_CHARS = 400  # one typed answer; a longer one is not a lesson answer
 _KEY = re.compile(r"^l\d+_[a-z0-9_]+:[A-Za-z0-9_]+$")  # "slug:exercise id", as lessons/render.py keys them
-_CODE = re.compile(r"^[A-Za-z0-9_-]+={0,2}$")
 
 
 @dataclass
@@ -47,7 +46,7 @@ def encode(saved: SavedProgress) -> str:
                "t": sorted(k for k, ok in saved.first.items() if not ok),
                "s": sorted(saved.shown)}
     raw = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
-    code = base64.urlsafe_b64encode(zlib.compress(raw, 9)).decode().rstrip("=")
+    code = url_codec.pack(raw)
     if len(code) > MAX_CODE_CHARS:
         raise ValueError(f"the progress code would be {len(code):,} characters (at most {MAX_CODE_CHARS:,})")
     return code
@@ -56,27 +55,13 @@ def encode(saved: SavedProgress) -> str:
 def decode(code: str) -> SavedProgress:
     """A code back to progress. Raises ValueError saying what is wrong with it (not a code, too long, from
     another version, a malformed entry); an unknown lesson or question in it is kept and simply never shown."""
-    code = code.strip()
-    if not code:
-        raise ValueError("the progress code is empty")
-    if len(code) > MAX_CODE_CHARS:
-        raise ValueError(f"the progress code is {len(code):,} characters (at most {MAX_CODE_CHARS:,})")
-    if not _CODE.match(code):
-        raise ValueError("the progress code has characters other than letters, digits, '-' and '_'")
+    raw = url_codec.unpack(code, "the progress code", MAX_CODE_CHARS, MAX_PAYLOAD_BYTES)
     try:
-        inflate = zlib.decompressobj()
-        raw = inflate.decompress(base64.urlsafe_b64decode(code + "=" * (-len(code) % 4)), MAX_PAYLOAD_BYTES)
-        if inflate.unconsumed_tail:  # a small code that inflates to megabytes is not ours
-            raise ValueError(f"the progress code holds more than {MAX_PAYLOAD_BYTES:,} bytes")
         payload = json.loads(raw)
-    except RecursionError as exc:  # "[[[[..." nested deeper than the JSON parser goes
-        raise ValueError("the progress code is damaged (nested too deep)") from exc
-    except ValueError as exc:  # binascii.Error, a JSON error and our own limit are ValueErrors
-        if "more than" in str(exc):
-            raise
-        raise ValueError("the progress code is damaged (cut short or mistyped?)") from exc
-    except zlib.error as exc:
-        raise ValueError("the progress code is damaged (cut short or mistyped?)") from exc
+    except RecursionError:  # "[[[[..." nested deeper than the JSON parser goes
+        raise ValueError("the progress code is damaged (nested too deep)") from None
+    except ValueError:  # not JSON (a UnicodeDecodeError is a ValueError too)
+        raise ValueError("the progress code is damaged (cut short or mistyped?)") from None
     if not isinstance(payload, dict) or payload.get("v") != VERSION:
         raise ValueError(f"the progress code is not a version-{VERSION} code of this app")
     answers, first = {}, {}

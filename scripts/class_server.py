@@ -75,7 +75,7 @@ http {{
             proxy_http_version 1.1;
             proxy_set_header Upgrade $http_upgrade;
             proxy_set_header Connection $connection_upgrade;
-            proxy_set_header Host $host;
+            proxy_set_header Host $http_host;  # with its port: Streamlit checks the websocket's Origin against it
             proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
             proxy_read_timeout 1d;  # a student's websocket stays open for the whole class
             proxy_send_timeout 1d;

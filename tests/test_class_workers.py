@@ -30,6 +30,7 @@ def test_the_config_proxies_websockets_to_every_worker_by_a_sticky_cookie():
         f"server 127.0.0.1:{p} max_fails=0;" for p in (9001, 9002, 9003)]
     assert "hash $pal_worker consistent;" in text and "$cookie_pal_worker" in text
     assert "proxy_set_header Upgrade $http_upgrade;" in text and "proxy_http_version 1.1;" in text
+    assert "proxy_set_header Host $http_host;" in text  # with the port: Streamlit checks the Origin against it
     assert "pid /tmp/x/nginx.pid;" in text and "daemon off;" in text  # private folder, foreground
 
 
@@ -41,6 +42,20 @@ def test_no_workers_and_a_bad_count_are_refused_by_name():
         launcher.parse_args(["--workers", "0"])
     args, extra = launcher.parse_args(["--workers", "3", "--port", "9000", "--server.maxUploadSize", "1"])
     assert (args.workers, args.port, extra) == (3, 9000, ["--server.maxUploadSize", "1"])
+
+
+def _handshake(port: int, host: str) -> bytes:
+    """The status line of a websocket handshake for /_stcore/stream sent to 127.0.0.1:``port`` as a browser
+    that reached the server as ``host`` (its Host and Origin)."""
+    import base64
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall((f"GET /_stcore/stream HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\n"
+                      f"Connection: Upgrade\r\nSec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n"
+                      f"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Protocol: streamlit\r\n"
+                      f"Origin: http://{host}\r\n\r\n").encode())
+        return sock.recv(4096).split(b"\r\n", 1)[0]
 
 
 def _get(url: str, cookie: str | None = None) -> tuple[str, str]:
@@ -65,8 +80,43 @@ def test_browsers_spread_over_the_workers_and_each_stays_on_its_own():
         assert len({worker for worker, _ in first}) == 2  # both workers serve (all on one: 2 in 65,536)
         worker, cookie = first[0]
         assert {_get(url + "/_stcore/health", cookie)[0] for _ in range(5)} == {worker}  # a browser stays
+        # students reach the machine by its name (or Docker's published port), not as 127.0.0.1
+        assert b" 101 " in _handshake(port, f"classroom.example:{port}")
         result = asyncio.run(run_class(url, proc.pid, 4, 1))  # 4 students step through the proxy
         assert not result.errors and not result.leaks and result.own_seen == 4
     finally:
         stop_server(proc)
     assert proc.returncode == 0  # SIGTERM stops nginx and the workers cleanly
+
+
+@pytest.mark.slow
+def test_a_step_after_an_idle_release_starts_afresh_without_an_error(monkeypatch):
+    """A Step re-runs only the stage (a fragment), where app.py's idle check does not run: on a lab released
+    while idle it must bring the whole page back (the note, a fresh run), never a traceback."""
+    from bench.class_load import Student, free_port, start_server, stop_server
+
+    monkeypatch.setenv("PAL_IDLE_MINUTES", "0.1")  # 6 s (start_server hands the environment to the server)
+    port = free_port()
+    proc = start_server(port)
+    url = f"http://127.0.0.1:{port}"
+    a, b = Student(0, url), Student(1, url)
+
+    async def scenario():
+        await a.open_page()
+        await a.step(record=False)
+        await asyncio.sleep(7)
+        await b.open_page()  # b's page sweeps the seats: a's step is seen (a fragment run: no full run saw it)
+        await asyncio.sleep(7)
+        await b.rerun()  # the next sweep: a's lab, idle for 7 s since, is released
+        await a.step(record=False)  # a fragment run of a's stage on the released lab
+        await a.rerun()  # and the page's run that follows it
+        await a.step(record=False)  # the fresh lab steps
+        for s in (a, b):
+            await s.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        stop_server(proc)
+    assert not a.errors and not b.errors, a.errors + b.errors
+    assert b"released after 0.1 idle minutes" in b"".join(a.text)

@@ -13,7 +13,7 @@ from ui.stage_gate import slots_from_env, stage_slot
 
 
 def test_at_most_the_slots_run_at_once_and_waiters_go_in_arrival_order(monkeypatch):
-    monkeypatch.setattr(stage_gate, "_slots", threading.Semaphore(2))
+    monkeypatch.setattr(stage_gate, "_slots", stage_gate.FairGate(2))
     running, most, order = [0], [0], []
     lock = threading.Lock()
 
@@ -39,7 +39,7 @@ def test_at_most_the_slots_run_at_once_and_waiters_go_in_arrival_order(monkeypat
 
 
 def test_re_entrant_in_a_thread_and_released_on_an_exception(monkeypatch):
-    monkeypatch.setattr(stage_gate, "_slots", threading.Semaphore(1))
+    monkeypatch.setattr(stage_gate, "_slots", stage_gate.FairGate(1))
     raised = []
 
     def nested() -> None:
@@ -55,10 +55,27 @@ def test_re_entrant_in_a_thread_and_released_on_an_exception(monkeypatch):
     runner.join(5)
     assert raised == [True], "the nested slot deadlocked"
     got = []
-    t = threading.Thread(target=lambda: got.append(stage_gate._slots.acquire(timeout=1)))
+    t = threading.Thread(target=lambda: got.append(stage_gate._slots.acquire()), daemon=True)
     t.start()
     t.join(5)
-    assert got == [True]  # the one slot was given back
+    assert got == [None]  # the one slot was given back
+
+
+def test_a_freed_slot_goes_to_the_longest_waiter_not_to_a_newcomer():
+    gate = stage_gate.FairGate(1)
+    gate.acquire()
+    order = []
+    waiter = threading.Thread(target=lambda: (gate.acquire(), order.append("waiter"), gate.release()), daemon=True)
+    waiter.start()
+    time.sleep(0.05)  # the waiter is queued
+    gate.release()  # handed to the waiter...
+    assert gate._free == 0  # ...not put back for anyone to take
+    newcomer = threading.Thread(target=lambda: (gate.acquire(), order.append("newcomer"), gate.release()),
+                                daemon=True)
+    newcomer.start()
+    waiter.join(5)
+    newcomer.join(5)
+    assert order == ["waiter", "newcomer"] and gate._free == 1
 
 
 @pytest.mark.parametrize("value, slots", [(None, stage_gate.STAGE_SLOTS), ("", stage_gate.STAGE_SLOTS), ("3", 3)])

@@ -148,6 +148,18 @@ def keep_session(now: float | None = None) -> None:
     sweep(limits, now)
 
 
+def touch_seat() -> None:
+    """This session is active (a run of the Playground's stage: a fragment, where ``keep_session`` in app.py does
+    not run). Outside class mode, or before the session has a seat: nothing."""
+    if class_limits() is None:
+        return
+    registry = seat_registry()
+    with registry["lock"]:  # the sweep reads the seats under it: after this, this session's lab stays
+        seat = registry["seats"].get(session_id())
+        if seat is not None:
+            seat.touched = time.monotonic()
+
+
 def seat_lab(lab: Lab) -> None:
     """Register the lab this session just built (``ui.state.build_lab``), so the sweep can release it."""
     if class_limits() is None:

@@ -24,7 +24,7 @@ from ui.lab import (MAX_RUN_STEPS, POLICY_LABELS, POLICY_RESERVES, SCHEDULING_LA
 from ui.scenario_io import follow_step, open_scenario_link, scenario_sidebar
 from ui.stage_gate import stage_slot
 from ui.state import (applied_settings, build_lab, default_settings, get_lab, overridden_fields, preset_settings,
-                      shared_model, stage_keys, take_stage_presses)
+                      pending_stage_presses, shared_model, stage_keys, take_stage_presses)
 from viz import (block_pool_figure, block_table_rows, contiguous_region_figure, paged_slots_figure,
                  swap_pool_figure, timeline_figure)
 from viz.block_table import block_table_figure
@@ -325,12 +325,20 @@ def stage(lab, present: bool, timer: tuple[bool, float]) -> None:
     anything is drawn; the press counter; the controls row; the views. ``timer``: (playing, speed) as the full
     run that made this fragment set its timer; when a press here changes them, or the presenter toggle flips,
     the whole page runs again (the timer and the sidebar belong to it). It runs in one of the process's stage
-    slots (``ui.stage_gate``): a class stepping at once is served in order, a few at a time."""
+    slots (``ui.stage_gate``): a class stepping at once is served in order, a few at a time. A long press
+    (Run to end, Next event: up to ``MAX_RUN_STEPS`` steps) runs before the slot is taken, and the Export
+    panel (seconds to draw a GIF) after it is given back, so that neither holds the class up."""
+    class_server.touch_seat()  # a class server: this session is active (app.py's keep_session does not run here)
+    if lab is not get_lab() or lab.paged is None:  # replaced, or released while idle: the page's full run
+        st.rerun(scope="app")                      # builds a fresh one and says so
+    if any(kind in LONG_PRESSES for kind in pending_presses(lab)):
+        run_presses(lab)
     with stage_slot():
         run_presses(lab)
         st.session_state["playing"] = lab.playing  # a mirror for reading; the lab keeps it with the steps
-        # the (invisible) press counter: keys and the stage's clicks, whatever has the focus; in the presenter view
-        # it also sends the window's size (a rerun: never in the Playground's view, where it would wipe a message)
+        # the (invisible) press counter: keys and the stage's clicks, whatever has the focus; in the presenter
+        # view it also sends the window's size (a rerun: never in the Playground's view, where it would wipe a
+        # message)
         stage_keys(lab, want_viewport=present)
         if present:
             presenter.style_page()  # type sized to the window the counter reported
@@ -384,9 +392,9 @@ def controls(lab, present: bool = False) -> None:
                      f"slider.")
     c[4].button("Pause" if lab.playing else "Play", key="stage_play", on_click=_toggle_play, width="stretch",
                 help="Step automatically at the chosen speed (P)")
-    if c[5].button("Reset", width="stretch", help="Rebuild the engines with the same settings"):
-        build_lab(lab.settings)
-        st.rerun()
+    # Reset in its callback, before the stage takes its slot (under Pow2 / Oracle it first runs the requests
+    # headless to learn their lengths); the stage then finds a new lab and the whole page runs again
+    c[5].button("Reset", width="stretch", on_click=_reset, help="Rebuild the engines with the same settings")
     speed = c[6].select_slider("Speed (steps per second)", PLAY_SPEEDS, value=2, key="speed",
                                label_visibility="collapsed" if present else "visible",
                                format_func=lambda v: f"{v:g} steps/s")
@@ -396,13 +404,20 @@ def controls(lab, present: bool = False) -> None:
 
 
 CLICKED = "stage_clicked"  # presses clicked on the buttons themselves, run by the stage (in its slot)
+LONG_PRESSES = {"next", "end", "N", "E"}  # presses that may run many steps (the lab's and the browser's names)
 
 
 def _press(kind: str) -> None:
     """Step / Back / Next event / Run to end clicked (a button's callback, before the page is drawn): one press,
-    run by ``run_clicked`` at the top of the stage, inside its slot (a callback runs outside it). In a browser the
-    stage's counter takes the clicks over (``ui.state.stage_keys``); AppTest and the load test click directly."""
+    run by ``run_presses`` at the top of the stage (a callback runs before the stage takes its slot). In a
+    browser the stage's counter takes the clicks over (``ui.state.stage_keys``); AppTest and the load test
+    click the buttons directly."""
     st.session_state.setdefault(CLICKED, []).append(kind)
+
+
+def pending_presses(lab) -> list[str]:
+    """The presses not run yet: the browser's (its letters) and the clicked buttons' (the lab's names)."""
+    return list(pending_stage_presses(lab)) + list(st.session_state.get(CLICKED, []))
 
 
 def run_presses(lab) -> None:
@@ -411,6 +426,12 @@ def run_presses(lab) -> None:
     take_stage_presses(lab)
     for kind in st.session_state.pop(CLICKED, []):
         lab.press(kind)
+
+
+def _reset() -> None:
+    lab = get_lab()
+    if lab is not None:
+        build_lab(lab.settings)
 
 
 def said_ignored(lab) -> None:

@@ -6,11 +6,12 @@ together, 30 stage runs share the process evenly and all finish at about the sam
 the median wait equals the longest (measured: 30 students, median 1.47 s, p95 1.74 s). Served in order, a few
 at a time, the first answers come back after one step's time and the median is half the round, with the same
 total work (the same reason a server's scheduler runs a bounded batch rather than every request at once).
-Two slots rather than one, so that one long press ("Run to the end": up to ``Lab.MAX_RUN_STEPS`` steps) does
-not hold everyone else up.
+Two slots rather than one, so that one slow stage run does not hold everyone else up (the long presses, "Run to
+the end" and "Next event", and the Export panel run outside the slot: ``ui.playground.stage``).
 
-``stage_slot()`` is re-entrant within a thread (a full run of the page calls the stage fragment's body
-inside it) and always released, also when a run is stopped or re-run (Streamlit raises through it).
+Arrival order is kept exactly (``FairGate``: a freed slot is handed to the longest waiter; Python's
+``threading.Semaphore`` lets a thread arriving at that moment take it first). ``stage_slot()`` is re-entrant
+within a thread and always released, also when a run is stopped or re-run (Streamlit raises through it).
 ``PAL_STAGE_SLOTS`` sets the number of slots (a positive integer; default ``STAGE_SLOTS``).
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import deque
 from contextlib import contextmanager
 
 ENV = "PAL_STAGE_SLOTS"
@@ -38,7 +40,32 @@ def slots_from_env(value: str | None) -> int:
     return n
 
 
-_slots = threading.Semaphore(slots_from_env(os.environ.get(ENV)))  # waiters are woken first come, first served
+class FairGate:
+    """At most ``slots`` holders at once; the others wait in a queue and get a freed slot in arrival order."""
+
+    def __init__(self, slots: int):
+        self._lock = threading.Lock()
+        self._free = slots
+        self._waiting: deque[threading.Event] = deque()
+
+    def acquire(self) -> None:
+        with self._lock:
+            if self._free and not self._waiting:
+                self._free -= 1
+                return
+            turn = threading.Event()
+            self._waiting.append(turn)
+        turn.wait()  # set by ``release``, which hands its slot over: nobody can take it in between
+
+    def release(self) -> None:
+        with self._lock:
+            if self._waiting:
+                self._waiting.popleft().set()
+            else:
+                self._free += 1
+
+
+_slots = FairGate(slots_from_env(os.environ.get(ENV)))
 _held = threading.local()  # how deep this thread is inside stage_slot()
 
 

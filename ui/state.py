@@ -343,6 +343,20 @@ def viewport() -> dict | None:
     return None
 
 
+def pending_stage_presses(lab: Lab) -> str:
+    """The kinds ("F", "B", "P", "N", "E") of the presses the browser counted that ``lab`` has not run yet, as
+    far as its log reaches ("" when none or unreadable). A peek, without the lab's lock: ``take_stage_presses``
+    runs them."""
+    state = st.session_state.get(STAGE_KEY)
+    presses = state.get("presses") if hasattr(state, "get") else None
+    if not isinstance(presses, dict) or presses.get("token") != lab.token:
+        return ""
+    total, log = presses.get("n"), presses.get("log")
+    if not isinstance(total, int) or isinstance(total, bool) or not isinstance(log, str) or total <= lab.presses:
+        return ""
+    return log[-(total - lab.presses):]
+
+
 def take_stage_presses(lab: Lab) -> int:
     """Run the presses the browser counted since the last script run (``Lab.take_presses``: each exactly
     once, atomically). Returns how many were new."""

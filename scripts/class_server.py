@@ -13,11 +13,13 @@ Every worker runs in class-server mode (``PAL_CLASS_SERVER=1``, ``engine.limits`
 and shares one random cookie secret (so any worker accepts the cookies another set). nginx runs in the
 foreground from a private folder (its config, pid, logs and buffers), needing no root and touching nothing in
 /etc. The Class page's classes live in a file of that folder the workers share (``PAL_CLASS_STATE``,
-``ui.class_room_state.ClassRegistry``): a presenter and their students may be on different workers.
-Stopping this script (Ctrl+C, SIGTERM) stops nginx and every worker. With ``--workers 1`` it runs one
+``ui.class_room_state.ClassRegistry``): a presenter and their students may be on different workers. A worker
+that dies (say the kernel's OOM killer) is started again on its port; its students get fresh sessions, the
+others go on. Stopping this script (Ctrl+C, SIGTERM) stops nginx and every worker. With ``--workers 1`` it runs one
 Streamlit on the public port without nginx.
 
-Raises SystemExit with a message naming the problem when nginx is missing or a port is not free.
+Raises SystemExit with a message naming the problem when nginx is missing, a port is not free, or an option
+would give every worker the same port (``--server.port`` / ``--server.address``: use ``--port`` / ``--address``).
 """
 
 from __future__ import annotations
@@ -127,17 +129,48 @@ def stop(procs: list[subprocess.Popen]) -> None:
             p.kill()
 
 
+WORKER_BYTES = 800 * 2**20  # one worker's PyTorch, model and a class's labs (the load test: ~0.6-0.9 GB)
+OWN_OPTIONS = ("--server.port", "--server.address")  # set per worker here: one forwarded would clash
+
+
+def cgroup_cpus(path: str = "/sys/fs/cgroup/cpu.max") -> int | None:
+    """Whole CPUs the container's cgroup quota allows (``cpu.max``: "quota period", or "max"), or None."""
+    try:
+        quota, period = Path(path).read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else max(1, int(quota) // int(period))
+
+
+def default_workers() -> int:
+    """One worker per core this process may use, no more than the cgroup's CPU quota allows (``docker run
+    --cpus``) nor than the memory available holds at ``WORKER_BYTES`` each; at least 1."""
+    sys.path.insert(0, str(ROOT))
+    from engine.memory import available_host_memory_bytes
+
+    limits = [len(os.sched_getaffinity(0)), cgroup_cpus()]
+    available = available_host_memory_bytes()
+    if available is not None:
+        limits.append(available // WORKER_BYTES)
+    return max(1, min(n for n in limits if n is not None))
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
-                        help="Streamlit processes (default: one per core this process may use)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="Streamlit processes (default: one per core this process may use, within the "
+                             "container's CPU quota and ~0.8 GB of available memory each)")
     parser.add_argument("--port", type=int, default=8501, help="the port students open")
     parser.add_argument("--address", default="0.0.0.0", help="the interface students reach (default: all)")
     parser.add_argument("--first-worker-port", type=int, default=None,
                         help="workers listen on 127.0.0.1 from this port up (default: --port + 1)")
     args, extra = parser.parse_known_args(argv)
+    if args.workers is None:
+        args.workers = default_workers()
     if not 1 <= args.workers <= MAX_WORKERS:
         parser.error(f"--workers {args.workers}: between 1 and {MAX_WORKERS}")
+    if clash := [o for o in extra if o.split("=", 1)[0] in OWN_OPTIONS]:
+        parser.error(f"{clash[0]}: each worker gets its own port and address here; use --port / --address")
     return args, extra
 
 
@@ -179,17 +212,30 @@ def main(argv: list[str] | None = None) -> int:
                                        f"{folder}/nginx.conf"]))
         print(f"class server: http://{args.address}:{args.port} -> {args.workers} workers on 127.0.0.1:"
               f"{ports[0]}-{ports[-1]} (nginx, one worker per browser)", flush=True)
-        while all(p.poll() is None for p in procs):
-            time.sleep(0.5)
-        dead = next(p for p in procs if p.poll() is not None)
-        print(f"class server: {' '.join(map(str, dead.args[:1]))} exited ({dead.returncode}); stopping the rest",
-              file=sys.stderr)
-        return 1
+        return supervise(procs, ports, extra, env)
     except KeyboardInterrupt:
         return 0
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second Ctrl+C / SIGTERM must not cut the cleanup short
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         stop(procs)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def supervise(procs: list[subprocess.Popen], ports: list[int], extra: list[str], env: dict) -> int:
+    """Watch the workers (``procs[:-1]``) and nginx (``procs[-1]``): a worker that exits is started again on
+    its port (its students' sessions are lost: their pages reconnect to a fresh session; everyone else's go
+    on); if nginx exits, returns 1 (the caller stops the workers)."""
+    while True:
+        time.sleep(0.5)
+        if procs[-1].poll() is not None:
+            print(f"class server: nginx exited ({procs[-1].returncode}); stopping", file=sys.stderr)
+            return 1
+        for i, port in enumerate(ports):
+            if procs[i].poll() is not None:
+                print(f"class server: the worker on port {port} exited ({procs[i].returncode}); starting it again",
+                      file=sys.stderr, flush=True)
+                procs[i] = subprocess.Popen(worker_command(port, extra), cwd=ROOT, env=env)
 
 
 if __name__ == "__main__":

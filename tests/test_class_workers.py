@@ -7,6 +7,8 @@ import asyncio
 import importlib.util
 import os
 import shutil
+import signal
+import time
 import urllib.request
 from pathlib import Path
 
@@ -44,6 +46,29 @@ def test_no_workers_and_a_bad_count_are_refused_by_name():
     assert (args.workers, args.port, extra) == (3, 9000, ["--server.maxUploadSize", "1"])
 
 
+def test_workers_by_default_fit_the_cores_the_quota_and_the_memory(tmp_path, monkeypatch):
+    launcher = _launcher()
+    quota = tmp_path / "cpu.max"
+    quota.write_text("150000 100000\n")
+    assert launcher.cgroup_cpus(str(quota)) == 1  # docker run --cpus 1.5: one whole CPU
+    quota.write_text("max 100000\n")
+    assert launcher.cgroup_cpus(str(quota)) is None and launcher.cgroup_cpus(str(tmp_path / "none")) is None
+    import engine.memory
+
+    monkeypatch.setattr(launcher, "cgroup_cpus", lambda: None)
+    monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(engine.memory, "available_host_memory_bytes", lambda: 3 * launcher.WORKER_BYTES + 1)
+    assert launcher.default_workers() == 3  # 16 cores, memory for 3 workers
+    monkeypatch.setattr(engine.memory, "available_host_memory_bytes", lambda: 1)
+    assert launcher.default_workers() == 1
+
+
+def test_an_option_that_would_give_every_worker_one_port_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        _launcher().parse_args(["--workers", "2", "--server.port", "9000"])
+    assert "--server.port: each worker gets its own port" in capsys.readouterr().err
+
+
 def _handshake(port: int, host: str) -> bytes:
     """The status line of a websocket handshake for /_stcore/stream sent to 127.0.0.1:``port`` as a browser
     that reached the server as ``host`` (its Host and Origin)."""
@@ -70,7 +95,7 @@ def _get(url: str, cookie: str | None = None) -> tuple[str, str]:
 @pytest.mark.slow
 @pytest.mark.skipif(NGINX is None, reason="nginx is not installed (scripts/test.sh installs it as root)")
 def test_browsers_spread_over_the_workers_and_each_stays_on_its_own():
-    from bench.class_load import free_port, run_class, start_server, stop_server
+    from bench.class_load import free_port, process_tree, run_class, start_server, stop_server
 
     port = free_port()
     proc = start_server(port, workers=2)
@@ -84,9 +109,30 @@ def test_browsers_spread_over_the_workers_and_each_stays_on_its_own():
         assert b" 101 " in _handshake(port, f"classroom.example:{port}")
         result = asyncio.run(run_class(url, proc.pid, 4, 1))  # 4 students step through the proxy
         assert not result.errors and not result.leaks and result.own_seen == 4
+        # a worker killed (say by the OOM killer) is started again on its port; the server goes on
+        tree = process_tree(proc.pid)
+        workers = [p for p in tree if b"streamlit" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(workers) == 2
+        os.kill(workers[0], signal.SIGKILL)
+        deadline = time.time() + 120
+        while time.time() < deadline and len([p for p in process_tree(proc.pid) if p not in tree]) < 1:
+            time.sleep(0.5)
+        assert proc.poll() is None and [p for p in process_tree(proc.pid) if p not in tree]
+        health = [url + "/_stcore/health"] * 8
+        deadline = time.time() + 120
+        while time.time() < deadline:  # until the new worker answers (through nginx: both workers)
+            try:
+                if len({_get(u)[0] for u in health}) == 2:
+                    break
+            except OSError:
+                pass
+            time.sleep(1)
+        assert len({_get(u)[0] for u in health * 2}) == 2
+        tree = process_tree(proc.pid)
     finally:
         stop_server(proc)
     assert proc.returncode == 0  # SIGTERM stops nginx and the workers cleanly
+    assert not [p for p in tree if Path(f"/proc/{p}").exists()]  # nothing of it is left
 
 
 @pytest.mark.slow

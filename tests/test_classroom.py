@@ -132,6 +132,20 @@ def test_a_class_spans_processes_sharing_a_file(tmp_path):
     assert not student.exists(code)
 
 
+def test_a_damaged_class_file_is_moved_aside_and_reads_are_not_written(tmp_path):
+    path = tmp_path / "classes.json"
+    reg = ClassRegistry(path=str(path))
+    code = reg.open_class()
+    stamp = path.stat().st_mtime_ns
+    for _ in range(3):
+        reg.view(code)  # a student's page reading the class: nothing changed, nothing written
+    assert path.stat().st_mtime_ns == stamp
+    path.write_text('{"AB')  # cut short (a full disk)
+    assert not reg.exists(code)  # read as no classes, not an error on every page
+    assert (tmp_path / "classes.json.bad").read_text() == '{"AB'
+    assert reg.exists(reg.open_class())
+
+
 def test_tally_keeps_the_choices_order():
     q = make_question("free_after", 12, ["R1"])
     assert list(tally(q, ["10", "2", "10", "9"])) == ["2", "9", "10"]

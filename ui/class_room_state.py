@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import json
+import logging
 import os
 import secrets
 import threading
@@ -196,6 +197,10 @@ def _room_to_json(room: ClassRoom) -> dict:
     return {**dataclasses.asdict(room), "students": sorted(room.students)}
 
 
+def _dump(classes: dict[str, ClassRoom]) -> str:
+    return json.dumps({code: _room_to_json(room) for code, room in classes.items()}, sort_keys=True)
+
+
 def _room_from_json(data: dict) -> ClassRoom:
     q = data.get("question")
     question = Question(q["kind"], q["text"], tuple(q["choices"]), q.get("target")) if q else None
@@ -205,8 +210,8 @@ def _room_from_json(data: dict) -> ClassRoom:
 
 class ClassRegistry:
     """Every class of this server (see the module docstring): kept in this process, or with ``path`` in that
-    JSON file, shared by every process given the same path. ``now`` arguments are for tests (seconds since
-    the epoch: ``time.time``'s clock, the one processes share)."""
+    JSON file, shared by every process given the same path. ``now`` arguments are for tests (seconds: of
+    ``time.time``'s clock with a ``path``, the one processes share; else ``time.monotonic``'s)."""
 
     def __init__(self, max_classes: int = MAX_CLASSES, max_students: int = MAX_STUDENTS, ttl_s: float = TTL_S,
                  path: str | None = None):
@@ -217,29 +222,43 @@ class ClassRegistry:
 
     @contextmanager
     def _lock(self):
-        """This registry's lock; with a ``path``, also the file's, the classes read before and written after."""
+        """This registry's lock; with a ``path``, also the file's: the classes are read before and written
+        after, when they changed (students' pages read the class every second; most reads change nothing)."""
         with self._thread_lock:
             if self.path is None:
                 yield
                 return
             with open(self.path + ".lock", "a") as lock_file:
                 fcntl.flock(lock_file, fcntl.LOCK_EX)  # released when the file is closed
-                self._classes = self._read()
+                before = self._read()
                 yield
-                self._write()
+                after = _dump(self._classes)
+                if after != before:
+                    self._write(after)
 
-    def _read(self) -> dict[str, ClassRoom]:
+    def _read(self) -> str:
+        """Load the classes from the file; returns its text ("{}" when there is none yet). A file that cannot
+        be parsed (a disk that filled up, a hand edit) is moved aside to ``<path>.bad`` and the classes start
+        empty, rather than every page of the class failing on it."""
         try:
             with open(self.path) as f:
-                rooms = json.load(f)
+                text = f.read()
+            self._classes = {code: _room_from_json(room) for code, room in json.loads(text).items()}
+            return text
         except FileNotFoundError:
-            return {}
-        return {code: _room_from_json(room) for code, room in rooms.items()}
+            self._classes = {}
+            return _dump({})
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            logging.getLogger(__name__).error("class state %s unreadable (%s): moved to %s.bad, starting empty",
+                                              self.path, exc, self.path)
+            os.replace(self.path, self.path + ".bad")
+            self._classes = {}
+            return _dump({})
 
-    def _write(self) -> None:
+    def _write(self, text: str) -> None:
         tmp = f"{self.path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
-            json.dump({code: _room_to_json(room) for code, room in self._classes.items()}, f)
+            f.write(text)
         os.replace(tmp, self.path)  # readers see the old file or the new one, never half of one
 
     def __len__(self) -> int:
@@ -247,7 +266,10 @@ class ClassRegistry:
             return len(self._classes)
 
     def _now(self, now: float | None) -> float:
-        return time.time() if now is None else now
+        if now is not None:
+            return now
+        # shared by processes: the clock they share; alone: one no wall-clock change can jump
+        return time.time() if self.path is not None else time.monotonic()
 
     def _sweep(self, now: float) -> None:
         for code in [c for c, room in self._classes.items() if now - room.touched > self.ttl_s]:

@@ -110,6 +110,18 @@ def tree_rss_mib(pid: int) -> tuple[float, float]:
     return rss, peak
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by ``pid``'s process tree, from /proc/PID/stat."""
+    total = 0
+    for p in process_tree(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat), in clock ticks
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def rss_mib(pid: int) -> tuple[float, float]:
     """(VmRSS, VmHWM) of process ``pid`` in MiB, from /proc (psutil is not installed here)."""
     fields = {}
@@ -290,6 +302,11 @@ class ClassResult:
     leaks: list[str]  # "student i saw student j's marker / token"
     errors: list[str]
     workers: int = 1  # Streamlit processes serving the class (more than 1: behind nginx)
+    cpu_s: float = 0.0  # the server's CPU time over the rounds (user + system, all its processes)
+
+    @property
+    def cpu_ms_per_step(self) -> float:
+        return 1000 * self.cpu_s / len(self.step_s)
 
     @property
     def median(self) -> float:
@@ -321,17 +338,17 @@ async def run_class(url: str, pid: int, n: int, rounds: int) -> ClassResult:
     await _gather_limited([s.open_page() for s in students], 4)  # opening is not what is measured
     await _gather_limited([s.add_marked_request() for s in students], 4)
     await _gather_limited([s.step(record=False) for s in students], 4)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), tree_cpu_s(pid)
     for _ in range(rounds):
         await asyncio.gather(*(s.step() for s in students))
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, tree_cpu_s(pid) - cpu0
     rss, peak = tree_rss_mib(pid)
     for s in students:
         await s.close()
     leaks, own = isolation(students)
     return ClassResult(n, (), rounds, [t for s in students for t in s.step_s], wall, rss, peak, idle_rss,
                        statistics.mean(b for s in students for b in s.step_bytes), own, leaks,
-                       [f"student {s.index}: {e}" for s in students for e in s.errors])
+                       [f"student {s.index}: {e}" for s in students for e in s.errors], cpu_s=cpu)
 
 
 def isolation(students: list[Student]) -> tuple[list[str], int]:
@@ -382,16 +399,16 @@ def goal_text(r: ClassResult) -> str:
 
 
 def table(results: list[ClassResult]) -> str:
-    rows = ["| students | server | Step clicks | median Step | p95 Step | clicks served / s | server RSS after "
-            "(peak) | KiB sent / Step | isolation | goal (issue 16) |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    rows = ["| students | server | Step clicks | median Step | p95 Step | clicks served / s | server CPU / Step | "
+            "server RSS after (peak) | KiB sent / Step | isolation | goal (issue 16) |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in results:
         iso = ("ok: no leak; " if not r.leaks else f"{len(r.leaks)} LEAKS; ") + \
             f"{r.own_seen}/{r.students} saw their own marker and token"
         who = f"{r.students}" + "".join(f" with `{o}`" for o in r.options)
         server = "1 process" if r.workers == 1 else f"{r.workers} processes + nginx"
         rows.append(f"| {who} | {server} | {len(r.step_s)} | {r.median:.2f} s | {r.p95:.2f} s | {r.clicks_per_s:.2f} | "
-                    f"{r.rss_mib:,.0f} MiB ({r.peak_mib:,.0f}) | {r.bytes_per_step / 1024:,.0f} | {iso} | "
+                    f"{r.cpu_ms_per_step:.0f} ms | {r.rss_mib:,.0f} MiB ({r.peak_mib:,.0f}) | {r.bytes_per_step / 1024:,.0f} | {iso} | "
                     f"{goal_text(r)} |")
     return "\n".join(rows)
 
@@ -437,15 +454,7 @@ def section(results: list[ClassResult], rounds: int, load: str, extra: str = "")
         "custom request's prompt, tags stripped) and lab token (the stage counter's); a row says `ok` only "
         "when none was found and each student found its own.",
         "",
-        "What a Step costs the server: one process served 26 clicks/s at 30 students on ~1.07 cores (its "
-        "utime + stime over the rounds), ~41 ms of CPU per Step; before issue 16's last changes it was ~230 ms "
-        "(4.8 clicks/s on ~1.1 cores; median 4.95 s at 30 students). What changed: the figures are plain dicts "
-        "(`viz.plain`: Plotly's object model, validation and deep copies cost ~76 ms a Step), the stage (press "
-        "counter, controls, views) is one Streamlit fragment so a Step re-runs neither the sidebar's forms nor "
-        "the page around it, the Export and block-table-rows expanders draw only when open, and the stage runs "
-        "a few at a time in arrival order (`ui/stage_gate.py`): served together, 30 Steps all finished as late "
-        "as the last (median 1.47 s, p95 1.74 s); served in order, the median is half the round. A second "
-        "process on the second core (`--workers 2`) serves ~1.6-1.7x the clicks.",
+        *speedup_lines(results),
         *(["", "A row \"with `runner.postScriptGC=false`\": the same class on a server started with that Streamlit "
             "option. By default Streamlit runs a full `gc.collect()` after every script run; with every student's "
             "lab and recorded steps alive in one process, that collection walks them all, so each Step pays for "
@@ -454,6 +463,25 @@ def section(results: list[ClassResult], rounds: int, load: str, extra: str = "")
           else []),
         extra,
     ])
+
+
+def speedup_lines(results: list[ClassResult]) -> list[str]:
+    """What the table says about a second worker (the clicks served, per class size measured both ways) and
+    where the Step's cost came from, as lines of the section."""
+    by = {(r.students, r.workers): r for r in results if not r.options}
+    ratios = [f"{n} students {by[n, w].clicks_per_s / by[n, 1].clicks_per_s:.2f}x"
+              for (n, w) in sorted(by) if w > 1 and (n, 1) in by]
+    return ["", "Server CPU / Step: the server's processes' user + system CPU time over the rounds (/proc), over "
+            "the Step clicks. Before issue 16's last changes (commit 03786b3), one process served 5.90 clicks/s at "
+            "30 students (median 4.95 s, p95 5.45 s; this table's run of 2026-12-01) at ~230 ms of CPU per Step (measured the same way). "
+            "What changed: the figures are plain dicts (`viz.plain`: Plotly's object model, validation and deep "
+            "copies had cost ~78 ms a Step), the stage (press counter, controls, views) is one Streamlit fragment, "
+            "so a Step re-runs neither the sidebar's forms nor the page around it, the Export and block-table-rows "
+            "expanders draw only when open, and the stage runs a few at a time in arrival order "
+            "(`ui/stage_gate.py`): served together, 30 Steps all finished about as late as the last (median 1.47 s, "
+            "p95 1.74 s before that change); served in order, the median is about half the round."
+            + (f" A second worker process (`--workers 2`) served {', '.join(ratios)} the clicks of one."
+               if ratios else "")]
 
 
 def machine_load() -> str:

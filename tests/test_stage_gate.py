@@ -45,7 +45,7 @@ def test_re_entrant_in_a_thread_and_released_on_an_exception(monkeypatch):
     def nested() -> None:
         try:
             with stage_slot():
-                with stage_slot():  # a full run of the page calls the stage's body inside it: no deadlock
+                with stage_slot():  # nested in one thread: no deadlock
                     raise RuntimeError("a rerun or a stop raises through the slot")
         except RuntimeError:
             raised.append(True)

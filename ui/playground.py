@@ -366,9 +366,10 @@ def controls(lab, present: bool = False) -> None:
     """Back / Step (Forward while replaying) / Next event / Run to the end / Play / Reset, the speed and the
     presenter toggle: the row above the views.
 
-    Back, Step, Next event, Run to the end and Play are presses (``Lab.press``, in their callbacks, so the row
-    below is drawn after them): each one is atomic (a step, a run of steps, a move of the cursor or a toggle
-    of Play), or is ignored and said so. In a browser the stage's counter (``ui.state.stage_keys``) takes
+    Back, Step, Next event, Run to the end and Play are presses (``Lab.press``; the first four queued by their
+    callbacks and run at the top of the stage, Play's toggle run in its callback), all before the row is drawn:
+    each one is atomic (a step, a run of steps, a move of the cursor or a toggle of Play), or is ignored and
+    said so. In a browser the stage's counter (``ui.state.stage_keys``) takes
     their clicks and the keys over and hands them to the lab in order."""
     said_ignored(lab)
     if lab.failure is not None:

@@ -221,8 +221,9 @@ def scenario_sidebar(lab: Lab) -> None:
             st.caption(f"No link for this run: {why_no_link}")
         else:
             # a step re-runs only the stage (a fragment), not this sidebar: say which step this link holds
-            st.caption(f"Link to this run at step {st.query_params.get(STEP_PARAM, '0')} (opens the same run on any "
-                       f"server of this app; the browser's address bar follows every step):")
+            st.caption(f"Link to this run at step {st.query_params.get(STEP_PARAM, '0')}, the step when this sidebar "
+                       f"was last drawn (it opens the same run on any server of this app). For the step on screen "
+                       f"now, copy the browser's address: it follows every step.")
             st.code(page_link(), language=None, wrap_lines=True)
         if lab.settings.model != EMBEDDED_MODEL:
             st.caption("A link does not carry the model: it opens on the embedded model (a file opened here runs "

@@ -150,6 +150,19 @@ def test_presses_on_stage(app_url, tmp_path):
         ticks = s["recorded"] - before - 5
         assert ticks >= 1 and s["ignored"] == 0, s  # Play stepped too, and none of the five presses was lost
         measured["steps during Play"] = f"{ticks} ticks + 5 presses"
+
+        # 5. back through the recorded steps, fast: Back clicked 3 times 100 ms apart, PageUp twice 50 ms apart
+        back = page.locator(".st-key-stage_back button").first
+        for _ in range(3):
+            back.click()
+            page.wait_for_timeout(100)
+        for _ in range(2):
+            page.keyboard.press("PageUp")
+            page.wait_for_timeout(50)
+        sent += 5
+        s = settle(page, sent)
+        assert page.locator("[data-testid='stException']").count() == 0
+        assert s["shown"] == (s["recorded"] - 5, s["recorded"]) and s["ignored"] == 0, s  # five steps back
         measured["final"] = s
         page.screenshot(path=str(tmp_path / "stage.png"), full_page=False)
         browser.close()

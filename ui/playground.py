@@ -454,10 +454,21 @@ def _toggle_play() -> None:
         st.session_state["playing"] = lab.playing
 
 
+SCRUB_SET = "scrub_set"  # the slider's last positions set by the page (step numbers), newest last
+
+
 def _scrubbed() -> None:
-    """The slider moved: show that recorded step (its last position means: follow the latest step)."""
-    lab = get_lab()
-    lab.seek(st.session_state["scrub"] - 1)
+    """The slider moved: show that recorded step (its last position means: follow the latest step). Not when
+    the same rerun carries a press and the value is one the page itself set before its last run: a browser
+    pressing faster than the page redraws sends back the slider as it last drew it (a stale echo), and taking
+    that for a drag undid a Back (Back x3, PageUp x2 showed four steps back)."""
+    lab, value = get_lab(), st.session_state.get("scrub")
+    if lab is None or not isinstance(value, int):
+        return
+    pressed = bool(pending_stage_presses(lab) or st.session_state.get(CLICKED))
+    if pressed and value in st.session_state.get(SCRUB_SET, [])[:-1]:
+        return
+    lab.seek(value - 1)
     st.session_state["cursor"] = lab.cursor
 
 
@@ -518,6 +529,9 @@ def scrub(total: int, index: int) -> int:
     """The time-travel slider over the recorded steps, on step ``index`` (0-based); returns it."""
     if total > 1:
         st.session_state["scrub"] = index + 1  # set before the slider exists in this run
+        shown = st.session_state.get(SCRUB_SET, [])
+        if not shown or shown[-1] != index + 1:
+            st.session_state[SCRUB_SET] = (shown + [index + 1])[-4:]
         st.slider("Step", 1, total, key="scrub", on_change=_scrubbed,
                   help="Time travel over the recorded steps; the right end follows the latest step.")
     return index

@@ -134,3 +134,10 @@ def test_the_slider_drags_to_any_recorded_step_even_one_just_shown():
     assert at.caption[0].value.startswith("step 4 of 4") and param(at, "step") == "4"
     at.slider(key="scrub").set_value(1).run()
     assert at.caption[0].value.startswith("step 1 of 4") and not at.exception
+
+
+def test_a_pool_size_the_preset_overrides_is_named_with_its_value():
+    at = open_app()
+    next(n for n in at.sidebar.number_input if n.label == "Pool (blocks)").set_value(300000)
+    button(at.sidebar, "Apply and reset").click().run()
+    assert any("num_blocks 300000 not applied" in w.value for w in at.warning), [w.value for w in at.warning]

@@ -144,8 +144,9 @@ def settings_form(current: LabSettings) -> None:
                 chosen.update(preemption_mode=mode, swap_space_blocks=int(swap))
             if ignored := overridden_fields(current, preset, chosen, use_preset=bool(use_preset)):
                 st.session_state["flash_warning"] = (
-                    f"{', '.join(ignored)}: taken from the preset {preset!r}, not from the form, because \"Use the "
-                    f"preset's pool settings\" is ticked. Untick it to run your own values.")
+                    f"{', '.join(f'{k} {chosen[k]!r}' for k in ignored)} not applied: taken from the preset "
+                    f"{preset!r}, not from the form, because \"Use the preset's pool settings\" is ticked. Untick it "
+                    f"to run your own values.")
             build_lab(applied_settings(current, preset, chosen, use_preset=bool(use_preset)))
             st.rerun()
     st.sidebar.caption(in_effect(current))
@@ -329,8 +330,10 @@ def stage(lab, present: bool, timer: tuple[bool, float]) -> None:
     (Run to end, Next event: up to ``MAX_RUN_STEPS`` steps) runs before the slot is taken, and the Export
     panel (seconds to draw a GIF) after it is given back, so that neither holds the class up."""
     class_server.touch_seat()  # a class server: this session is active (app.py's keep_session does not run here)
-    if lab is not get_lab() or lab.paged is None:  # replaced, or released while idle: the page's full run
-        st.rerun(scope="app")                      # builds a fresh one and says so
+    # replaced or released while idle (the page's full run builds a fresh one and says so), or the presenter
+    # toggle flipped in a callback: the whole page runs again before anything of the old layout is drawn
+    if lab is not get_lab() or lab.paged is None or presenter.presenting() != present:
+        st.rerun(scope="app")
     if any(kind in LONG_PRESSES for kind in pending_presses(lab)):
         run_presses(lab)
     with stage_slot():

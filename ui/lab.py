@@ -452,19 +452,28 @@ class Lab:
         each press not handled yet, in order, exactly once (``presses`` counts them), however many script
         runs hand over the same or an older total. A total for another lab (``token``) or that is not a count runs
         nothing. Presses older than the log reaches are counted as ignored. Returns how many were new."""
-        if not isinstance(total, int) or isinstance(total, bool) or not isinstance(log, str):
-            return 0
         with self._lock:
-            if token != self.token or total <= self.presses:
+            if not self._is_new_total(token, total, log):
                 return 0
-            new = total - self.presses
-            kinds = log[-new:] if new <= len(log) else log
+            new, kinds = total - self.presses, self.pending_kinds(token, total, log)
             for _ in range(new - len(kinds)):
                 self._ignore("more presses at once than the page could keep apart")
             for k in kinds:
                 self._press(PRESS_KINDS.get(k, k))
             self.presses = total
             return new
+
+    def _is_new_total(self, token, total, log) -> bool:
+        return (isinstance(total, int) and not isinstance(total, bool) and isinstance(log, str)
+                and token == self.token and total > self.presses)
+
+    def pending_kinds(self, token, total, log) -> str:
+        """The kinds of the presses in the browser's counter (``take_presses``'s arguments) not run yet, as far
+        as ``log`` reaches; "" for none, another lab's ``token`` or a malformed count. Read without the lock
+        (a peek: ``take_presses`` runs them)."""
+        if not self._is_new_total(token, total, log):
+            return ""
+        return log[-(total - self.presses):]
 
     def play_tick(self, now: float | None = None) -> int:
         """One Play tick: while ``playing``, as many steps as keep Play at ``play_speed`` steps per second

@@ -321,7 +321,7 @@ def main() -> None:
     st.fragment(run_every=1.0 / lab.play_speed if lab.playing else None)(stage)(lab, present, timer)
 
 
-def stage(lab, present: bool, timer: tuple[bool, float]) -> None:
+def stage(lab, present: bool, timer: tuple[bool, float | None]) -> None:
     """The stage (a fragment): the presses counted in the browser since the last run, each run once before
     anything is drawn; the press counter; the controls row; the views. ``timer``: (playing, speed) as the full
     run that made this fragment set its timer; when a press here changes them, or the presenter toggle flips,
@@ -346,7 +346,7 @@ def stage(lab, present: bool, timer: tuple[bool, float]) -> None:
         if present:
             presenter.style_page()  # type sized to the window the counter reported
         controls(lab, present)
-        if timer_of(lab) != timer or presenter.presenting() != present:
+        if timer_of(lab) != timer:  # a press or the speed here changed Play (the toggle was checked above)
             st.rerun(scope="app")
         follow_step(lab)  # the URL's step follows the step on screen (the scenario part is the full run's)
         views(lab, present)
@@ -468,8 +468,7 @@ def _scrubbed() -> None:
     lab, value = get_lab(), st.session_state.get("scrub")
     if lab is None or not isinstance(value, int):
         return
-    pressed = bool(pending_stage_presses(lab) or st.session_state.get(CLICKED))
-    if pressed and value in st.session_state.get(SCRUB_SET, [])[:-1]:
+    if pending_presses(lab) and value in st.session_state.get(SCRUB_SET, [])[:-1]:
         return
     lab.seek(value - 1)
     st.session_state["cursor"] = lab.cursor

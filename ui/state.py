@@ -343,25 +343,22 @@ def viewport() -> dict | None:
     return None
 
 
-def pending_stage_presses(lab: Lab) -> str:
-    """The kinds ("F", "B", "P", "N", "E") of the presses the browser counted that ``lab`` has not run yet, as
-    far as its log reaches ("" when none or unreadable). A peek, without the lab's lock: ``take_stage_presses``
-    runs them."""
+def _browser_presses() -> dict:
+    """The stage counter's last report: ``{"token", "n", "log"}`` (empty before it has sent one)."""
     state = st.session_state.get(STAGE_KEY)
     presses = state.get("presses") if hasattr(state, "get") else None
-    if not isinstance(presses, dict) or presses.get("token") != lab.token:
-        return ""
-    total, log = presses.get("n"), presses.get("log")
-    if not isinstance(total, int) or isinstance(total, bool) or not isinstance(log, str) or total <= lab.presses:
-        return ""
-    return log[-(total - lab.presses):]
+    return presses if isinstance(presses, dict) else {}
+
+
+def pending_stage_presses(lab: Lab) -> str:
+    """The kinds ("F", "B", "P", "N", "E") of the presses the browser counted that ``lab`` has not run yet
+    (``Lab.pending_kinds``: a peek; ``take_stage_presses`` runs them)."""
+    presses = _browser_presses()
+    return lab.pending_kinds(presses.get("token"), presses.get("n"), presses.get("log"))
 
 
 def take_stage_presses(lab: Lab) -> int:
     """Run the presses the browser counted since the last script run (``Lab.take_presses``: each exactly
     once, atomically). Returns how many were new."""
-    state = st.session_state.get(STAGE_KEY)
-    presses = state.get("presses") if hasattr(state, "get") else None
-    if not isinstance(presses, dict):
-        return 0
+    presses = _browser_presses()
     return lab.take_presses(presses.get("token"), presses.get("n"), presses.get("log"))

@@ -290,14 +290,20 @@ def _load_yaml(text: str) -> Any:
 
 def load_scenario(path: str | Path) -> ScenarioFile:
     """Read and validate a scenario file (.json, .yaml or .yml; another suffix is read as either). Raises
-    ValueError naming the file and the bad field; OSError if it cannot be read."""
+    ValueError naming the file and the bad field, or a file larger than ``MAX_FILE_BYTES`` (refused from its
+    size before reading; one whose size the system does not report, such as ``/dev/zero`` or a pipe, is read
+    no further than one byte past the limit); OSError if it cannot be read."""
     path = Path(path)
     size = path.stat().st_size
     if size > MAX_FILE_BYTES:  # refused before reading it
         raise ValueError(f"{path}: the scenario file is {size:,} bytes, more than {MAX_FILE_BYTES:,}")
+    with path.open("rb") as file:  # st_size is 0 for a device or a pipe: read with a cap all the same
+        raw = file.read(MAX_FILE_BYTES + 1)
+    if len(raw) > MAX_FILE_BYTES:
+        raise ValueError(f"{path}: the scenario file is more than {MAX_FILE_BYTES:,} bytes")
     fmt = {".json": "json", ".yaml": "yaml", ".yml": "yaml"}.get(path.suffix.lower())
     try:
-        return parse_text(path.read_bytes(), fmt)
+        return parse_text(raw, fmt)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
 

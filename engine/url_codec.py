@@ -22,9 +22,12 @@ def pack(raw: bytes) -> str:
 
 def unpack(value: str, what: str, max_chars: int, max_bytes: int) -> bytes:
     """The bytes ``pack`` made ``value`` from (surrounding spaces ignored). ``what`` names the value in the
-    errors ("the scenario link"). Raises ValueError when it is empty, longer than ``max_chars`` characters,
-    has other characters than base64url's, is damaged (cut short, mistyped, not zlib), or inflates to more
-    than ``max_bytes`` bytes."""
+    errors ("the scenario link"). Raises ValueError when it is not text (None, bytes, a number), empty,
+    longer than ``max_chars`` characters, has other characters than base64url's, is damaged (cut short,
+    mistyped, not zlib, or with bytes after the end of its zlib stream: ``pack`` never writes any), or
+    inflates to more than ``max_bytes`` bytes."""
+    if not isinstance(value, str):
+        raise ValueError(f"{what} must be text, got {type(value).__name__}")
     value = value.strip()
     if not value:
         raise ValueError(f"{what} is empty")
@@ -43,4 +46,7 @@ def unpack(value: str, what: str, max_chars: int, max_bytes: int) -> bytes:
         raise ValueError(f"{what} holds more than {max_bytes:,} bytes")
     if not inflate.eof:  # the compressed stream stops before its end: the value was cut short
         raise ValueError(damaged)
+    if inflate.unused_data:  # bytes after the stream's end: not what pack wrote (two values pasted together?)
+        extra = len(inflate.unused_data)
+        raise ValueError(f"{what} is damaged ({extra:,} byte{'s' * (extra != 1)} after its end)")
     return raw

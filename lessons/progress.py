@@ -53,8 +53,9 @@ def encode(saved: SavedProgress) -> str:
 
 
 def decode(code: str) -> SavedProgress:
-    """A code back to progress. Raises ValueError saying what is wrong with it (not a code, too long, from
-    another version, a malformed entry); an unknown lesson or question in it is kept and simply never shown."""
+    """A code back to progress. Raises ValueError saying what is wrong with it (not text, not a code, too
+    long, from another version: ``"v"`` must be the integer ``VERSION``, not true or 1.0; a malformed
+    entry); an unknown lesson or question in it is kept and simply never shown."""
     raw = url_codec.unpack(code, "the progress code", MAX_CODE_CHARS, MAX_PAYLOAD_BYTES)
     try:
         payload = json.loads(raw)
@@ -62,8 +63,10 @@ def decode(code: str) -> SavedProgress:
         raise ValueError("the progress code is damaged (nested too deep)") from None
     except ValueError:  # not JSON (a UnicodeDecodeError is a ValueError too)
         raise ValueError("the progress code is damaged (cut short or mistyped?)") from None
-    if not isinstance(payload, dict) or payload.get("v") != VERSION:
-        raise ValueError(f"the progress code is not a version-{VERSION} code of this app")
+    version = payload.get("v") if isinstance(payload, dict) else None
+    if isinstance(version, bool) or not isinstance(version, int) or version != VERSION:  # not true, not 1.0
+        said = f" (its version is {json.dumps(version)[:40]})" if isinstance(payload, dict) and "v" in payload else ""
+        raise ValueError(f"the progress code is not a version-{VERSION} code of this app{said}")
     answers, first = {}, {}
     for key, value in _items(payload.get("a"), dict, "answers"):
         if not (isinstance(value, list) and len(value) == 2 and isinstance(value[1], bool)

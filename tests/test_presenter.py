@@ -57,7 +57,7 @@ def test_projector_style_makes_every_font_at_least_the_minimum():
     fig.add_annotation(text="note", font={"size": 11})
     assert smallest_font(fig) == 9
     projector_style(fig, height=300, min_font=20)
-    assert smallest_font(fig) >= 18 and fig.layout.height == 300  # ticks may be 2 px under the minimum
+    assert smallest_font(fig) >= 20 and fig.layout.height == 300  # every text, ticks and legend too
     assert fig.data[0].textfont.size >= 20 and fig.layout.annotations[0].font.size >= 20
     with pytest.raises(ValueError, match="height"):
         projector_style(fig, height=0)
@@ -69,7 +69,8 @@ def test_the_real_figures_styled_for_the_projector(loaded):
     for fig in (block_pool_figure(paged.snapshot, lab.order),
                 contiguous_region_figure(contiguous.snapshot.contiguous, lab.order)):
         assert smallest_font(fig) < PROJECTOR_FONT  # the Playground's own sizes are small
-        assert smallest_font(projector_style(fig, height=300)) >= PROJECTOR_FONT - 2
+        assert smallest_font(projector_style(fig, height=300)) >= PROJECTOR_FONT
+        assert fig.layout.legend.font.size is None or fig.layout.legend.font.size >= PROJECTOR_FONT
 
 
 def test_presenter_sizes_fit_the_screen_and_grow_with_it():
@@ -108,18 +109,21 @@ def test_copies_on_write_are_one_sentence_naming_each_copy(loaded):
 
 
 def test_pool_labels_fit_their_cells(loaded):
-    """One line per cell, sized to the cell: a 12-block pool gets big type, the same labels in narrow cells
-    get smaller type (never under 10 px), and the fill line is gone."""
+    """One line per cell, sized to the cell and never under the projector's size: a 12-block pool gets big
+    type; in cells too narrow for "3: R2" at that size the label is cut to the block id, in cells too narrow
+    for that it is left out (the hover keeps it); the fill line is gone."""
     from viz.presenter import one_line_cells
 
     lab = run(loaded, "batch", 3)
     snap = lab.history[-1][0].snapshot
     roomy = one_line_cells(block_pool_figure(snap, lab.order), row_px=80, col_px=150)
-    narrow = one_line_cells(block_pool_figure(snap, lab.order), row_px=80, col_px=30)
+    narrow = one_line_cells(block_pool_figure(snap, lab.order), row_px=80, col_px=50)
+    tiny = one_line_cells(block_pool_figure(snap, lab.order), row_px=80, col_px=8)
     labels = [t for row in roomy.data[0].text for t in row if t]
     assert labels and not any("<br>" in t for t in labels)
     widest = max(len(t) for t in labels)
-    assert roomy.data[0].textfont.size == max(10, min(round(PROJECTOR_FONT * 1.4), 44,
-                                                      int(150 * 0.9 / (0.6 * widest))))
-    assert narrow.data[0].textfont.size == max(10, int(30 * 0.9 / (0.6 * widest)))
-    assert narrow.data[0].textfont.size < roomy.data[0].textfont.size
+    assert roomy.data[0].textfont.size == min(round(PROJECTOR_FONT * 1.4), 56, int(150 * 0.9 / (0.6 * widest)))
+    ids = [t for row in narrow.data[0].text for t in row if t]
+    assert ids == [t.split(":")[0] for t in labels] and all(t.isdigit() for t in ids)
+    assert narrow.data[0].textfont.size >= PROJECTOR_FONT
+    assert not any(t for row in tiny.data[0].text for t in row) and tiny.data[0].textfont.size >= PROJECTOR_FONT

@@ -43,6 +43,10 @@ section[data-testid="stSidebar"], [data-testid="stSidebarCollapsedControl"], hea
 .st-key-present_words p, .st-key-present_words li {{ font-size: {words}px !important; line-height: 1.3 !important; }}
 .st-key-present_numbers p {{ font-size: {numbers}px !important; margin-bottom: 0.1rem !important; }}
 [data-testid="stButton"] button p {{ font-size: {numbers}px !important; }}
+[data-testid="stMain"] [data-testid="stWidgetLabel"] p, [data-testid="stMain"] [data-testid="stCaptionContainer"],
+[data-testid="stMain"] [data-testid="stCaptionContainer"] p, [data-testid="stMain"] [data-testid="stSliderThumbValue"],
+[data-testid="stMain"] [data-testid="stSliderTickBar"] div, [data-testid="stMain"] [data-testid="stAlert"] p
+  {{ font-size: {font}px !important; }}
 </style>
 """
 
@@ -84,7 +88,7 @@ def sizes() -> dict:
 
 def style_page() -> None:
     font = sizes()["font"]
-    st.markdown(CSS.format(words=round(font * 1.25), numbers=round(font * 1.05)), unsafe_allow_html=True)
+    st.markdown(CSS.format(words=round(font * 1.25), numbers=round(font * 1.05), font=font), unsafe_allow_html=True)
 
 
 def numbers(lab, paged, contiguous) -> list[str]:
@@ -121,20 +125,22 @@ def few_sentences(paged, contiguous, budget: int | None) -> list[str]:
     return shown
 
 
+def words_markdown(sentences: list[str]) -> str:
+    """The sentences as a Markdown list for the stage: escaped, and each "->" (a copy "1->2") drawn as one
+    arrow character, so a line never breaks inside it ("1-" / ">2")."""
+    return "\n".join("- " + html.escape(x).replace("-&gt;", "\u2192") for x in sentences)
+
+
 def block_table_picture(lab, paged, size: dict, decode):
-    """The block-table picture of the step (``viz.block_table``), styled for the projector."""
+    """The block-table picture of the step (``viz.block_table``) at the projector's type: laid out for the
+    pool row's height and half the window's width, every text ``size["font"]`` px, the title on one line;
+    the copy-on-write's caption is left out (the sentences above say it)."""
     from viz.block_table import block_table_figure
 
-    fig = block_table_figure(paged, lab.order, compact=True, decode=decode, title="block tables")
-    # one title line (a second one was clipped at the top of the chart): "block tables · showing 4 of 8 sequences"
-    fig.update_layout(title_text=fig.layout.title.text.replace("<br>", " · "))
-    # the captions under the picture (the copy-on-write's words) are the sentences above: left out here, so the
-    # bigger type cannot run past the figure's edge
-    fig.layout.annotations = [a for a in fig.layout.annotations if not (a.yref == "paper" and a.y == 0)]
-    fig.update_layout(margin_b=10)
-    fig = projector_style(fig, height=size["pool"], min_font=size["font"])
-    fig.update_layout(title_pad_t=8, title_yref="container", title_y=1.0)  # the title's first line inside the figure
-    return fig
+    width = (viewport() or {"w": 1280})["w"] // 2 - 40  # the picture's column: half the window, less padding
+    fig = block_table_figure(paged, lab.order, compact=True, decode=decode, title="block tables",
+                             font_px=size["font"], height_px=size["pool"], width_px=width, captions=False)
+    return projector_style(fig, height=size["pool"], min_font=size["font"], scale=1.0)
 
 
 def views(lab, history: list, index: int, has_work: bool, decode) -> None:
@@ -142,7 +148,7 @@ def views(lab, history: list, index: int, has_work: bool, decode) -> None:
     paged, contiguous = history[index]
     size = sizes()
     with st.container(key="present_words"):
-        st.markdown("\n".join(f"- {html.escape(x)}" for x in few_sentences(paged, contiguous, lab.step_budget())))
+        st.markdown(words_markdown(few_sentences(paged, contiguous, lab.step_budget())))
     snap = paged.snapshot
     changed = sorted({b for e in paged.events if e.kind != "append" for b in e.blocks})
     left, right = st.columns([1, 1])
@@ -166,7 +172,7 @@ def views(lab, history: list, index: int, has_work: bool, decode) -> None:
             fig = contiguous_region_figure(layout, lab.order, lab.contiguous_final_lengths())
             fig.update_layout(title_text=f"contiguous baseline: {layout_line(contiguous.snapshot)}",
                               margin={"t": 36, "b": 36})
-            st.plotly_chart(projector_style(fig, height=size["strip"], min_font=size["font"] - 2, scale=1.2),
+            st.plotly_chart(projector_style(fig, height=size["strip"], min_font=size["font"], scale=1.0),
                             width="stretch",
                             key="present_region_fig", config={"displayModeBar": False})
         else:

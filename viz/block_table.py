@@ -1,8 +1,10 @@
 """The block-table picture: each sequence's logical blocks in a row, an arrow from each to its physical block.
 
 Left, one row per sequence (its id after a square of its request's colour); its logical blocks L0..Lk are
-boxes, each showing the physical block it maps to. Right, the physical blocks those tables reference
-(sorted by id, in up to three columns), each labelled ``id xcount`` with its reference count; a block shared
+boxes, each showing the physical block it maps to. Right, the physical blocks those tables reference, in
+one column ordered so arrows rarely cross (``_order_physical``: each block at the mean row of its users,
+then ``_nest_rows``), folded in two when it does not fit (the second half offset by half a pitch, arrows into
+it running level through the gaps of the first), each labelled ``id xcount`` with its reference count; a block shared
 by several tables is grey (``colors.SHARED``, as in the pool) and receives several arrows. What the step
 changed is outlined black (the pool's outline): blocks it allocated (less the ones a prefix-cache hit
 reused), took for a new token, copied to (copy-on-write) or swapped in. A copy-on-write this step is drawn as
@@ -13,8 +15,8 @@ line, ``logical block = t // B``, ``offset = t % B``, ``slot = physical x B + of
 mapping (``engine/block_manager.py``: a slot indexes the flattened pool ``[num_blocks * B, ...]``; Kwon et
 al., SOSP 2023, section 4.1).
 
-Geometry: y is in pixels (rows ``ROW_PX`` apart, physical boxes ``PHYS_PX`` apart), so labels keep >= 14 px
-on a projector whatever the figure's width; x is in logical-block widths. The figure is sized for the
+Geometry: y is in pixels (rows and boxes sized from ``font_px``: 14 in the Playground, the presenter's 18-27
+px), labels near-black (``colors.TEXT``, contrast >= 4.5:1 on every tint); x is in logical-block widths. The figure is sized for the
 Playground beside the pool at 1280x720 and 1920x1080: up to ``max_rows`` sequences (8) and ``max_blocks``
 logical blocks (16) are drawn, 300-420 px high; past that the highlighted request's rows come first, the
 first logical blocks and the last ones are drawn (and the picked token's), and the title says what is left
@@ -35,19 +37,20 @@ from typing import Callable
 
 import plotly.graph_objects as go
 
-from .colors import FREE, OUTLINE, SELECTED, SHARED, request_color, request_id_of
+from .colors import FREE, OUTLINE, SELECTED, SHARED, TEXT, request_color, request_id_of
 from .plain import figure
 
 CHANGED = OUTLINE  # outline of what a step changed: the pool's (viz/pool.py)
-FONT_PX = 14         # smallest text on the figure: readable on a projector
-ROW_PX, ROW_PX_COMPACT = 38, 34  # one sequence's row
-PHYS_PX = 30         # one physical block in its column
-MAX_PHYS_COLS = 3
+FONT_PX = 14         # smallest text on the figure in the Playground (the presenter passes its own, 18-27 px)
+ROW_PX, ROW_PX_COMPACT = 38, 34  # one sequence's row at 14 px (rows grow with the font)
 MIN_PLOT_PX = 230    # plot area at least this high, so a small preset is not a sliver (height ~ 300 px)
+MAX_PLOT_PX, MAX_PLOT_PX_COMPACT = 348, 280  # plot area at most this high (the figure <= ~420 / ~360 px)
 CAPTION_CHARS = 72   # a caption line wraps here (~7 px a character at 14 px: fits half of a 1280 px screen)
 LOGICAL_W, PHYS_W = 0.8, 1.8     # box widths, in logical-block widths
-ARROW_GAP = 2.6                  # room between the last logical block and the physical column(s)
-PHYS_PITCH_X = 2.2
+ARROW_GAP = 2.6                  # room between the last logical block and the physical column
+PHYS_PITCH_X = 2.2               # the folded column's second half, this far right of the first
+CHAR_EM = 0.6                    # a character's width, in font sizes (Open Sans, Plotly's font, ~0.55)
+HEADERS = ("physical block x ref count", "physical x refs", "physical")  # the longest that fits is drawn
 CHANGED_KINDS = ("allocate", "new_block", "cow", "swap_in")
 
 
@@ -154,7 +157,7 @@ def block_table_picture(snapshot, events=(), request_order: list[str] | None = N
         rows = rows[:-1] + [next(s for s in snapshot.sequences if s.seq_id == pick["seq_id"])]
     changed = _changed_blocks(events)
     keep = pick["logical"] if pick else None
-    while True:  # fewer logical blocks, then fewer rows, until the physical blocks fit their columns
+    while True:  # fewer logical blocks, then fewer rows, until the physical blocks fit their column
         num_logical = max((len(s.block_table) for s in rows), default=0)
         columns = _shown_columns(num_logical, max_blocks, keep)
         arrows, cows = _arrows(rows, set(columns), events, B)
@@ -163,9 +166,8 @@ def block_table_picture(snapshot, events=(), request_order: list[str] | None = N
         if len(columns) > 2:
             max_blocks = max(1, min(max_blocks, len(columns)) - 1)
         elif len(rows) > 1:
-            drop = next(i for i in range(len(rows) - 1, -1, -1) if not pick or rows[i].seq_id != pick["seq_id"])
+            rows = _drop_row(rows, pick, changed)
             rows_left += 1
-            rows = rows[:drop] + rows[drop + 1:]
         else:
             break
 
@@ -175,7 +177,7 @@ def block_table_picture(snapshot, events=(), request_order: list[str] | None = N
                  "free": snapshot.ref_counts[b] == 0, "changed": b in changed, "hash": hashes[b],
                  "color": (FREE if snapshot.ref_counts[b] == 0 else SHARED if snapshot.ref_counts[b] > 1
                            else request_color(request_id_of(snapshot.owners[b][0]), order))}
-                for b in sorted({a["physical"] for a in arrows})]
+                for b in _order_physical(rows, arrows)]
 
     notes = []
     if rows_left:
@@ -188,6 +190,64 @@ def block_table_picture(snapshot, events=(), request_order: list[str] | None = N
                      for s in rows],
             "columns": columns, "physical": physical, "arrows": arrows, "changed": sorted(changed),
             "cow": cows, "token": pick, "notes": notes, "block_size": B}
+
+
+def _drop_row(rows: list, pick: dict | None, changed: set[int]) -> list:
+    """``rows`` less one: the last that holds no block the step changed and is not the picked token's (the
+    moment stays drawn), else the last one not picked."""
+    keep = {pick["seq_id"]} if pick else set()
+    candidates = [i for i in range(len(rows) - 1, -1, -1) if rows[i].seq_id not in keep]
+    quiet = [i for i in candidates if rows[i].status != "running" or not changed & set(rows[i].block_table)]
+    drop = (quiet or candidates)[0]
+    return rows[:drop] + rows[drop + 1:]
+
+
+def _order_physical(rows, arrows: list[dict]) -> list[int]:
+    """The physical blocks, top to bottom, so that arrows rarely cross: each block at the mean position of the
+    rows whose arrows reach it (the barycentre heuristic of two-layer drawing: Sugiyama et al., 1981), ties in
+    order of first use (rows top to bottom, logical blocks left to right). A block only one sequence uses sits
+    beside its row, in logical order, so arrows between such blocks never cross; a shared block sits between
+    the rows sharing it, where the fewest arrows pass it."""
+    index = {s.seq_id: i for i, s in enumerate(rows)}
+    users: dict[int, list[int]] = {}
+    first: dict[int, tuple[int, int, int]] = {}
+    for k, a in enumerate(arrows):
+        users.setdefault(a["physical"], []).append(index[a["seq_id"]])
+        first.setdefault(a["physical"], (index[a["seq_id"]], a["logical"], k))
+    for k, a in enumerate(sorted(arrows, key=lambda a: (index[a["seq_id"]], a["logical"]))):
+        first[a["physical"]] = min(first[a["physical"]], (index[a["seq_id"]], a["logical"], k))
+    return sorted(users, key=lambda b: (sum(users[b]) / len(users[b]), first[b]))
+
+
+def _nest_rows(pic: dict, g: dict) -> bool:
+    """Swap each row's own blocks (reached by one arrow, from that row) among their places so the row's
+    arrows nest instead of crossing: an arrow leaves its logical box upwards to a block above the row, down to
+    one below, and passes under (or over) the row's boxes to its right, so above the row the leftmost logical
+    block takes the highest place, below it the lowest. Returns whether the order changed."""
+    reach: dict[int, list[dict]] = {}
+    for a in pic["arrows"]:
+        reach.setdefault(a["physical"], []).append(a)
+    order = [p["block"] for p in pic["physical"]]
+    new = list(order)
+    for r in pic["rows"]:
+        y0 = g["row_y"][r["seq_id"]]
+        own = [(j, reach[b][0]["logical"]) for j, b in enumerate(order)
+               if len(reach.get(b, ())) == 1 and reach[b][0]["seq_id"] == r["seq_id"]
+               and reach[b][0]["kind"] == "table"]
+        if len(own) < 2 or len({lg for _, lg in own}) < len(own):
+            continue
+        above = [j for j, _ in own if g["phys_xy"][order[j]][1] < y0 - 1]
+        below = [j for j, _ in own if j not in above]
+        logical = sorted(lg for _, lg in own)
+        wanted = logical[:len(above)] + sorted(logical[len(above):], reverse=True)
+        by_logical = {lg: order[j] for j, lg in own}
+        for j, lg in zip(above + below, wanted):
+            new[j] = by_logical[lg]
+    if new == order:
+        return False
+    where = {p["block"]: p for p in pic["physical"]}
+    pic["physical"] = [where[b] for b in new]
+    return True
 
 
 def _arrows(rows, shown: set[int], events, B: int) -> tuple[list[dict], list[dict]]:
@@ -213,15 +273,41 @@ def _arrows(rows, shown: set[int], events, B: int) -> tuple[list[dict], list[dic
 
 
 # ------------------------------------------------------------------------------------------------ drawing
-def _geometry(pic: dict, compact: bool) -> dict:
-    """Where everything goes: y in pixels (top = 0), x in logical-block widths."""
-    row_px = ROW_PX_COMPACT if compact else ROW_PX
+def _sizes(font: int, compact: bool) -> dict:
+    """Box heights and pitches (px) for labels of ``font`` px: a logical box ``font + 8`` high in a row with
+    room above and below for the arrows' bends; a physical box ``font + 4`` high. The physical column is folded
+    in two when it does not fit: the second half sits beside the first, offset by half a pitch, so block i is
+    at ``i`` half-pitches from the top (the order stays top to bottom) and every arrow into the second half runs
+    level through a gap of the first."""
+    box_h = font + 8
+    row_px = max(ROW_PX_COMPACT if compact else ROW_PX, box_h + max(10, round(font * 0.6)))
+    phys_h = font + 4
+    return {"box_h": box_h, "row_px": row_px, "row_min": box_h + max(8, round(font * 0.45)), "phys_h": phys_h,
+            "pitch_one": phys_h + 8, "pitch_half": phys_h / 2 + 2}
+
+
+def physical_fit(plot_px: float, font: int = FONT_PX) -> int:
+    """How many physical blocks the folded column holds in a plot area ``plot_px`` high (px)."""
+    z = _sizes(font, True)
+    return max(1, int((plot_px - z["phys_h"]) // z["pitch_half"]) + 1)
+
+
+def _geometry(pic: dict, compact: bool, font: int = FONT_PX, plot_px: float | None = None) -> dict:
+    """Where everything goes: y in pixels (top = 0), x in logical-block widths. ``plot_px``: the plot area's
+    height (the presenter's); None: as high as the rows and the physical column need (the Playground's)."""
+    z = _sizes(font, compact)
     n_rows, n_phys = len(pic["rows"]), len(pic["physical"])
-    per_col = max(1, (n_rows * row_px) // PHYS_PX)  # physical boxes that fit beside the rows
-    if math.ceil(n_phys / per_col) > MAX_PHYS_COLS:
-        per_col = math.ceil(n_phys / MAX_PHYS_COLS)
-    plot_px = max(MIN_PLOT_PX, n_rows * row_px, min(n_phys, per_col) * PHYS_PX)
-    row_top = (plot_px - n_rows * row_px) / 2
+    one = n_phys * z["pitch_one"] - 8
+    rows_px = n_rows * z["row_px"]
+    if plot_px is None:
+        plot_px = max(MIN_PLOT_PX, rows_px)
+        folded = one > plot_px
+        if folded:
+            plot_px = min(MAX_PLOT_PX_COMPACT if compact else MAX_PLOT_PX, max(plot_px, (n_phys - 1) * z["pitch_half"] + z["phys_h"]))
+    else:
+        folded = one > plot_px
+    row_px = z["row_px"] if rows_px <= plot_px else max(z["row_min"], plot_px / max(1, n_rows))
+    row_top = max(0.0, (plot_px - n_rows * row_px) / 2)
     row_y = {r["seq_id"]: row_top + (i + 0.5) * row_px for i, r in enumerate(pic["rows"])}
     x_of, x = {}, 0.0
     for k, col in enumerate(pic["columns"]):
@@ -230,16 +316,16 @@ def _geometry(pic: dict, compact: bool) -> dict:
         x_of[col] = x
         x += 1
     x_end = x - 1 + LOGICAL_W / 2 if pic["columns"] else 0
-    phys_xy = {}
-    for j, p in enumerate(pic["physical"]):
-        col, k = divmod(j, per_col)
-        in_col = min(per_col, n_phys - col * per_col)
-        phys_xy[p["block"]] = (x_end + ARROW_GAP + PHYS_W / 2 + col * PHYS_PITCH_X,
-                               (plot_px - in_col * PHYS_PX) / 2 + (k + 0.5) * PHYS_PX)
-    n_cols = math.ceil(n_phys / per_col) if n_phys else 0
-    return {"row_px": row_px, "box_h": row_px * 0.62, "phys_h": PHYS_PX - 7, "plot_px": plot_px, "row_y": row_y,
-            "x_of": x_of, "x_end": x_end, "phys_xy": phys_xy,
-            "x_max": x_end + ARROW_GAP + max(n_cols, 1) * PHYS_PITCH_X}
+    x0 = x_end + ARROW_GAP + PHYS_W / 2
+    step = z["pitch_half"] if folded else z["pitch_one"]
+    height = (n_phys - 1) * step + z["phys_h"] if n_phys else 0
+    top = (plot_px - height) / 2 + z["phys_h"] / 2
+    phys_xy = {p["block"]: (x0 + (PHYS_PITCH_X if folded and j % 2 else 0), top + j * step)
+               for j, p in enumerate(pic["physical"])}
+    return {"row_px": row_px, "box_h": min(z["box_h"], row_px * 0.72), "phys_h": z["phys_h"], "plot_px": plot_px,
+            "row_y": row_y, "x_of": x_of, "x_end": x_end, "phys_xy": phys_xy, "folded": folded,
+            "run_from": x0 - PHYS_W / 2 - 0.6, "font": font,
+            "x_max": x0 + PHYS_W / 2 + (PHYS_PITCH_X if folded else 0) + 0.1}
 
 
 def _rect(x: float, y: float, w: float, h: float) -> tuple[list, list]:
@@ -248,14 +334,19 @@ def _rect(x: float, y: float, w: float, h: float) -> tuple[list, list]:
             [y - h / 2, y - h / 2, y + h / 2, y + h / 2, y - h / 2, None])
 
 
-def _arrow_path(x0: float, y0: float, box_h: float, x1: float, y1: float, row_px: float) -> tuple[list, list]:
-    """Leave the logical box by its top or bottom edge (towards the target), sweep right through the gap
-    between rows, enter the physical box from the left: 4 points, drawn as a spline."""
+def _arrow_path(x0: float, y0: float, box_h: float, x1: float, y1: float, row_px: float,
+                run_from: float, last: bool = False) -> tuple[list, list]:
+    """Leave the logical box by its top or bottom edge (towards the target; the row's last box, by its right
+    side when the target is exactly level with it), sweep right through the gap between rows, run level from
+    ``run_from`` (left of the physical column) into the physical box's left side: 4 points, drawn as a
+    spline."""
+    end = x1 - PHYS_W / 2 - 0.12
+    if last and abs(y1 - y0) < 1:
+        return [x0 + LOGICAL_W / 2, x0 + LOGICAL_W / 2 + 0.3, min(run_from, end - 0.7), end], [y0, y0, y1, y1]
     up = y1 < y0 - 1  # y grows downwards
     edge = y0 - box_h / 2 if up else y0 + box_h / 2
     bend = edge + (-1 if up else 1) * (row_px - box_h) / 2 * 0.8
-    end = x1 - PHYS_W / 2 - 0.12
-    return [x0, x0 + 0.25, end - 0.7, end], [edge, bend, y1, y1]
+    return [x0, x0 + 0.25, min(run_from, end - 0.7), end], [edge, bend, y1, y1]
 
 
 def _box_traces(pic: dict, g: dict, faded: set[str], decode) -> list[dict]:
@@ -310,7 +401,7 @@ def _box_traces(pic: dict, g: dict, faded: set[str], decode) -> list[dict]:
     for xs, ys, text, hover, role in ((lx, ly, ltext, lhover, "logical"), (px, py, ptext, phover, "physical")):
         traces.append({"type": "scatter", "x": xs, "y": ys, "mode": "markers+text", "text": text,
                        "hovertext": hover, "hovertemplate": "%{hovertext}<extra></extra>",
-                       "textfont": {"size": FONT_PX},
+                       "textfont": {"size": g["font"], "color": TEXT},
                        "marker": {"size": 22, "color": "rgba(0,0,0,0)", "symbol": "square"},
                        "showlegend": False, "meta": {"role": f"{role}_labels"}})
     return traces
@@ -336,12 +427,15 @@ def _arrow_traces(pic: dict, g: dict, faded: set[str]) -> list[dict]:
     for a in pic["arrows"]:
         groups.setdefault((a["seq_id"], a["kind"]), []).append(a)
     colors = {r["seq_id"]: r["color"] for r in pic["rows"]}
+    last_shown = {r["seq_id"]: max((i for i in range(len(r["table"])) if i in g["x_of"]), default=-1)
+                  for r in pic["rows"]}
     traces = []
     for (seq_id, kind), arrows in groups.items():
         xs, ys, sizes, custom = [], [], [], []
         for a in arrows:
             ax, ay = _arrow_path(g["x_of"][a["logical"]], g["row_y"][seq_id], g["box_h"],
-                                 *g["phys_xy"][a["physical"]], g["row_px"])
+                                 *g["phys_xy"][a["physical"]], g["row_px"], g["run_from"],
+                                 a["logical"] == last_shown[seq_id])
             xs += ax + [None]
             ys += ay + [None]
             sizes += [0, 0, 0, 11, 0]
@@ -391,8 +485,10 @@ def _outline_traces(pic: dict, g: dict, selected: str | None) -> list[dict]:
                "hoverinfo": "skip", "showlegend": False, "meta": {"role": f"outline_{kind}"}}
               for kind, (xs, ys, color, width) in outlines.items() if xs]
     if pick:
+        row = next(r for r in pic["rows"] if r["seq_id"] == pick["seq_id"])
+        last = max(i for i in range(len(row["table"])) if i in g["x_of"])
         ax, ay = _arrow_path(g["x_of"][pick["logical"]], g["row_y"][pick["seq_id"]], g["box_h"],
-                             *g["phys_xy"][pick["physical"]], g["row_px"])
+                             *g["phys_xy"][pick["physical"]], g["row_px"], g["run_from"], pick["logical"] == last)
         traces.append({"type": "scatter", "x": ax, "y": ay, "mode": "lines",
                        "line": {"color": SELECTED, "width": 4, "shape": "spline"}, "hoverinfo": "skip",
                        "showlegend": False, "meta": {"role": "token_arrow"}})
@@ -414,7 +510,8 @@ def _outline_traces(pic: dict, g: dict, selected: str | None) -> list[dict]:
 def block_table_figure(source, request_order: list[str] | None = None, selected: str | None = None,
                        token: tuple[str, int] | None = None, events=None, decode: Callable | None = None,
                        max_rows: int | None = None, max_blocks: int | None = None, compact: bool = False,
-                       title: str | None = None) -> go.Figure:
+                       title: str | None = None, font_px: int = FONT_PX, height_px: int | None = None,
+                       width_px: int | None = None, captions: bool = True) -> go.Figure:
     """The block tables after a step as arrows from logical to physical blocks.
 
     Args:
@@ -425,74 +522,117 @@ def block_table_figure(source, request_order: list[str] | None = None, selected:
         token: ``(sequence id, position)``: locate that token (logical block, offset, physical block, slot).
         events: the step's events when ``source`` is a Snapshot (else ``source.events``).
         decode: token ids -> text, for the logical blocks' hover (optional).
-        max_rows / max_blocks: most sequences / logical blocks drawn (default 8 / 16; ``compact``: 4 / 8).
+        max_rows / max_blocks: most sequences / logical blocks drawn (default 8 / 16; ``compact``: 4 / 8;
+            with ``height_px``: as many rows as fit, 8 logical blocks).
         compact: smaller rows and limits, for the presenter view beside the pool.
         title: the first line of the title (default "Block tables after step N").
+        font_px: every text's size (px; the title 2 px more). The boxes and pitches grow with it.
+        height_px: the figure's whole height (px), e.g. the presenter's pool row: rows and physical blocks
+            are fitted into it (what is left out is named in the title). None: as high as needed, ~300-420 px.
+        width_px: the figure's width (px; default 620, half a 1280 px screen), to choose a header that fits.
+        captions: the copy-on-write and token lines under the plot (the presenter says them in its sentences).
 
-    Returns a figure ~300-420 px high (``layout.height``); fonts >= 14 px.
+    Returns a figure (``layout.height`` in px); every font >= ``font_px``, labels near-black (``colors.TEXT``).
 
     Raises:
-        ValueError: as ``block_table_picture`` (contiguous snapshot, bad limits, a token not held).
+        ValueError: as ``block_table_picture`` (contiguous snapshot, bad limits, a token not held), or a
+            ``font_px`` / ``height_px`` that is not a positive number of pixels (or leaves no plot area).
     """
+    for name, value in (("font_px", font_px), ("height_px", height_px), ("width_px", width_px)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ValueError(f"{name} must be a positive number of pixels, got {value!r}")
     snapshot = getattr(source, "snapshot", source)
     if events is None:
         events = getattr(source, "events", [])
+    z = _sizes(font_px, compact)
+    top = _top_px(font_px, notes=False if height_px else None)
+    plot_px = None
+    if height_px is not None:
+        plot_px = height_px - top - 8
+        if plot_px < z["row_min"]:
+            raise ValueError(f"height_px {height_px}: leaves no room for one row at {font_px} px type")
+        if max_rows is None:
+            max_rows = max(1, int(plot_px // z["row_min"]))
+        fit = physical_fit(plot_px, font_px)
+    else:
+        fit = physical_fit(MAX_PLOT_PX_COMPACT if compact else MAX_PLOT_PX, font_px)
     max_rows = (4 if compact else 8) if max_rows is None else max_rows
-    max_blocks = (8 if compact else 16) if max_blocks is None else max_blocks
-    # as many physical blocks as fit beside the rows in MAX_PHYS_COLS columns (the figure stays <= ~420 px)
-    row_px = ROW_PX_COMPACT if compact else ROW_PX
-    fit = MAX_PHYS_COLS * (max(MIN_PLOT_PX, max_rows * row_px) // PHYS_PX)
+    max_blocks = (8 if compact or height_px else 16) if max_blocks is None else max_blocks
     pic = block_table_picture(snapshot, events, request_order, selected, token, max_rows, max_blocks, fit)
-    g = _geometry(pic, compact)
+    g = _geometry(pic, compact, font_px, plot_px)
+    if _nest_rows(pic, g):
+        g = _geometry(pic, compact, font_px, plot_px)  # same slots, the rows' own blocks swapped among them
     faded = {r["seq_id"] for r in pic["rows"] if selected and request_id_of(r["seq_id"]) != selected}
     data = _arrow_traces(pic, g, faded) + _box_traces(pic, g, faded, decode) + _outline_traces(pic, g, selected)
     step = getattr(source, "step", None)
     head = title or ("Block tables" + (f" after step {step}" if step else "") + ": logical -> physical")
-    if pic["notes"]:  # on a line of its own: the title must fit half of a 1280 px screen
-        head += f"<br>showing {', '.join(pic['notes'])}"
+    if pic["notes"]:  # on a line of its own (one line with a fixed height: the title must stay one line)
+        head += (" · " if height_px else "<br>") + f"showing {', '.join(pic['notes'])}"
     if not pic["rows"]:
         head += ": no sequence holds blocks"
     bottom = []
-    if pic["cow"]:
+    if pic["cow"] and captions:
         bottom.append("copy-on-write: " + ", ".join(f"{c['seq_id']} block {c['src']} -> {c['dst']}"
                                                     for c in pic["cow"][:4])
                       + (f" (+{len(pic['cow']) - 4} more)" if len(pic["cow"]) > 4 else "")
                       + " (dotted: the arrow before the copy)")
-    if pic["token"]:
+    if pic["token"] and captions:
         bottom.append(pic["token"]["caption"])
-    return figure(data, _layout(pic, g, head, bottom))
+    layout = _layout(pic, g, head, bottom, width_px or 620)
+    if height_px is not None:
+        layout["height"] = height_px
+    return figure(data, layout)
 
 
-def _layout(pic: dict, g: dict, head: str, bottom: list[str]) -> dict:
+def _top_px(font: int, notes: bool | None) -> int:
+    """The top margin (px): the title's line (``font + 2`` px type), then the logical blocks' labels."""
+    return round((font + 2) * 1.5 + font * 1.6 + 6)
+
+
+def _header(g: dict, pic: dict, width_px: int) -> str:
+    """The longest of ``HEADERS`` that fits over the physical column and the arrows' gap (estimated from the
+    figure's width: the row labels take the left, the x range the rest)."""
+    label_chars = max((len(r["seq_id"]) + 2 + (10 if r["status"] == "swapped" else 0) for r in pic["rows"]),
+                      default=4)
+    plot_w = width_px - 20 - CHAR_EM * g["font"] * label_chars - 10
+    per_unit = plot_w / (g["x_max"] + 0.7)
+    room = (g["x_max"] - g["x_end"] - 0.5) * per_unit
+    return next((h for h in HEADERS if len(h) * CHAR_EM * g["font"] <= room), HEADERS[-1])
+
+
+def _layout(pic: dict, g: dict, head: str, bottom: list[str], width_px: int = 620) -> dict:
     """The layout dict: title ``head``, the ``bottom`` captions (wrapped) under the plot, the logical-block
-    ticks along the top, the rows' ticks on the left; height in px from the geometry ``g``."""
-    top, line = 62 + 20 * head.count("<br>"), 20  # title + the logical-block labels along the top
-    lines = [part for text in bottom for part in textwrap.wrap(text, CAPTION_CHARS, subsequent_indent="  ")]
-    margin_b = 10 + line * len(lines)
+    ticks along the top, the rows' ticks on the left; height in px from the geometry ``g``. Every text is
+    ``g["font"]`` px (the title 2 px more) in ``TEXT``."""
+    font = g["font"]
+    top, line = _top_px(font, None) + round((font + 6) * head.count("<br>")), round(font * 1.45)
+    lines = [part for text in bottom
+             for part in textwrap.wrap(text, CAPTION_CHARS, subsequent_indent="  ", break_on_hyphens=False)]
+    margin_b = 8 + line * len(lines)
     annotations = [{"text": text, "xref": "paper", "yref": "paper", "x": 0, "y": 0, "yshift": -8 - line * k,
-                    "xanchor": "left", "yanchor": "top", "showarrow": False, "font": {"size": FONT_PX},
-                    "name": "caption"}
+                    "xanchor": "left", "yanchor": "top", "showarrow": False,
+                    "font": {"size": font, "color": TEXT}, "name": "caption"}
                    for k, text in enumerate(lines)]
     ticks = [(g["x_of"][c], f"L{c}") for c in pic["columns"]]
     gaps = [(g["x_of"][c] - 0.8, "...") for k, c in enumerate(pic["columns"][1:], 1)
             if c != pic["columns"][k - 1] + 1]
     ticks = sorted(ticks + gaps)
-    if pic["physical"]:
-        annotations.append({"text": "physical block x ref count", "x": g["x_end"] + ARROW_GAP, "xanchor": "left",
+    if pic["physical"]:  # right-aligned over the physical column: never past the figure's right edge
+        annotations.append({"text": _header(g, pic, width_px), "x": g["x_max"] - 0.1, "xanchor": "right",
                             "y": 1, "yref": "paper", "yanchor": "bottom", "yshift": 4, "showarrow": False,
-                            "font": {"size": FONT_PX}})
+                            "font": {"size": font, "color": TEXT}, "name": "header"})
     return {
-        "title": {"text": head, "font": {"size": 16}, "x": 0, "xanchor": "left", "y": 1, "yanchor": "top",
-                  "pad": {"t": 8, "l": 8}},
+        "title": {"text": head, "font": {"size": font + 2, "color": TEXT}, "x": 0, "xanchor": "left", "y": 1,
+                  "yanchor": "top", "yref": "container", "pad": {"t": 6, "l": 8}},
         "height": int(g["plot_px"] + top + margin_b), "margin": {"l": 10, "r": 10, "t": top, "b": margin_b},
-        "font": {"size": FONT_PX}, "plot_bgcolor": "white", "hovermode": "closest", "dragmode": False,
+        "font": {"size": font, "color": TEXT}, "plot_bgcolor": "white", "hovermode": "closest", "dragmode": False,
         "annotations": annotations,
         "xaxis": {"side": "top", "tickmode": "array", "tickvals": [t[0] for t in ticks],
-                  "ticktext": [t[1] for t in ticks], "tickfont": {"size": FONT_PX}, "showgrid": False,
+                  "ticktext": [t[1] for t in ticks], "tickfont": {"size": font, "color": TEXT}, "showgrid": False,
                   "zeroline": False, "range": [-0.7, g["x_max"]], "fixedrange": True},
         "yaxis": {"range": [g["plot_px"], 0], "tickmode": "array", "fixedrange": True, "showgrid": False,
                   "zeroline": False, "tickvals": [g["row_y"][r["seq_id"]] for r in pic["rows"]],
                   "ticktext": [f'<span style="color:{r["color"]}">\u25a0</span> {r["seq_id"]}'
                                + (" (swapped)" if r["status"] == "swapped" else "") for r in pic["rows"]],
-                  "tickfont": {"size": FONT_PX}, "automargin": True},
+                  "tickfont": {"size": font, "color": TEXT}, "automargin": True},
     }

@@ -49,6 +49,27 @@ RESERVED = "#B2ABD2"     # reserved, not yet used (a running request's future sl
 INTERNAL = "#8C510A"     # internal fragmentation (never-used reservation): dark brown
 EXTERNAL = "#FDB863"     # external fragmentation (a gap too small for a reservation): light orange
 SELECTED = "#FF00FF"     # outline of the highlighted request's blocks (magenta: no request has it)
+TEXT = "#1A1A1A"         # labels drawn on boxes and on white: near-black, so every label on a tinted fill
+#                          keeps a WCAG contrast of at least 4.5:1 (``contrast_ratio``; Streamlit's Plotly theme
+#                          would otherwise draw them in its pale grey)
+
+
+def relative_luminance(color: str) -> float:
+    """WCAG 2.1 relative luminance of ``#RRGGBB`` (0 black .. 1 white)."""
+    if not (isinstance(color, str) and len(color) == 7 and color[0] == "#"):
+        raise ValueError(f"a colour is '#RRGGBB', got {color!r}")
+    channels = []
+    for i in (1, 3, 5):
+        c = int(color[i:i + 2], 16) / 255
+        channels.append(c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4)
+    r, g, b = channels
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+def contrast_ratio(a: str, b: str) -> float:
+    """WCAG 2.1 contrast ratio of two colours (1..21; text needs >= 4.5 at normal sizes)."""
+    la, lb = sorted((relative_luminance(a), relative_luminance(b)), reverse=True)
+    return (la + 0.05) / (lb + 0.05)
 
 
 def request_id_of(seq_id: str) -> str:

@@ -2,7 +2,8 @@
 
 The presenter view (``ui/presenter.py``) draws the same figures as the Playground, then passes each through
 ``projector_style`` so that labels read from the back of a room: every font in the figure (title, cell
-labels, ticks, legend, annotations) is scaled to at least ``min_font`` px. Sizes in px; the figure is
+labels, ticks, legend, annotations) is scaled to at least ``min_font`` px, the size the README promises
+(18 px at 720 lines, 27 at 1080: ``presenter_sizes``); no text is smaller. Sizes in px; the figure is
 changed in place and returned.
 """
 
@@ -38,8 +39,8 @@ def projector_style(fig: go.Figure, height: int | None = None, min_font: int = P
     for axis in ("xaxis", "yaxis"):
         ax = layout[axis]
         if ax is not None and ax.tickfont is not None:
-            ax.tickfont.size = _bigger(ax.tickfont.size, min_font - 2, scale)
-    fig.update_layout(legend_font_size=_bigger(layout.legend.font.size, min_font - 2, scale))
+            ax.tickfont.size = _bigger(ax.tickfont.size, min_font, scale)
+    fig.update_layout(legend_font_size=_bigger(layout.legend.font.size, min_font, scale))
     if height is not None:
         fig.update_layout(height=height)
     if layout.title.text:  # room for every line of the title at its new size
@@ -52,16 +53,23 @@ def one_line_cells(fig: go.Figure, row_px: float, min_font: int = PROJECTOR_FONT
                    col_px: float | None = None) -> go.Figure:
     """A pool heatmap's cell labels cut to their first line ("3: R2", not its fill below) and sized to fit
     a cell ``row_px`` px high and ``col_px`` px wide (a character is about 0.6 of the font size wide; at most
-    ``min_font`` x 1.4, at least 10 px): a big pool stays legible at a distance instead of overflowing its
-    cells. In place; returns ``fig``."""
+    ``min_font`` x 1.4). Never under ``min_font``: where "3: R2" does not fit at that size the cells say only
+    the block id ("3"), and where that does not fit either they say nothing (the hover still does), so a big
+    pool stays legible at a distance instead of shrinking or overflowing its cells. In place; returns ``fig``."""
     for trace in fig.data:
-        if trace.type == "heatmap" and trace.text is not None:
-            trace.text = [[str(t).split("<br>")[0] for t in row] for row in trace.text]
-            size = min(round(min_font * 1.4), int(row_px * 0.55))
-            widest = max((len(t) for row in trace.text for t in row), default=0)
+        if trace.type != "heatmap" or trace.text is None:
+            continue
+        text = [[str(t).split("<br>")[0] for t in row] for row in trace.text]
+        for cut in (lambda t: t, lambda t: t.split(":")[0], lambda t: ""):
+            text = [[cut(t) for t in row] for row in text]
+            size = min(round(min_font * 1.4), int(row_px * 0.7))
+            widest = max((len(t) for row in text for t in row), default=0)
             if col_px and widest:
                 size = min(size, int(col_px * 0.9 / (0.6 * widest)))
-            trace.textfont.size = max(10, size)
+            if size >= min_font or not widest:
+                break
+        trace.text = text
+        trace.textfont.size = max(min_font, size)
     return fig
 
 

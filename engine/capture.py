@@ -6,12 +6,22 @@ Format: JSON lines (one object per line, UTF-8), so a capture can be read with a
      "source": free text (what was recorded), "endpoints": [endpoint per rank], "model": str | null,
      "block_size": int | null, "num_gpu_blocks": int | null (the server's pool, vLLM's count incl. its
      null block, when known), "notes": [str]}
-    {"kind": "batch", "rank": int, "seq": int, "t": float, "replayed": bool, "payload": base64}
+    {"kind": "batch", "rank": int, "seq": int, "t": float, "ts": float, "replayed": bool, "payload": base64,
+     "restart": true}
     {"kind": "metrics", "rank": int, "t": float, "values": {name: number}}     (optional, /metrics scrapes)
 
 ``payload`` is the msgpack payload exactly as received (``kv_events.decode_batch`` reads it), so a capture
 keeps whatever the server sent, including fields the lab does not read; ``t`` is seconds since the first
-line of the capture was recorded (the receiver's clock; the publisher's own ``ts`` is inside the payload).
+line of the capture was recorded (the receiver's clock); ``ts`` is the batch's own timestamp (the
+publisher's clock, seconds since the epoch, the payload's ``ts`` copied out). Both are kept: ``t`` says when
+the lab saw a batch, ``ts`` when the server made it, and they differ most for a late join, whose replayed
+batches all arrive at once (179 batches within 0.1 s of ``t``). ``replay_gap`` paces a replay by ``ts``.
+``restart`` (present only when true) marks the first batch of a restarted publisher, which a watcher knew
+from the connection (a replay could not tell it from a gap when the new sequence numbers run past the old).
+
+Version 1 throughout: ``ts`` and ``restart`` were added later as optional fields (older readers ignore
+fields they do not know; captures written before them read as before, the replay taking ``ts`` from the
+payload), so captures written before and after read both ways.
 
 ``read_capture`` validates every line and raises ``ValueError`` naming the line number and the field;
 ``replay_states`` rebuilds the cache after each batch for the Server page's step / back / scrub.
@@ -21,6 +31,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -40,6 +51,9 @@ class CaptureBatch:
     t: float
     payload: bytes
     replayed: bool = False
+    ts: float | None = None      # the publisher's timestamp (None: not written, read it from the payload)
+    restart: bool = False
+    line: int | None = None      # the line of the file it was read from, for error messages
 
 
 @dataclass
@@ -61,16 +75,22 @@ def new_header(source: str, endpoints: list[str], model: str | None = None, bloc
             "num_gpu_blocks": num_gpu_blocks, "notes": list(notes or [])}
 
 
-def batch_line(rank: int, seq: int, t: float, payload: bytes, replayed: bool = False) -> str:
+def batch_line(rank: int, seq: int, t: float, payload: bytes, replayed: bool = False, ts: float | None = None,
+               restart: bool = False) -> str:
     """One batch as a capture line (no newline)."""
-    return json.dumps({"kind": "batch", "rank": rank, "seq": seq, "t": round(t, 6), "replayed": replayed,
-                       "payload": base64.b64encode(payload).decode()})
+    obj = {"kind": "batch", "rank": rank, "seq": seq, "t": round(t, 6)}
+    if ts is not None:
+        obj["ts"] = ts
+    obj.update(replayed=replayed, payload=base64.b64encode(payload).decode())
+    if restart:
+        obj["restart"] = True
+    return json.dumps(obj)
 
 
 def dumps_capture(capture: Capture) -> str:
     """The whole capture as JSON lines text (what the Server page offers for download)."""
     lines = [json.dumps(capture.header)]
-    lines += [batch_line(b.rank, b.seq, b.t, b.payload, b.replayed) for b in capture.batches]
+    lines += [batch_line(b.rank, b.seq, b.t, b.payload, b.replayed, b.ts, b.restart) for b in capture.batches]
     lines += [json.dumps({"kind": "metrics", **m}) for m in capture.metrics]
     return "\n".join(lines) + "\n"
 
@@ -90,10 +110,11 @@ class CaptureWriter:
         self._f.write(json.dumps(header) + "\n")
         self._f.flush()
 
-    def write(self, rank: int, seq: int, recv_ts: float, payload: bytes, replayed: bool = False) -> None:
+    def write(self, rank: int, seq: int, recv_ts: float, payload: bytes, replayed: bool = False,
+              ts: float | None = None, restart: bool = False) -> None:
         if self._t0 is None:
             self._t0 = recv_ts
-        self._f.write(batch_line(rank, seq, recv_ts - self._t0, payload, replayed) + "\n")
+        self._f.write(batch_line(rank, seq, recv_ts - self._t0, payload, replayed, ts, restart) + "\n")
         self._f.flush()
 
     def close(self, **header_updates) -> None:
@@ -154,6 +175,9 @@ def _json(numbered: tuple[int, str]) -> dict:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
         raise ValueError(f"line {n}: not JSON ({exc.msg})") from None
+    except RecursionError:  # e.g. 200,000 "[": json recurses per level
+        raise ValueError(f"line {n}: JSON nested too deep ({len(line):,} characters; a capture line nests 1 "
+                         f"level)") from None
     if not isinstance(obj, dict):
         raise ValueError(f"line {n}: expected a JSON object")
     return obj
@@ -167,8 +191,12 @@ def _batch(n: int, obj: dict) -> CaptureBatch:
         payload = base64.b64decode(obj["payload"], validate=True)
     except ValueError:
         raise ValueError(f"line {n}: batch payload is not base64") from None
+    ts = obj.get("ts")
+    if ts is not None and (not isinstance(ts, (int, float)) or isinstance(ts, bool) or not math.isfinite(ts)):
+        raise ValueError(f"line {n}: batch field 'ts' is {ts!r}, expected the publisher's time in seconds")
     return CaptureBatch(rank=obj["rank"], seq=obj["seq"], t=float(obj["t"]), payload=payload,
-                        replayed=bool(obj.get("replayed", False)))
+                        replayed=bool(obj.get("replayed", False)), ts=None if ts is None else float(ts),
+                        restart=obj.get("restart") is True, line=n)
 
 
 # --- replay ---------------------------------------------------------------------------------------------
@@ -226,10 +254,13 @@ class CaptureReplay:
         try:
             batch = decode_batch(b.payload)
         except MalformedBatch as exc:
-            errors.append(f"rank {b.rank} batch {b.seq}: skipped, {exc}")
+            where = f" (line {b.line} of the capture)" if b.line is not None else ""
+            errors.append(f"rank {b.rank} batch {b.seq}: skipped, {exc}{where}")
             mirror.last_seq = b.seq  # it arrived (unreadable): not a gap in the sequence
             return
-        if mirror.last_seq is not None and b.seq <= mirror.last_seq:
+        if b.restart:
+            mirror.restart(b.seq)  # the watcher saw the publisher go and come back
+        elif mirror.last_seq is not None and b.seq <= mirror.last_seq:
             mirror.restart(b.seq)  # a capture holds each batch once, in the order applied: a restart
         elif mirror.last_seq is not None and b.seq > mirror.last_seq + 1:
             mirror.note_gap(mirror.last_seq + 1, b.seq, 0)
@@ -241,4 +272,25 @@ def capture_from_raw(raw_batches, header: dict) -> Capture:
     raw = sorted(raw_batches, key=lambda r: r.recv_ts)
     t0 = raw[0].recv_ts if raw else 0.0
     return Capture(header=header, batches=[CaptureBatch(rank=r.rank, seq=r.seq, t=r.recv_ts - t0, payload=r.payload,
-                                                        replayed=r.replayed) for r in raw])
+                                                        replayed=r.replayed, ts=getattr(r, "ts", None),
+                                                        restart=getattr(r, "restart", False)) for r in raw])
+
+
+def server_time(b: CaptureBatch) -> float | None:
+    """The publisher's timestamp of a batch: the ``ts`` field, or from the payload for captures written
+    before it existed; None when neither can be read."""
+    if b.ts is not None:
+        return b.ts
+    try:
+        return decode_batch(b.payload).ts
+    except MalformedBatch:
+        return None
+
+
+def replay_gap(previous: CaptureBatch, b: CaptureBatch) -> float:
+    """Seconds between two batches as the server made them (``ts``), for a replay at the recorded pace;
+    the receive times ``t`` where either ``ts`` is unreadable. Never negative (a restarted server's clock,
+    or another rank's, can be behind)."""
+    a, z = server_time(previous), server_time(b)
+    gap = z - a if a is not None and z is not None and math.isfinite(z - a) else b.t - previous.t
+    return max(0.0, gap)

@@ -333,6 +333,12 @@ def run(args) -> int:
         raise ValueError("--reset-prefix-cache resets between passes: give --passes 2 or more")
     choice = args.allocator or ("both" if scenario.compare else "paged")
     wanted = ["paged", "contiguous"] if choice == "both" else [choice]
+    events = [f"{flag} {value!r}" for flag, value in (("--kv-events-endpoint", args.kv_events_endpoint),
+                                                       ("--kv-events-replay-endpoint", args.kv_events_replay_endpoint))
+              if value]
+    if events and "paged" not in wanted:  # EngineConfig refuses the pair; the contiguous config never gets it
+        raise ValueError(f"{' and '.join(events)}: the contiguous allocator has no prefix cache, so it publishes no "
+                         f"KV events; use --allocator paged or both (the paged engine publishes)")
     configs = {a: engine_config(args, scenario, a) for a in ("paged", "contiguous")}  # bad flags fail first
     # "pow2" and "oracle" reserve by each request's true final length: a paged run of the same requests
     # learns them (the same seeds give the same tokens on both allocators)

@@ -155,7 +155,17 @@ def decode_batch(payload: bytes, max_events: int | None = None) -> DecodedBatch:
 
     Raises MalformedBatch naming the first thing wrong (not msgpack, not a [ts, events, rank] array, an
     unknown event type, a missing field, a bad hash, a BlockStored whose tokens are not whole blocks, or
-    more than ``max_events`` events)."""
+    more than ``max_events`` events, arrays or maps nested deeper than Python's recursion limit: msgspec's
+    decoder recurses per level, so a 1 KB payload of 1,000 nested one-element arrays would raise
+    RecursionError). Never raises anything else, whatever the bytes: a publisher cannot stop a subscriber."""
+    try:
+        return _decode(payload, max_events)
+    except RecursionError:
+        raise MalformedBatch(f"nested too deep: a payload of {len(payload):,} bytes whose arrays or maps nest "
+                             f"past Python's recursion limit (a KV event batch nests 4 levels)") from None
+
+
+def _decode(payload: bytes, max_events: int | None) -> DecodedBatch:
     try:
         raw = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as exc:

@@ -13,11 +13,37 @@ batches are asked for on the replay socket (a DEALER socket sends ``last + 1``; 
 and the gap is noted with how many came back. Without a replay endpoint the gap is noted as lost.
 
 Robustness (each case counted, described in ``last_error`` / the mirror's notes, and the thread keeps
-running, nothing applied is undone): a message that is not three frames or whose payload is not a batch
-(``malformed``); a batch of more than ``max_events`` events or a message over ``max_message_bytes``
-(refused unread by ZMQ, which drops that connection and reconnects); a publisher that restarts (its
-sequence numbers start again: the view is cleared, as its cache is); an endpoint nobody listens on (``state`` "unreachable": the TCP connect was
-refused, read from ZMQ's socket monitor) or a server that goes away ("disconnected").
+running, nothing applied is undone): a message that is not three frames or whose payload is not a batch,
+however it is built (``malformed``; ``decode_batch`` raises only MalformedBatch, and any other error while
+handling one message is counted the same way rather than ending the thread); a batch of more than
+``max_events`` events; a message over ``max_message_bytes``; a publisher that restarts; an endpoint nobody
+listens on; a port that is not a ZMQ publisher; a server that goes away.
+
+Connection states, read from ZMQ's socket monitor (libzmq 4.3; the events were measured on 127.0.0.1):
+
+    connecting     CONNECT_DELAYED / CONNECTED (TCP up), the ZMTP handshake not done yet
+    unreachable    CONNECT_RETRIED before any connection: nothing listens there
+    connected      HANDSHAKE_SUCCEEDED: a ZMQ peer that accepts a SUB (then live / idle by batches)
+    not_publisher  HANDSHAKE_FAILED_*: something accepted the TCP connection but does not speak ZMTP (e.g.
+                   vLLM's HTTP port, which answers the greeting with "400 Bad Request"; a silent one fails
+                   after ``handshake_timeout_s``), or a ZMQ socket that refuses a SUB peer (e.g. the replay
+                   ROUTER): DISCONNECTED before any handshake and no reconnect (ZMQ gives up on a protocol
+                   error). ``detail`` says which.
+    disconnected   DISCONNECTED then CONNECT_RETRIED: the publisher went away and ZMQ keeps trying.
+
+Two drops are told apart by what follows DISCONNECTED. A publisher that goes away is followed at once by
+CONNECT_RETRIED (ZMQ reconnects after a connection error). A message over ``max_message_bytes``
+(``zmq.MAXMSGSIZE``: refused unread, so 300 MB never reaches memory) is a protocol error, after which ZMQ
+drops the connection and never reconnects it (``session_base_t::engine_error``): so a drop with no
+reconnect event within ``DROP_GRACE_S`` is taken for it, counted as malformed, said, and the subscriber
+reconnects itself (``disconnect`` + ``connect``); batches sent meanwhile are a gap, replayed or lost as
+any gap.
+
+A restart is seen two ways. The connection drops and a handshake succeeds again (a running ZMQ publisher
+never closes a subscriber's connection, so the peer is a new process, whose cache is empty): the view is
+marked at once (``mirror.mark_stale``) and cleared when the new publisher's first batch arrives (the
+catch-up on the replay socket then asks from batch 0). Or, without a drop seen, a live sequence number not
+above the last one. The first batch applied after either is flagged ``restart`` in the capture.
 """
 
 from __future__ import annotations
@@ -30,13 +56,15 @@ from dataclasses import dataclass, field
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .cache_mirror import PrefixCacheMirror
+from .cache_mirror import MAX_BLOCKS, PrefixCacheMirror
 from .config import check_endpoint
 from .kv_events import MalformedBatch, decode_batch
 from .kv_publisher import END_SEQ
 from .records import plural
 
 SILENT_AFTER_S = 5.0  # "live" turns "idle" after this long without a batch
+DROP_GRACE_S = 0.5  # a drop with no reconnect event within this long was a protocol error (see above)
+RESTARTED = "server restarted: the cache shown is from before; the server's is empty"
 MAX_REPLAY_ROUNDS = 100  # replay requests per gap (each round brings at least one batch, or ends)
 
 
@@ -51,12 +79,15 @@ class _ReplayResult:
 class RawBatch:
     """One batch as received, for a capture: ``rank`` (the endpoint's index), ``seq``, ``recv_ts``
     (seconds since the epoch, this machine's clock), ``payload`` (msgpack bytes, unchanged),
-    ``replayed`` (came from the replay socket after a gap)."""
+    ``replayed`` (came from the replay socket after a gap), ``ts`` (the batch's own timestamp, the
+    publisher's clock, seconds since the epoch), ``restart`` (the first batch of a restarted publisher)."""
     rank: int
     seq: int
     recv_ts: float
     payload: bytes
     replayed: bool = False
+    ts: float | None = None
+    restart: bool = False
 
 
 @dataclass
@@ -64,7 +95,7 @@ class SubscriberView:
     """A consistent copy of one subscriber's state for a reader in another thread."""
     endpoint: str
     rank: int
-    state: str              # connecting | unreachable | connected | live | idle | disconnected | stopped
+    state: str              # connecting | unreachable | not_publisher | connected | live | idle | disconnected | stopped
     mirror: PrefixCacheMirror
     received: int           # batches applied (live and replayed)
     replayed: int
@@ -74,6 +105,7 @@ class SubscriberView:
     last_error: str | None
     last_batch_at: float | None
     errors: list[str] = field(default_factory=list)
+    detail: str | None = None  # why the state is what it is, in words (not_publisher)
 
 
 class KVEventSubscriber:
@@ -85,7 +117,11 @@ class KVEventSubscriber:
         topic: subscribe to messages whose first frame starts with this ("" = all, vLLM's default).
         rank: the data-parallel rank this endpoint serves (labels the view).
         max_events: the most events one batch may hold before it is refused as malformed.
-        max_message_bytes: ZMQ refuses bigger messages (``zmq.MAXMSGSIZE``).
+        max_message_bytes: ZMQ refuses bigger messages (``zmq.MAXMSGSIZE``) unread and drops the connection;
+            the subscriber says so and reconnects.
+        max_blocks: distinct blocks the mirror holds (``cache_mirror.MAX_BLOCKS``: its memory cap).
+        handshake_timeout_s: a peer that accepts TCP but has not finished ZMQ's handshake by then is not a
+            publisher (``zmq.HANDSHAKE_IVL``).
         max_capture: raw batches kept for a capture (oldest dropped first; ``capture_dropped`` counts).
         on_raw: called in the subscriber's thread with each RawBatch (e.g. a recorder writing a file).
 
@@ -95,18 +131,20 @@ class KVEventSubscriber:
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "", rank: int = 0,
                  max_events: int = 200_000, max_message_bytes: int = 256 * 2**20, max_capture: int = 50_000,
-                 on_raw=None, replay_timeout_s: float = 1.0) -> None:
+                 on_raw=None, replay_timeout_s: float = 1.0, max_blocks: int = MAX_BLOCKS,
+                 handshake_timeout_s: float = 5.0) -> None:
         check_endpoint(endpoint, "KV events endpoint")
         if replay_endpoint is not None:
             check_endpoint(replay_endpoint, "replay endpoint")
         self.endpoint, self.replay_endpoint, self.rank = endpoint, replay_endpoint, rank
         self._topic = topic.encode()
         self._max_events = max_events
+        self._max_message_bytes = max_message_bytes
         self._replay_timeout_ms = int(replay_timeout_s * 1000)
         self._on_raw = on_raw
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self.mirror = PrefixCacheMirror(rank=rank)
+        self.mirror = PrefixCacheMirror(rank=rank, max_blocks=max_blocks)
         self._view_copy: tuple[int, PrefixCacheMirror] | None = None  # (version, copy) for view()
         self.capture: deque[RawBatch] = deque(maxlen=max_capture)
         self.capture_dropped = 0
@@ -115,7 +153,13 @@ class KVEventSubscriber:
         self.last_batch_at: float | None = None
         self._last_seq: int | None = None   # the last batch applied (live or replayed)
         self._live_last: int | None = None  # the last batch received on the live socket
-        self._conn = "connecting"  # from the socket monitor
+        self._conn = "connecting"  # from the socket monitor (see the module docstring)
+        self._detail: str | None = None
+        self._handshaken = False     # the current connection finished ZMQ's handshake
+        self._drop: tuple[float, bool] | None = None  # (when, had it handshaken): DISCONNECTED, no retry yet
+        self._peer_went_away = False  # a handshaken connection dropped and ZMQ is reconnecting
+        self._restart_pending = False  # restart the view on the next batch applied
+        self._flag_restart = False     # the next batch captured is a restarted publisher's first
         self._sync_pending = False  # (re)connected: ask the replay socket for what the stream missed
         self._ctx = zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
@@ -123,6 +167,7 @@ class KVEventSubscriber:
         self._sub.setsockopt(zmq.RCVHWM, 100_000)
         self._sub.setsockopt(zmq.RECONNECT_IVL, 200)
         self._sub.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        self._sub.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(handshake_timeout_s * 1000)))
         self._monitor = self._sub.get_monitor_socket()
         try:
             self._sub.connect(endpoint)
@@ -146,7 +191,8 @@ class KVEventSubscriber:
                                   mirror=self._view_copy[1], received=self.received, replayed=self.replayed,
                                   malformed=self.malformed, gaps=self.gaps, lost=self.lost,
                                   last_error=self.last_error, last_batch_at=self.last_batch_at,
-                                  errors=list(self.errors))
+                                  errors=list(self.errors),
+                                  detail=self._detail if self._conn == "not_publisher" else None)
 
     def raw_batches(self) -> list[RawBatch]:
         """The raw batches kept so far (for a capture), oldest first."""
@@ -161,7 +207,7 @@ class KVEventSubscriber:
     def state(self) -> str:
         if self._stop.is_set():
             return "stopped"
-        if self._conn in ("connecting", "unreachable", "disconnected"):
+        if self._conn in ("connecting", "unreachable", "disconnected", "not_publisher"):
             return self._conn
         if self.last_batch_at is None:
             return "connected"
@@ -199,11 +245,18 @@ class KVEventSubscriber:
                 ready = dict(poller.poll(100))
                 if self._monitor in ready:
                     self._read_monitor()
+                if self._drop is not None and time.monotonic() - self._drop[0] > DROP_GRACE_S:
+                    self._dropped_by_zmq()
                 if self._sync_pending:
                     self._sync_pending = False
                     self._catch_up()
                 if self._sub in ready:
-                    self._receive(self._sub.recv_multipart())
+                    frames = self._sub.recv_multipart()
+                    try:
+                        self._receive(frames)
+                    except Exception as exc:  # noqa: BLE001 - one bad message never ends the watch
+                        self._malformed(f"a message that could not be handled ({type(exc).__name__}: "
+                                        f"{str(exc)[:200]})")
         except Exception as exc:  # never die silently: say what broke, keep what was shown
             self._error(f"subscriber stopped on an unexpected error: {type(exc).__name__}: {exc}")
         finally:
@@ -214,12 +267,67 @@ class KVEventSubscriber:
         while self._monitor.poll(0):
             event = recv_monitor_message(self._monitor)["event"]
             if event == zmq.EVENT_CONNECTED:
-                self._conn = "connected"
+                if self._conn != "not_publisher":  # a not-publisher is retried forever: keep saying so
+                    self._conn = "connecting"
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._conn, self._detail, self._handshaken = "connected", None, True
                 self._sync_pending = True
+                if self._peer_went_away:
+                    self._peer_went_away = False
+                    self._restarted()
+            elif event in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                           zmq.EVENT_HANDSHAKE_FAILED_AUTH):
+                self._not_publisher(f"{self.endpoint} accepted the TCP connection but did not answer ZMQ's "
+                                    f"handshake: it is not a KV event publisher (an HTTP port, such as vLLM's "
+                                    f"API port, answers this way). vLLM publishes KV events on the endpoint of "
+                                    f"its --kv-events-config (default port 5557)")
             elif event == zmq.EVENT_DISCONNECTED:
-                self._conn = "disconnected"
-            elif event == zmq.EVENT_CONNECT_RETRIED and self._conn != "disconnected":
-                self._conn = "unreachable"
+                if self._conn != "not_publisher":
+                    self._drop = (time.monotonic(), self._handshaken)
+                self._handshaken = False
+            elif event == zmq.EVENT_CONNECT_RETRIED:
+                if self._drop is not None:  # ZMQ reconnects after a connection error: the peer went away
+                    had_session, self._drop = self._drop[1], None
+                    if had_session:
+                        self._conn, self._peer_went_away = "disconnected", True
+                elif self._conn not in ("disconnected", "not_publisher"):
+                    self._conn = "unreachable"
+
+    def _not_publisher(self, detail: str) -> None:
+        if self._conn != "not_publisher" or self._detail != detail:
+            self._error(f"not a KV event publisher: {detail}")
+        self._conn, self._detail = "not_publisher", detail
+
+    def _dropped_by_zmq(self) -> None:
+        """ZMQ dropped the connection and did not reconnect: a protocol error (see the module docstring)."""
+        _, had_session = self._drop
+        self._drop = None
+        if not had_session:  # a ZMQ socket that refused a SUB peer during the handshake
+            self._not_publisher(f"{self.endpoint} speaks ZMQ but refused a subscriber (ZMQ dropped the connection "
+                                f"during the handshake and gave up): it is not a PUB socket (a replay ROUTER "
+                                f"endpoint?)")
+            return
+        limit = self._max_message_bytes
+        self._malformed(f"a message ZMQ refused unread: over the size limit of {limit:,} bytes "
+                        f"(max_message_bytes), or not valid ZMQ framing; ZMQ dropped the connection for it, "
+                        f"so the subscriber reconnected (batches sent meanwhile are a gap)")
+        try:
+            self._sub.disconnect(self.endpoint)
+        except zmq.ZMQError:
+            pass  # ZMQ already forgot the endpoint
+        self._conn = "connecting"
+        self._sub.connect(self.endpoint)
+
+    def _restarted(self) -> None:
+        """A handshake succeeded after the publisher went away: a new publisher process (see above)."""
+        with self._lock:
+            self.mirror.mark_stale(f"{RESTARTED} (the connection to {self.endpoint} dropped and came back: a "
+                                   f"restarted publisher; the view clears at its first batch)")
+        self._error(f"the publisher at {self.endpoint} restarted (it went away and a new one answered): "
+                    f"{RESTARTED}")
+        self._restart_pending = True
+        self._last_seq = None
+        self._live_last = None
 
     def _receive(self, frames: list[bytes], replayed: bool = False) -> int | None:
         """Decode and apply one message; returns its seq (None if unreadable)."""
@@ -239,8 +347,13 @@ class KVEventSubscriber:
             self._malformed(f"batch {seq}: {exc}")
             self._last_seq = seq
             return seq
-        raw = RawBatch(rank=self.rank, seq=seq, recv_ts=time.time(), payload=frames[2], replayed=replayed)
+        raw = RawBatch(rank=self.rank, seq=seq, recv_ts=time.time(), payload=frames[2], replayed=replayed,
+                       ts=batch.ts)
         with self._lock:
+            if self._restart_pending:
+                self.mirror.restart(seq)
+                self._restart_pending, self._flag_restart = False, True
+            raw.restart, self._flag_restart = self._flag_restart, False
             self.mirror.apply(seq, batch.ts, batch.events, replayed=replayed)
             self.received += 1
             self.replayed += replayed
@@ -259,18 +372,27 @@ class KVEventSubscriber:
             # number not above the last live one means a new publisher: the server restarted.
             with self._lock:
                 self.mirror.restart(seq)
+                self._flag_restart = True
             self._error(f"the publisher restarted (sequence number {seq} after {self._live_last}); the view "
                         f"starts afresh")
             self._last_seq = None
             self._live_last = None
         last = self._last_seq
         if last is None:
-            if seq > 0 and self.replay_endpoint is not None:
+            if seq > 0 and self.replay_endpoint is None:
+                with self._lock:
+                    self.lost += seq
+                    self.mirror.starts_at = seq
+                self.note(f"joined at batch {seq}: the view starts there; batches 0-{seq - 1} came before this "
+                          f"watch and there is no replay endpoint to ask for them, so blocks they stored are "
+                          f"unknown (their removals are counted as unknown, their children drawn as roots)")
+            elif seq > 0:
                 # joined a running publisher: fetch what it still buffers, so the view starts complete
                 r = self._replay(0, seq)
                 if not r.answered:
                     with self._lock:
                         self.lost += seq
+                        self.mirror.starts_at = seq
                     self.note(f"joined at batch {seq}; the replay socket {self.replay_endpoint} did not answer "
                               f"within {self._replay_timeout_ms / 1000:g} s, so batches 0-{seq - 1} are missing")
                     return
@@ -340,6 +462,7 @@ class KVEventSubscriber:
         req = self._ctx.socket(zmq.DEALER)
         req.setsockopt(zmq.LINGER, 0)
         req.setsockopt(zmq.RCVHWM, 0)  # never drop on our side
+        req.setsockopt(zmq.MAXMSGSIZE, self._max_message_bytes)  # an oversized answer ends the round unread
         before = self.received
         first = True
         try:

@@ -3,9 +3,14 @@ the terminal, one line per KV event batch, from a live ZMQ stream or a capture.
 
 Each line: ``rank 0  #12  +3 stored  -1 removed  cache 40 blocks = 1,280 tokens`` (blocks count physical
 copies, ``cache_mirror.py``); a replayed batch says so; gaps, malformed messages and connection changes get
-their own lines. At the end (Ctrl-C, ``--duration`` or ``--max-batches``) the cache's state per rank: blocks,
-tokens, distinct prefixes, the roots of the prefix tree and the longest chain; with ``--tokenizer DIR``
-the text of each root's first block.
+their own lines, and so does each note of the mirror (a late join, a restart, the memory cap) when it is
+written. At the end (Ctrl-C, ``--duration`` or ``--max-batches``) the cache's state per rank: blocks,
+tokens, distinct prefixes, the roots of the prefix tree and the longest chain, and the stream's counts
+(batches received and replayed, malformed, gaps, lost); with ``--tokenizer DIR`` the text of each root's
+first block.
+
+``replay --speed S`` waits, between two batches, the time the server put between them (their own ``ts``,
+``capture.replay_gap``) divided by S; S is 0 (no waiting) or from ``MIN_SPEED`` to ``MAX_SPEED``.
 """
 
 from __future__ import annotations
@@ -16,9 +21,13 @@ import time
 from pathlib import Path
 
 from .cache_mirror import BatchSummary, PrefixCacheMirror
-from .capture import CaptureReplay, CaptureWriter, new_header, read_capture
+from .capture import CaptureReplay, CaptureWriter, new_header, read_capture, replay_gap
 from .config import check_endpoint
 from .kv_subscriber import KVEventSubscriber
+from .records import plural
+
+MIN_SPEED, MAX_SPEED = 0.01, 10_000.0  # replay --speed: 100x slower .. 10,000x faster than recorded (or 0)
+MAX_WAIT_S = 60.0  # replay waits at most this long between two batches
 
 
 def add_parsers(sub) -> None:
@@ -35,7 +44,8 @@ def add_parsers(sub) -> None:
     r = sub.add_parser("replay", help="print a KV event capture as `watch` would have, and its final state")
     r.add_argument("file", help="a capture written by `watch --record` or the Server page")
     r.add_argument("--speed", type=float, default=0.0,
-                   help="replay at this multiple of the recorded pace (default 0: as fast as possible)")
+                   help=f"replay at this multiple of the server's pace (the batches' own timestamps), from "
+                        f"{MIN_SPEED:g} to {MAX_SPEED:g} (default 0: as fast as possible)")
     r.add_argument("--tokenizer", help="model folder whose tokenizer decodes block text in the final state")
 
 
@@ -74,6 +84,17 @@ def state_lines(mirror: PrefixCacheMirror, decode=None, max_roots: int = 8) -> l
     return lines
 
 
+def stream_line(v, state: str | None = None) -> str:
+    """A subscriber's counts (``kv_subscriber.SubscriberView``) in one line, for the final summary;
+    ``state``: the last one seen while watching (the view's own says "stopped" once the watch ended)."""
+    line = (f"  stream: {plural(v.received, 'batch applied', 'batches applied')} ({v.replayed:,} from the replay "
+            f"socket), {v.malformed:,} malformed, {plural(v.gaps, 'gap')}, {plural(v.lost, 'batch', 'batches')} "
+            f"lost")
+    if v.mirror.capped_out:
+        line += f", {v.mirror.capped_out:,} blocks dropped from the view by its {v.mirror.max_blocks:,}-block cap"
+    return line + f"; last state {state or v.state}"
+
+
 def _subtree_size(h: str, kids: dict) -> int:
     n, stack = 0, [h]
     while stack:
@@ -103,13 +124,18 @@ def _check_args(args) -> None:
         raise ValueError(f"--max-batches must be at least 1, got {args.max_batches}")
     if getattr(args, "duration", None) is not None and not args.duration > 0:
         raise ValueError(f"--duration must be a number of seconds > 0, got {args.duration}")
+    speed = getattr(args, "speed", None)
+    if speed is not None and speed != 0 and not MIN_SPEED <= speed <= MAX_SPEED:  # NaN fails both
+        raise ValueError(f"--speed must be 0 (as fast as possible) or a multiple of the recorded pace from "
+                         f"{MIN_SPEED:g} to {MAX_SPEED:g}, got {speed}")
     if getattr(args, "record", None):
         folder = Path(args.record).resolve().parent
         if not folder.is_dir():
             raise ValueError(f"--record {args.record!r}: the folder {str(folder)!r} does not exist")
 
 
-def watch(args, out=sys.stdout) -> int:
+def watch(args, out=None) -> int:
+    out = sys.stdout if out is None else out
     _check_args(args)
     for e in args.endpoints:
         check_endpoint(e, "ENDPOINT")
@@ -121,7 +147,8 @@ def watch(args, out=sys.stdout) -> int:
     decode = _decoder(args.tokenizer)
     writer = (CaptureWriter(args.record, new_header("python -m engine watch", args.endpoints, model=args.tokenizer))
               if args.record else None)
-    on_raw = (lambda raw: writer.write(raw.rank, raw.seq, raw.recv_ts, raw.payload, raw.replayed)) if writer else None
+    on_raw = ((lambda raw: writer.write(raw.rank, raw.seq, raw.recv_ts, raw.payload, raw.replayed, raw.ts,
+                                        raw.restart)) if writer else None)
     replays = args.replay_endpoint or [None] * len(args.endpoints)
     subs = [KVEventSubscriber(e, r, topic=args.topic, rank=i, on_raw=on_raw)
             for i, (e, r) in enumerate(zip(args.endpoints, replays))]
@@ -130,6 +157,7 @@ def watch(args, out=sys.stdout) -> int:
     start = time.monotonic()
     shown = {s.rank: 0 for s in subs}     # batches printed per rank
     errors = {s.rank: 0 for s in subs}
+    notes = {s.rank: 0 for s in subs}     # mirror notes printed per rank (``num_notes``)
     states = {s.rank: None for s in subs}
     print(f"watching {', '.join(args.endpoints)} (Ctrl-C to stop)", file=out, flush=True)
     try:
@@ -139,7 +167,13 @@ def watch(args, out=sys.stdout) -> int:
                 v = s.view()
                 if v.state != states[s.rank]:
                     states[s.rank] = v.state
-                    print(f"rank {s.rank}  {s.endpoint}: {v.state}", file=out, flush=True)
+                    said = {"not_publisher": "not a KV event publisher"}.get(v.state, v.state)
+                    print(f"rank {s.rank}  {s.endpoint}: {said}", file=out, flush=True)
+                # notes first: a join, a gap or a restart is noted before the batch that showed it is applied
+                new_notes = v.mirror.num_notes - notes[s.rank]
+                for n in (v.mirror.notes[-new_notes:] if new_notes > 0 else []):
+                    print(f"rank {s.rank}  note: {n}", file=out, flush=True)
+                notes[s.rank] = v.mirror.num_notes
                 fresh = v.mirror.num_batches - shown[s.rank]
                 for h in (list(v.mirror.history)[-fresh:] if fresh > 0 else []):
                     print(summary_line(s.rank, h), file=out, flush=True)
@@ -161,28 +195,35 @@ def watch(args, out=sys.stdout) -> int:
             sizes = {s.view().mirror.block_size for s in subs} - {None}
             writer.close(block_size=sizes.pop() if len(sizes) == 1 else None)
     for s in subs:
-        for line in state_lines(s.view().mirror, decode):
+        v = s.view()
+        for line in state_lines(v.mirror, decode):
             print(line, file=out)
+        print(stream_line(v, states[s.rank]), file=out)
     if args.record:
         print(f"capture written to {args.record}", file=out)
     return 0
 
 
-def replay(args, out=sys.stdout) -> int:
+def replay(args, out=None) -> int:
+    out = sys.stdout if out is None else out
+    _check_args(args)
     capture = read_capture(args.file)
-    if args.speed < 0:
-        raise ValueError(f"--speed must be >= 0, got {args.speed}")
     decode = _decoder(args.tokenizer)
     print(f"replaying {args.file}: {len(capture.batches)} batches from {capture.header.get('source')!r}, "
           f"ranks {capture.ranks}", file=out)
     replayer = CaptureReplay(capture)
     mirrors = replayer.state(0).mirrors
     errors: list[str] = []
-    previous_t = None
+    previous = None
     for b in capture.batches:
-        if args.speed and previous_t is not None:
-            time.sleep(max(0.0, (b.t - previous_t) / args.speed))
-        previous_t = b.t
+        if args.speed and previous is not None:
+            wait = replay_gap(previous, b) / args.speed
+            if wait > MAX_WAIT_S:  # e.g. a server idle for hours, or a bogus ts: say it, do not hang
+                print(f"(the server's clock jumps {wait * args.speed:,.0f} s before batch {b.seq}: waiting "
+                      f"{MAX_WAIT_S:g} s instead of {wait:,.0f} s)", file=out, flush=True)
+                wait = MAX_WAIT_S
+            time.sleep(wait)
+        previous = b
         n_errors = len(errors)
         CaptureReplay.apply_batch(mirrors, errors, b)
         for e in errors[n_errors:]:
@@ -192,4 +233,7 @@ def replay(args, out=sys.stdout) -> int:
     for m in mirrors.values():
         for line in state_lines(m, decode):
             print(line, file=out)
+        skipped = sum(e.startswith(f"rank {m.rank} ") for e in errors)
+        print(f"  stream: {plural(m.num_batches, 'batch applied', 'batches applied')}, {skipped:,} unreadable "
+              f"(skipped), {plural(m.gaps, 'gap')}, {plural(m.lost_batches, 'batch', 'batches')} lost", file=out)
     return 0

@@ -236,3 +236,15 @@ def test_zero_passes_is_a_one_line_error(capsys):
     err = capsys.readouterr().err
     assert err.strip() == "error: --passes must be an integer in [1, 100], got 0"
     assert len(err.strip().splitlines()) == 1
+
+
+def test_kv_events_flags_with_only_the_contiguous_allocator_are_refused(capsys):
+    # EngineConfig refuses allocator="contiguous" with kv_events_endpoint; the CLI dropped the flag instead
+    assert main(["run", "--scenario", "single", "--device", "cpu", "--allocator", "contiguous",
+                 "--kv-events-endpoint", "tcp://127.0.0.1:0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --kv-events-endpoint 'tcp://127.0.0.1:0': the contiguous allocator has no prefix "
+                          "cache") and len(err.strip().splitlines()) == 1
+    assert main(["run", "--scenario", "single", "--device", "cpu", "--allocator", "contiguous",
+                 "--kv-events-replay-endpoint", "tcp://127.0.0.1:0"]) == 2
+    assert "--kv-events-replay-endpoint 'tcp://127.0.0.1:0': the contiguous" in capsys.readouterr().err

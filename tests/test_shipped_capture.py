@@ -51,3 +51,13 @@ def test_the_lab_reproduces_the_real_servers_events(capture):
         assert a == b, f"batch {k} differs"
     # the server's own hit counter after the last response, against the lab's
     assert capture.metrics[-1]["values"]["prefix_cache_hits"] == engine.block_manager.stats["hits"]
+
+
+def test_the_capture_keeps_the_servers_time_for_a_paced_replay(capture):
+    # written before captures had a ``ts`` field: the replay reads each batch's own time from its payload
+    from engine.capture import replay_gap, server_time
+
+    stamps = [server_time(b) for b in capture.batches]
+    assert all(s is not None for s in stamps) and stamps == sorted(stamps)
+    gaps = [replay_gap(a, b) for a, b in zip(capture.batches, capture.batches[1:])]
+    assert gaps == [b - a for a, b in zip(stamps, stamps[1:])] and sum(gaps) > 0

@@ -630,3 +630,57 @@ def test_a_batch_in_words():
                                           "= 4 tokens")
     assert "stored 0 blocks, removed 1 (evicted); cache 1 block = 2 tokens" in batch_line(0, evict)
     assert "removed 1: all blocks cleared (AllBlocksCleared" in batch_line(0, reset)
+
+
+def test_a_port_that_is_not_a_publisher_and_a_late_join_are_said_on_the_page(live_app):
+    """Rank 0 is an HTTP-like port (answers ZMQ's greeting with 400 and closes, as vLLM's API port does);
+    rank 1 a publisher already at batch 40, watched without a replay endpoint."""
+    import socket
+
+    import zmq
+
+    from engine.kv_events import encode_batch
+
+    http = socket.socket()
+    http.bind(("127.0.0.1", 0))
+    http.listen()
+    http.settimeout(0.2)
+    running = True
+
+    def serve() -> None:
+        while running:
+            try:
+                c, _ = http.accept()
+            except OSError:
+                continue
+            c.recv(64)
+            c.sendall(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n")
+            c.close()
+
+    xpub = zmq.Context.instance().socket(zmq.XPUB)  # XPUB: sends once the page's subscription reaches it
+    xpub.setsockopt(zmq.LINGER, 0)
+    pub_port = xpub.bind_to_random_port("tcp://127.0.0.1")
+
+    def publish() -> None:
+        if xpub.poll(30_000):
+            xpub.recv()
+            xpub.send_multipart((b"", (40).to_bytes(8, "big"), encode_batch([stored(["ab" * 32], None, [1, 2])])))
+
+    threads = [threading.Thread(target=serve, daemon=True), threading.Thread(target=publish, daemon=True)]
+    for t in threads:
+        t.start()
+    http_endpoint = f"tcp://127.0.0.1:{http.getsockname()[1]}"
+    try:
+        at = live_app
+        connect(at, f"{http_endpoint}, tcp://127.0.0.1:{pub_port}")
+        assert rerun_until(at, lambda a: "the view starts at batch 40" in texts(a)
+                           and any(e.value.startswith("not a KV event publisher") for e in a.error)), texts(at)
+        said = texts(at)
+        assert f"{http_endpoint} accepted the TCP connection but did not answer ZMQ's handshake" in said
+        assert "went away" not in said and "blocks stored before it are unknown" in said
+    finally:
+        running = False
+        threads[0].join(timeout=2)
+        threads[1].join(timeout=31)
+        http.close()
+        xpub.close()

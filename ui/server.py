@@ -30,8 +30,8 @@ from engine.capture import CaptureReplay, capture_from_raw, dumps_capture, new_h
 from engine.config import check_endpoint
 from engine.kv_subscriber import KVEventSubscriber
 from engine.server_metrics import fetch_metrics
-from viz.server import (VLLM_EVENTS_FLAG, plural, batch_activity_figure, batch_line, cache_size_figure, prefix_tree_figure,
-                        rank_numbers, server_numbers, state_line)
+from viz.server import (VLLM_EVENTS_FLAG, plural, batch_activity_figure, batch_line, cache_size_figure, mirror_warnings,
+                        prefix_tree_figure, rank_numbers, server_numbers, state_line)
 
 ROOT = Path(__file__).resolve().parent.parent
 CAPTURES = ROOT / "assets" / "captures"
@@ -312,6 +312,8 @@ def server_row(values: dict | None, error: str | None, source: str) -> None:
 
 def rank_panel(mirror, decode, num_gpu_blocks: int | None, key: str, wide: bool) -> None:
     """One rank's numbers and figures (the same live and in a replay)."""
+    for warning in mirror_warnings(mirror):  # the cache below is not (all of) the server's: say so first
+        st.warning(warning)
     n = rank_numbers(mirror, num_gpu_blocks)
     # one rank: the numbers stacked beside the tree (the tree stays in a projector's first screen); several
     # ranks: a row of numbers above each rank's tree
@@ -417,15 +419,15 @@ def live_view(live: LiveSet) -> None:
     for col, v in zip(cols, views):
         with col:
             line = state_line(v, now)
-            if v.state in ("unreachable", "disconnected"):  # something to act on: a box that stands out
+            if v.state in ("unreachable", "not_publisher", "disconnected"):  # to act on: a box that stands out
                 st.markdown(f"**rank {v.rank}** `{v.endpoint}`")
-                (st.error if v.state == "unreachable" else st.warning)(line)
+                (st.warning if v.state == "disconnected" else st.error)(line)
             else:  # one line, so the tree stays in the first screen
                 color = {"live": "green", "idle": "orange", "stopped": "gray"}.get(v.state, "blue")
                 st.markdown(f"**rank {v.rank}** `{v.endpoint}` :{color}-background[{line}]")
             st.caption(f"batches {v.received:,} ({v.replayed:,} replayed) · malformed {v.malformed:,} · "
                        f"gaps {v.gaps:,} · lost {v.lost:,}")
-            if v.last_error:
+            if v.last_error and v.last_error != line:
                 st.warning(f"last error: {v.last_error}")
             rank_panel(v.mirror, decode, live.num_gpu_blocks(), f"live{v.rank}", wide=len(views) == 1)
     if live.poller is not None:

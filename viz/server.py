@@ -16,6 +16,8 @@ draws the same figures live (``engine/kv_subscriber.py``) and from a capture (``
 - ``rank_numbers`` / ``server_numbers``: every number the page shows per rank and from ``/metrics``, read
   from the mirror and ``engine.metrics`` (one definition of each ratio).
 - ``state_line`` / ``batch_line``: a subscriber's state and one batch, in words.
+- ``mirror_warnings``: what the page must say above a cache that is not the server's whole cache (from
+  before a restart, started mid-stream, cut by the memory cap).
 
 Units: blocks are physical KV blocks (``copies`` counted, as vLLM's events count them); a "prefix" is a
 distinct block hash; tokens = blocks x block_size; times in seconds.
@@ -82,11 +84,31 @@ def state_line(view, now: float | None = None) -> str:
         return f"live: last batch {max(0.0, now - view.last_batch_at):.1f} s ago"
     if state == "idle":
         return f"idle: no batch for {max(0.0, now - view.last_batch_at):.0f} s"
+    if state == "not_publisher":
+        return (f"not a KV event publisher: {view.detail}" if getattr(view, "detail", None) else
+                f"not a KV event publisher: {endpoint} answered, but not as a ZMQ publisher")
     if state == "disconnected":
         return "disconnected: the server went away; showing what was received"
     if state == "stopped":
         return "stopped: showing what was received"
     return state
+
+
+def mirror_warnings(mirror) -> list[str]:
+    """Why the cache shown may not be the server's (``cache_mirror.PrefixCacheMirror``), one sentence each:
+    the server restarted and its first batch has not come (``stale``), the view joined mid-stream without
+    the batches before (``starts_at``), the view's memory cap dropped blocks (``capped_out``)."""
+    out = []
+    if mirror.stale:
+        out.append(mirror.stale)
+    if mirror.starts_at is not None:
+        out.append(f"the view starts at batch {mirror.starts_at:,}: it joined a running server without the batches "
+                   f"before (no replay endpoint, or it did not answer), so blocks stored before it are unknown")
+    if mirror.capped_out:
+        out.append(f"memory cap: the view holds at most {mirror.max_blocks:,} distinct blocks; the "
+                   f"{mirror.capped_out:,} oldest-stored were dropped from it, so it shows fewer blocks than the "
+                   f"server holds")
+    return out
 
 
 def batch_line(rank: int, summary, position: int | None = None, total: int | None = None) -> str:

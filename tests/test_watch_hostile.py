@@ -1,0 +1,435 @@
+"""Watching servers that misbehave (issue 23, items 1-10): a sender, a wrong port, a restart or a capture
+can never stop the watcher, and every such case is said.
+
+Every socket here is on 127.0.0.1. A raw PUB (or XPUB, which tells when the subscription reached it) plays
+the misbehaving publisher; the size limit is lowered through ``max_message_bytes`` so no test sends more
+than a few KB."""
+
+from __future__ import annotations
+
+import io
+import socket
+import threading
+import time
+from argparse import Namespace
+
+import msgspec
+import pytest
+import zmq
+
+from engine.cache_mirror import PrefixCacheMirror
+from engine.capture import (Capture, CaptureBatch, CaptureReplay, capture_from_raw, dumps_capture, new_header,
+                            read_capture)
+from engine.kv_events import MalformedBatch, decode_batch, encode_batch, hash_key
+from engine.kv_subscriber import RESTARTED, KVEventSubscriber
+from engine.watch import replay as replay_cli
+from engine.watch import watch as watch_cli
+
+NESTED_1K = b"\x91" * 1000 + b"\xc0"  # the issue's payload: 1,000 nested one-element arrays, then nil
+
+
+def stored(i: int, parent: int | None = None, block_size: int = 2) -> dict:
+    """A BlockStored of one block with hash ``i`` (the lab's form: hex), tokens [i, i + 1]."""
+    return {"type": "BlockStored", "block_hashes": [format(i, "064x")],
+            "parent_block_hash": None if parent is None else format(parent, "064x"),
+            "token_ids": [i, i + 1][:block_size] + [0] * (block_size - 2), "block_size": block_size,
+            "lora_id": None, "medium": "GPU"}
+
+
+def frames(seq: int, payload: bytes) -> tuple[bytes, bytes, bytes]:
+    return b"", seq.to_bytes(8, "big"), payload
+
+
+def raw_pub(port: int | None = None) -> tuple[zmq.Socket, int]:
+    sock = zmq.Context.instance().socket(zmq.PUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    if port is None:
+        return sock, sock.bind_to_random_port("tcp://127.0.0.1")
+    sock.bind(f"tcp://127.0.0.1:{port}")
+    return sock, port
+
+
+def subscribed(sub: KVEventSubscriber) -> None:
+    """Wait for ZMQ's handshake with the publisher (the view's state reads live / idle once batches came)."""
+    assert sub.wait_for(lambda v: sub._conn == "connected", 5), sub.view().state
+    time.sleep(0.2)  # the subscription travels to the publisher after the handshake
+
+
+def send_until(pub: zmq.Socket, sub: KVEventSubscriber, messages, done, timeout_s: float = 5.0) -> bool:
+    """Send ``messages`` (a list of frame tuples) once, then wait for ``done(view)``."""
+    for m in messages:
+        pub.send_multipart(m)
+    return sub.wait_for(done, timeout_s)
+
+
+# --- 1. a deeply nested payload ---------------------------------------------------------------------------
+
+
+def test_a_deeply_nested_payload_is_a_malformed_batch():
+    for payload in (NESTED_1K, b"\x91" * 5000 + b"\xc0", b"\x81\xa1k" * 3000 + b"\xc0"):
+        with pytest.raises(MalformedBatch, match="nested too deep"):
+            decode_batch(payload)
+
+
+def test_a_deeply_nested_payload_is_skipped_and_the_watch_goes_on():
+    pub, port = raw_pub()
+    sub = KVEventSubscriber(f"tcp://127.0.0.1:{port}")
+    try:
+        subscribed(sub)
+        assert send_until(pub, sub, [frames(0, encode_batch([stored(1)])), frames(1, NESTED_1K),
+                                     frames(2, encode_batch([stored(2)]))], lambda v: v.received == 2)
+        v = sub.view()
+        assert v.malformed == 1 and v.gaps == 0 and v.state == "live"
+        assert any(e.startswith("skipped batch 1: nested too deep") for e in v.errors), v.errors
+        assert sub._thread.is_alive()
+    finally:
+        sub.stop()
+        pub.close()
+
+
+def test_any_error_while_handling_one_message_is_counted_not_fatal(monkeypatch):
+    import engine.kv_subscriber as ks
+
+    real = ks.decode_batch
+    calls = {"n": 0}
+
+    def flaky(payload, max_events=None):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise KeyError("something no decoder should raise")
+        return real(payload, max_events=max_events)
+    monkeypatch.setattr(ks, "decode_batch", flaky)
+    pub, port = raw_pub()
+    sub = KVEventSubscriber(f"tcp://127.0.0.1:{port}")
+    try:
+        subscribed(sub)
+        assert send_until(pub, sub, [frames(0, encode_batch([stored(1)])), frames(1, encode_batch([stored(2)]))],
+                          lambda v: v.received == 1 and v.malformed == 1)
+        assert "could not be handled (KeyError" in sub.view().last_error
+        assert sub._thread.is_alive()
+    finally:
+        sub.stop()
+        pub.close()
+
+
+# --- 2. replay of a hostile capture -----------------------------------------------------------------------
+
+
+HEADER = '{"kind": "header", "format": "paged-attention-lab.kv-capture", "version": 1}\n'
+
+
+def test_replay_of_a_deeply_nested_capture_names_the_line(tmp_path, capsys):
+    from engine.cli import main
+
+    import base64
+
+    good = base64.b64encode(encode_batch([stored(1)])).decode()
+    deep = base64.b64encode(b"\x91" * 5000 + b"\xc0").decode()
+    path = tmp_path / "deep.jsonl"
+    path.write_text(HEADER + f'{{"kind": "batch", "rank": 0, "seq": 0, "t": 0, "payload": "{good}"}}\n'
+                    f'{{"kind": "batch", "rank": 0, "seq": 1, "t": 0, "payload": "{deep}"}}\n')
+    assert main(["replay", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    assert "rank 0 batch 1: skipped, nested too deep" in out and "(line 3 of the capture)" in out
+    assert "1 unreadable (skipped)" in out
+    path.write_text(HEADER + "[" * 200_000 + "\n")
+    assert main(["replay", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "line 2: JSON nested too deep" in err and "Traceback" not in err and err.count("\n") == 1
+
+
+# --- 3. a message over the size limit ---------------------------------------------------------------------
+
+
+def test_a_message_over_the_size_limit_is_said_and_the_watch_reconnects():
+    pub, port = raw_pub()
+    sub = KVEventSubscriber(f"tcp://127.0.0.1:{port}", max_message_bytes=1000)
+    try:
+        subscribed(sub)
+        pub.send_multipart(frames(0, encode_batch([stored(1)])))
+        pub.send_multipart(frames(1, b"\x00" * 5000))  # over the limit: refused unread, the connection dropped
+        assert sub.wait_for(lambda v: v.malformed == 1, 5), sub.view()
+        v = sub.view()
+        assert "over the size limit of 1,000 bytes" in v.last_error and "reconnected" in v.last_error
+        assert v.state != "disconnected"  # the server did not go away
+        subscribed(sub)
+        assert send_until(pub, sub, [frames(seq, encode_batch([stored(100 + seq)])) for seq in range(2, 40)],
+                          lambda v: v.received == 39), sub.view()
+        v = sub.view()
+        assert v.mirror.num_blocks == 39 and v.gaps == 1 and v.lost == 1 and v.malformed == 1
+        assert v.state == "live"
+    finally:
+        sub.stop()
+        pub.close()
+
+
+# --- 4. a server restart ----------------------------------------------------------------------------------
+
+
+def test_a_restart_marks_the_old_cache_at_once_and_the_first_new_batch_clears_it():
+    pub, port = raw_pub()
+    sub = KVEventSubscriber(f"tcp://127.0.0.1:{port}")
+    try:
+        subscribed(sub)
+        assert send_until(pub, sub, [frames(s, encode_batch([stored(s + 1)])) for s in range(3)],
+                          lambda v: v.received == 3)
+        pub.close()
+        assert sub.wait_for(lambda v: v.state == "disconnected", 5)
+        assert sub.view().mirror.stale is None  # gone is not restarted (yet)
+        pub, _ = raw_pub(port)  # the restarted server: a new publisher on the same port, no batch yet
+        assert sub.wait_for(lambda v: v.mirror.stale is not None, 5), sub.view()
+        v = sub.view()
+        assert v.mirror.stale.startswith(RESTARTED) and RESTARTED == ("server restarted: the cache shown is from "
+                                                                      "before; the server's is empty")
+        assert v.mirror.num_blocks == 3 and v.received == 3  # still shown, marked
+        assert "restarted" in v.last_error
+        subscribed(sub)
+        # its sequence numbers run past the old ones (it published before we reconnected): only the
+        # reconnect tells this is a restart, not a gap
+        assert send_until(pub, sub, [frames(7, encode_batch([stored(50)]))], lambda v: v.received == 4)
+        v = sub.view()
+        assert v.mirror.stale is None and v.mirror.prefixes() == {(50, 51)} and v.mirror.history[-1].cleared
+        assert v.gaps == 0
+        raws = sub.raw_batches()
+        assert [r.restart for r in raws] == [False, False, False, True]
+        # the capture keeps the restart: a replay ends with the same cache
+        back = read_capture(dumps_capture(capture_from_raw(raws, new_header("t", ["e"]))).encode())
+        assert back.batches[-1].restart
+        assert CaptureReplay(back).state(4).mirrors[0].prefixes() == {(50, 51)}
+    finally:
+        sub.stop()
+        pub.close()
+
+
+# --- 5. a late join without a replay endpoint -------------------------------------------------------------
+
+
+def test_a_late_join_without_replay_says_where_the_view_starts():
+    pub, port = raw_pub()
+    sub = KVEventSubscriber(f"tcp://127.0.0.1:{port}")
+    try:
+        subscribed(sub)
+        assert send_until(pub, sub, [frames(40, encode_batch([stored(1)]))], lambda v: v.received == 1)
+        v = sub.view()
+        assert v.mirror.starts_at == 40 and v.lost == 40
+        assert any(n.startswith("joined at batch 40: the view starts there") and "unknown" in n
+                   for n in v.mirror.notes), v.mirror.notes
+        from viz.server import mirror_warnings
+
+        assert any("starts at batch 40" in w and "unknown" in w for w in mirror_warnings(v.mirror))
+    finally:
+        sub.stop()
+        pub.close()
+
+
+class XPub:
+    """A publisher that sends its messages once a subscriber's subscription reaches it (XPUB says when)."""
+
+    def __init__(self, messages) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.XPUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        self.messages = messages
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        if self.sock.poll(10_000):
+            self.sock.recv()  # the subscription
+            for m in self.messages:
+                self.sock.send_multipart(m)
+
+    def close(self) -> None:
+        self.thread.join(timeout=11)
+        self.sock.close()
+
+
+def watch_args(endpoint: str, **kw) -> Namespace:
+    return Namespace(**{"endpoints": [endpoint], "replay_endpoint": [], "topic": "", "record": None,
+                        "duration": None, "max_batches": None, "tokenizer": None, **kw})
+
+
+def test_watch_prints_the_join_note_live_and_the_streams_counts_at_the_end(tmp_path):
+    x = XPub([frames(5, encode_batch([stored(1)])), frames(6, b"garbage"), frames(8, encode_batch([stored(2)]))])
+    out = io.StringIO()
+    try:
+        assert watch_cli(watch_args(x.endpoint, max_batches=2, duration=10.0, record=str(tmp_path / "c.jsonl")),
+                         out=out) == 0
+    finally:
+        x.close()
+    text = out.getvalue()
+    lines = text.splitlines()
+    join = next(i for i, line in enumerate(lines) if "note: joined at batch 5: the view starts there" in line)
+    first = next(i for i, line in enumerate(lines) if line.startswith("rank 0  #5"))
+    assert join < first  # said while watching, before the first batch, not only in the final state
+    assert ("  stream: 2 batches applied (0 from the replay socket), 1 malformed, 1 gap, 6 batches lost"
+            in text), text
+    # 7. the capture keeps each batch's own time beside the receive time
+    cap = read_capture(tmp_path / "c.jsonl")
+    assert all(b.ts is not None and b.ts == decode_batch(b.payload).ts for b in cap.batches)
+
+
+# --- 6. a port that is not a ZMQ publisher ----------------------------------------------------------------
+
+
+class FakeHttp:
+    """A TCP server that answers like an HTTP server given ZMQ's greeting (uvicorn: 400, then close), or
+    says nothing (``silent``)."""
+
+    def __init__(self, silent: bool = False) -> None:
+        self.srv = socket.socket()
+        self.srv.bind(("127.0.0.1", 0))
+        self.srv.listen()
+        self.srv.settimeout(0.2)
+        self.endpoint = f"tcp://127.0.0.1:{self.srv.getsockname()[1]}"
+        self.silent, self.open, self.conns = silent, True, []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while self.open:
+            try:
+                c, _ = self.srv.accept()
+            except OSError:
+                continue
+            if self.silent:
+                self.conns.append(c)
+                continue
+            c.recv(64)
+            c.sendall(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            c.close()
+
+    def close(self) -> None:
+        self.open = False
+        self.thread.join(timeout=2)
+        for c in self.conns:
+            c.close()
+        self.srv.close()
+
+
+@pytest.mark.parametrize("kind", ["http", "silent", "router"])
+def test_a_port_that_is_not_a_publisher_is_said(kind):
+    from viz.server import state_line
+
+    if kind == "router":
+        router = zmq.Context.instance().socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        endpoint = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
+        close = router.close
+    else:
+        server = FakeHttp(silent=kind == "silent")
+        endpoint, close = server.endpoint, server.close
+    sub = KVEventSubscriber(endpoint, handshake_timeout_s=0.5)
+    try:
+        assert sub.wait_for(lambda v: v.state == "not_publisher", 5), sub.view().state
+        time.sleep(0.6)  # ZMQ retries: it stays said, and never reads "connected" or "went away"
+        v = sub.view()
+        assert v.state == "not_publisher" and v.detail
+        line = state_line(v)
+        assert line.startswith("not a KV event publisher") and "went away" not in line
+        if kind != "router":
+            assert "did not answer ZMQ's handshake" in v.detail and "HTTP" in v.detail
+        else:
+            assert "not a PUB socket" in v.detail
+    finally:
+        sub.stop()
+        close()
+
+
+def test_watch_says_not_a_publisher():
+    server = FakeHttp()
+    out = io.StringIO()
+    try:
+        assert watch_cli(watch_args(server.endpoint, duration=1.0), out=out) == 0
+    finally:
+        server.close()
+    text = out.getvalue()
+    assert f"{server.endpoint}: not a KV event publisher" in text and ": connected" not in text
+    assert "last state not_publisher" in text
+
+
+# --- 7. replay by the server's time -----------------------------------------------------------------------
+
+
+def paced_capture(with_ts: bool) -> Capture:
+    """A late join's capture: every batch received at once (t = 0), made 1 s and then 2 s apart (ts)."""
+    stamps = [1000.0, 1001.0, 1003.0]
+    return Capture(header=new_header("t", ["e"]), batches=[
+        CaptureBatch(rank=0, seq=i, t=0.0, payload=encode_batch([stored(i + 1)], ts=ts), replayed=True,
+                     ts=ts if with_ts else None) for i, ts in enumerate(stamps)])
+
+
+@pytest.mark.parametrize("with_ts", [True, False])  # False: a capture written before ``ts`` was a field
+def test_replay_waits_the_servers_time_between_batches(with_ts, tmp_path, monkeypatch):
+    import engine.watch as w
+
+    path = tmp_path / "c.jsonl"
+    text = dumps_capture(paced_capture(with_ts))
+    assert ('"ts": 1001.0' in text) == with_ts and '"t": 0.0' in text  # both kept
+    path.write_text(text)
+    waits: list[float] = []
+    monkeypatch.setattr(w.time, "sleep", waits.append)
+    assert replay_cli(Namespace(file=str(path), speed=10.0, tokenizer=None), out=io.StringIO()) == 0
+    assert waits == pytest.approx([0.1, 0.2])
+
+
+# --- 8. the mirror's memory ---------------------------------------------------------------------------------
+
+
+def test_the_mirror_holds_at_most_max_blocks_and_says_so():
+    m = PrefixCacheMirror(max_blocks=100)
+    for i in range(250):
+        m.apply(i, 0.0, [stored(i + 1)] * (2 if i == 200 else 1))  # batch 200 stores its block twice
+    assert len(m.blocks) == 100 and m.capped_out == 150
+    assert m.num_blocks == sum(b.copies for b in m.blocks.values()) == 101
+    assert min(int(h, 16) for h in m.blocks) == 151  # the oldest were dropped
+    assert sum("at most 100 distinct blocks" in n for n in m.notes) == 1  # said once
+    from viz.server import mirror_warnings
+
+    assert any("memory cap" in w and "150" in w for w in mirror_warnings(m))
+    # a copy keeps capping the same way (a replay applies to copies)
+    c = m.copy()
+    c.apply(250, 0.0, [stored(1000)])
+    assert len(c.blocks) == 100 and c.capped_out == 151 and len(m.blocks) == 100
+
+
+def test_the_mirrors_bookkeeping_stays_bounded_under_churn():
+    m = PrefixCacheMirror(max_blocks=50)
+    for i in range(20_000):  # store and evict forever: nothing may grow with the number of batches
+        m.apply(i, 0.0, [stored(i + 1), {"type": "BlockRemoved", "block_hashes": [format(i + 1, "064x")]}])
+    assert len(m.blocks) == 0 and m.capped_out == 0 and len(m._order) <= 2 * 50 + 1024 + 1
+
+
+def test_the_subscriber_passes_the_cap_to_its_mirror():
+    pub, port = raw_pub()
+    sub = KVEventSubscriber(f"tcp://127.0.0.1:{port}", max_blocks=3)
+    try:
+        subscribed(sub)
+        assert send_until(pub, sub, [frames(0, encode_batch([stored(i + 1) for i in range(5)]))],
+                          lambda v: v.received == 1)
+        v = sub.view()
+        assert len(v.mirror.blocks) == 3 and v.mirror.capped_out == 2
+    finally:
+        sub.stop()
+        pub.close()
+
+
+# --- 10. out-of-range flags -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("speed", ["1e-300", "1e-6", "nan", "inf", "-1", "1e5"])
+def test_replay_speed_out_of_range_is_refused_by_value(speed, capsys, tmp_path):
+    from engine.cli import main
+
+    path = tmp_path / "c.jsonl"
+    path.write_text(dumps_capture(paced_capture(True)))
+    assert main(["replay", "--speed", speed, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--speed must be 0 (as fast as possible) or a multiple of the recorded pace from 0.01 to 10000, got " \
+           f"{float(speed)}" in err and err.count("\n") == 1
+
+
+def test_hash_key_of_an_int_is_16_hex_digits():  # the helper above keys blocks as the subscriber does
+    assert hash_key(5) == "0000000000000005" and msgspec.msgpack.decode(encode_batch([]))[1] == []

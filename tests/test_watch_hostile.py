@@ -433,3 +433,32 @@ def test_replay_speed_out_of_range_is_refused_by_value(speed, capsys, tmp_path):
 
 def test_hash_key_of_an_int_is_16_hex_digits():  # the helper above keys blocks as the subscriber does
     assert hash_key(5) == "0000000000000005" and msgspec.msgpack.decode(encode_batch([]))[1] == []
+
+
+def test_a_restart_with_a_replay_endpoint_catches_up_from_the_new_publishers_first_batch():
+    from engine.kv_publisher import KVEventPublisher
+
+    p = KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")
+    endpoints = (p.endpoint, p.replay_endpoint)
+    sub = KVEventSubscriber(*endpoints)
+    try:
+        subscribed(sub)
+        for i in range(5):
+            p.publish([stored(i + 1)])
+        assert sub.wait_for(lambda v: v.received == 5, 5)
+        p.close()
+        assert sub.wait_for(lambda v: v.state == "disconnected", 5)
+        p = KVEventPublisher(*endpoints)  # restarted: it publishes before the watcher is back
+        for i in range(7):
+            p.publish([stored(100 + i)])
+        p.flush()
+        assert sub.wait_for(lambda v: v.received == 12 and v.mirror.stale is None, 10), sub.view()
+        v = sub.view()
+        # the new publisher's batches 0-6 came from its replay socket: none of the old blocks, no gap, none lost
+        assert v.mirror.prefixes() == {(100 + i, 101 + i) for i in range(7)}
+        assert (v.gaps, v.lost, v.malformed) == (0, 0, 0) and v.replayed >= 7
+        assert [r.seq for r in sub.raw_batches()][-7:] == list(range(7))
+        assert [r.restart for r in sub.raw_batches()] == [False] * 5 + [True] + [False] * 6
+    finally:
+        sub.stop()
+        p.close()

@@ -324,7 +324,7 @@ def test_a_port_that_is_not_a_publisher_is_said(kind):
     sub = KVEventSubscriber(endpoint, handshake_timeout_s=0.5)
     try:
         assert sub.wait_for(lambda v: v.state == "not_publisher", 5), sub.view().state
-        time.sleep(0.6)  # ZMQ retries: it stays said, and never reads "connected" or "went away"
+        time.sleep(0.3)  # ZMQ retries: it stays said, and never reads "connected" or "went away"
         v = sub.view()
         assert v.state == "not_publisher" and v.detail
         line = state_line(v)
@@ -342,7 +342,7 @@ def test_watch_says_not_a_publisher():
     server = FakeHttp()
     out = io.StringIO()
     try:
-        assert watch_cli(watch_args(server.endpoint, duration=1.0), out=out) == 0
+        assert watch_cli(watch_args(server.endpoint, duration=0.5), out=out) == 0
     finally:
         server.close()
     text = out.getvalue()

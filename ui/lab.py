@@ -207,9 +207,13 @@ class Lab:
     playing: bool = False  # Play: steps on a timer (``play_tick``) at ``play_speed`` until Pause or nothing is left
     play_speed: float = 2.0  # steps per second Play keeps to (``play_tick`` catches up when a tick comes late)
     play_clock: tuple[float, int] = (0.0, 0)  # (when Play started, monotonic s; steps Play has run since)
+    # (steps the page has drawn since Play started, the last one's step number, when it was drawn): ``play_rate``
+    play_shown: tuple[int, int | None, float] = (0, None, 0.0)
     presses: int = 0  # stage presses counted in the browser (``take_presses``) handled so far
     ignored: int = 0  # presses that did nothing (nothing left to run, already at the first step, ...)
     ignored_why: str = ""  # why the last ignored press did nothing
+    notices: int = 0  # what presses did that the page says once (``notice``: the last), e.g. no event left
+    notice: str = ""
     failure: str | None = None  # a step that raised: the engines may be half-stepped, so nothing more runs
     # names this lab to the browser's press counter: a total counted for another lab is never run here
     token: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
@@ -405,7 +409,7 @@ class Lab:
                                     else "Play: all requests have finished (Reset runs them again)" if total
                                     else "Play: nothing to run; add a request first")
             self.playing = True
-            self.play_clock = (time.monotonic(), 0)
+            self._start_play_clock()
             return "play"
         if kind in ("next", "end"):
             return self._run_until(kind)
@@ -506,14 +510,41 @@ class Lab:
         with self._lock:
             if speed != self.play_speed:
                 self.play_speed = float(speed)
-                self.play_clock = (time.monotonic(), 0)
+                self._start_play_clock()
 
-    def play_rate(self, now: float | None = None) -> float | None:
-        """Steps per second Play has run since it started (None before its first second)."""
+    def _start_play_clock(self) -> None:
+        self.play_clock = (time.monotonic(), 0)
+        self.play_shown = (0, None, 0.0)
+
+    def play_pace(self, now: float | None = None) -> float | None:
+        """Steps per second Play has run since it started (what ``play_tick`` keeps at ``play_speed``; None
+        before its first second). More than the page shows when it draws slower than the speed: see
+        ``play_rate``."""
         with self._lock:
             started, done = self.play_clock
             elapsed = (time.monotonic() if now is None else now) - started
             return done / elapsed if self.playing and elapsed >= 1.0 else None
+
+    def play_drawn(self, step: int, now: float | None = None) -> None:
+        """The page has finished drawing engine step ``step`` while playing (``now``: monotonic seconds, for
+        tests). A step drawn again (a redraw without a new step) counts once."""
+        with self._lock:
+            shown, last, at = self.play_shown
+            if self.playing and step != last:
+                self.play_shown = (shown + 1, step, time.monotonic() if now is None else now)
+
+    def play_rate(self) -> float | None:
+        """The rate the page says it measured while playing: steps shown per second, i.e. the distinct steps
+        the page drew since Play started (``play_drawn``) over the seconds from Play's start to the last
+        drawing. None before a second has passed. A tick that comes late runs the steps it owes
+        (``play_tick``) and the page draws the last of them only, so when the page draws slower than the
+        speed this is below ``play_pace`` (issue 23: at 8 steps/s the page showed 6.8 steps a second while
+        it said the 7.9 steps run)."""
+        with self._lock:
+            started = self.play_clock[0]
+            shown, _, at = self.play_shown
+            elapsed = at - started
+            return shown / elapsed if self.playing and shown and elapsed >= 1.0 else None
 
     @staticmethod
     def key_events(record: StepRecord) -> list[str]:
@@ -524,29 +555,67 @@ class Lab:
         return list(dict.fromkeys(kinds))
 
     def _run_until(self, kind: str) -> str:
-        """"next": show the next recorded step with a key event (``key_events``) while looking back, else run
-        steps until one has a key event; "end": run until no work is left. At most ``MAX_RUN_STEPS`` steps per
-        press. Returns "next" / "end", or ignores the press when nothing can run."""
+        """"next": the next step with a key event (``key_events``): while looking back, the next recorded one;
+        else (or when no later recorded step has one) steps run until one has. "end": run until no work is
+        left. At most ``MAX_RUN_STEPS`` steps per press. Returns "next" / "end"; "none-left" when no key
+        event remained (the page says it: ``notice``); ignores the press when nothing can run.
+
+        When "next" finds no key event in the steps it ran, the screen stays on the step it showed (the steps
+        are recorded: the slider and Step reach them). A presenter pressing N after the last moment expects
+        what a slide deck does after its last slide (nothing moves, and it says why), not to land silently on
+        a last step hundreds of steps on (issue 23: ``chat-workload`` ran 629 steps without a word)."""
         total = self.step_count
         self.playing = False  # the moment a speaker jumps to must stay on screen: Play stops
         if kind == "next" and 0 <= self.cursor < total - 1:
             later = [i for i in range(self.cursor + 1, total) if self.key_events(self.history[i][0])]
-            self.cursor = later[0] if later else -1
-            if self.cursor == total - 1:
-                self.cursor = -1
-            return "next"
+            if later:
+                self.cursor = -1 if later[0] == total - 1 else later[0]
+                return "next"
+            if not self.has_work() or self.failure is not None:
+                return self._ignore(f"Next event: no copy-on-write, prefix-cache hit, preemption or swap after "
+                                    f"step {self._shown_step():,}, and the run has finished")
         if self.failure is not None:
             return self._ignore("the engines stopped after an error; press Reset")
         if not self.has_work():
             return self._ignore("all requests have finished (Reset runs them again)" if total
                                 else "nothing to run; add a request first")
+        shown = self._shown_step()  # the step on screen (None: nothing yet), kept while searching on
+        if total:
+            self.cursor = self.cursor if self.cursor >= 0 else total - 1  # pinned: a trimmed history moves it
+        ran = 0
         for _ in range(MAX_RUN_STEPS):
             if not self.has_work() or not self._try_step():
                 break
+            ran += 1
             if kind == "next" and self.key_events(self.history[-1][0]):
-                break
-        self.cursor = -1
-        return kind
+                self.cursor = -1
+                return kind
+        if kind == "end" or self.failure is not None:  # a failure: the page says it
+            self.cursor = -1
+            return kind
+        if shown is None:  # nothing was on screen to stay on: the last step run
+            self.cursor = -1
+            where = f"showing step {self.steps_run:,}"
+        else:
+            where = f"still showing step {shown:,}"
+        if self.has_work():
+            self._say(f"Next event: none in the next {ran:,} steps (run and recorded, up to step "
+                      f"{self.steps_run:,}); {where}: press N again to look further")
+        else:
+            self._say(f"Next event: no copy-on-write, prefix-cache hit, preemption or swap is left: the remaining "
+                      f"{ran:,} steps ran to the end (recorded up to step {self.steps_run:,}: the slider and "
+                      f"Step show them); {where}")
+        return "none-left"
+
+    def _shown_step(self) -> int | None:
+        """The engine step number of the step on screen (None when nothing has run)."""
+        if not self.history:
+            return None
+        return self.history[self.cursor if self.cursor >= 0 else -1][0].step
+
+    def _say(self, what: str) -> None:
+        self.notices += 1
+        self.notice = what
 
     def step_budget(self) -> int | None:
         """The paged engine's token budget per step in vLLM V1 (``max_num_batched_tokens``, tokens); None in

@@ -439,7 +439,8 @@ def _reset() -> None:
 
 
 def said_ignored(lab) -> None:
-    """Presses that did nothing are said, once: a toast with how many and why."""
+    """Presses that did nothing are said, once: a toast with how many and why; so is what a press did that
+    the screen does not show (``Lab.notice``)."""
     seen = st.session_state.get("ignored_seen")
     if seen is None or seen[0] != lab.token:
         seen = (lab.token, 0)
@@ -447,6 +448,13 @@ def said_ignored(lab) -> None:
         n = lab.ignored - seen[1]
         st.toast(f"{n} press{'es' * (n != 1)} ignored: {lab.ignored_why}.", icon=":material/block:")
     st.session_state["ignored_seen"] = (lab.token, lab.ignored)
+    # what a press did that is not on screen (``Lab.notice``: "Next event" found no event left), said once
+    told = st.session_state.get("notices_seen")
+    if told is None or told[0] != lab.token:
+        told = (lab.token, 0)
+    if lab.notices > told[1]:
+        st.toast(lab.notice + ".", icon=":material/info:", duration="long")
+    st.session_state["notices_seen"] = (lab.token, lab.notices)
 
 
 def _toggle_play() -> None:
@@ -486,6 +494,7 @@ def views(lab, present: bool = False) -> None:
         return
     if present:  # no slider: the keys and the clicker move through the steps
         presenter.views(lab, history, index, has_work, shared_model(lab.settings.model)[1].decode)
+        lab.play_drawn(history[index][0].step)  # drawn to the end (a run stopped early never gets here)
         return
     index = scrub(total, index)
     paged, contiguous = history[index]
@@ -502,6 +511,7 @@ def views(lab, present: bool = False) -> None:
     step_in_words(paged, contiguous, lab.step_budget())
     tables_and_text(lab, paged, [p for p, _ in history[: index + 1]])
     timeline(lab, history, index, paged, contiguous)
+    lab.play_drawn(paged.step)  # Play's measured rate counts the steps the page drew (``Lab.play_rate``)
 
 
 def advance_play(lab) -> None:

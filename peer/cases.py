@@ -60,6 +60,7 @@ class Case:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     seed: int = 0
+    watermark: float = 0.0  # vLLM's SchedulerConfig.watermark; the lab's EngineConfig.watermark (V1: 0)
     known_difference: str = ""
 
     @property
@@ -74,23 +75,29 @@ class Case:
         return d
 
 
-def build_cases(tokenize) -> list[Case]:
-    """Every case at block sizes 32 and 64. ``tokenize(text) -> list[int]`` is the model's tokenizer."""
+_SUBSTITUTION = ("vLLM 0.32 refuses n > 1 at temperature 0 ('n must be 1 when using greedy sampling'); the "
+                 "driver sends temperature 1 with top_k 1 (no seed), which is greedy")
+
+
+def build_cases(tokenize, vocab_size: int = 2048) -> list[Case]:
+    """Every case at block sizes 32 and 64. ``tokenize(text) -> list[int]`` is the model's tokenizer;
+    ``vocab_size``: the model's (the embedded model's 2,048 by default), for a request whose every token
+    is a stop token."""
     ids = tokenize(TEXT)
     assert len(ids) >= 480, f"the case text encodes to {len(ids)} tokens, fewer than the 480 the cases cut"
     cases = []
     for B in (32, 64):
-        cases += _cases_at(B, ids)
+        cases += _cases_at(B, ids, vocab_size)
     return cases
 
 
-def _cases_at(B: int, ids: list[int]) -> list[Case]:
+def _cases_at(B: int, ids: list[int], vocab_size: int) -> list[Case]:
     system = ids[: 2 * B + B // 4]  # a system prompt of 2.25 blocks
     tails = [ids[300 + 13 * i: 300 + 13 * i + 5 + 7 * i] for i in range(6)]
     k_blocks = ids[: 3 * B]  # exactly 3 blocks
     long_prompt = ids[: 9 * B // 2 + 7]  # 4.5 blocks + 7 tokens: longer than the 2-block budget below
     s = f"B{B}"
-    return [
+    cases = [
         Case(f"shared-system-prompt-{s}", "6 requests sharing a 2.25-block system prompt, admitted together",
              B, 40, [CaseRequest(f"r{i}", system + t, max_tokens=8) for i, t in enumerate(tails)]),
         Case(f"exact-k-blocks-repeated-{s}",
@@ -107,8 +114,7 @@ def _cases_at(B: int, ids: list[int]) -> list[Case]:
              max_model_len=4 * B),
         Case(f"parallel-n4-{s}", "n = 4 at temperature 0: four child requests over the prefix cache",
              B, 40, [CaseRequest("par", system + tails[1], max_tokens=6, n=4)],
-             known_difference="vLLM 0.32 refuses n > 1 at temperature 0 ('n must be 1 when using greedy "
-                              "sampling'); the driver sends temperature 1 with top_k 1, which is greedy"),
+             known_difference=_SUBSTITUTION),
         Case(f"priority-{s}", "priority policy under memory pressure: a late high-priority request and the "
              "victim chosen by (priority, arrival)",
              B, 9, [CaseRequest("low0", ids[0: B + 3], max_tokens=2 * B, priority=2),
@@ -122,12 +128,40 @@ def _cases_at(B: int, ids: list[int]) -> list[Case]:
              B, 9, [CaseRequest("kids", ids[200: 200 + B + 9], max_tokens=2 * B, n=3, priority=1),
                     CaseRequest("solo", ids[260: 260 + B // 2], max_tokens=B, priority=1)],
              scheduling_policy="priority", max_model_len=4 * B,
-             known_difference="vLLM 0.32 refuses n > 1 at temperature 0; the driver sends temperature 1 with "
-                              "top_k 1, which is greedy"),
+             known_difference=_SUBSTITUTION),
         Case(f"chunked-prefill-{s}", "prompts longer than the token budget (2 blocks) prefilled in chunks, "
              "mixed with decode tokens of a running request",
              B, 40, [CaseRequest("short", ids[450: 470], max_tokens=12),
                      CaseRequest("long", long_prompt, max_tokens=6, arrival_step=1),
                      CaseRequest("long2", long_prompt[: 3 * B + 1], max_tokens=4, arrival_step=2)],
              max_num_batched_tokens=2 * B),
+        Case(f"parallel-n3-chunked-{s}", "n = 3 at temperature 0 with a prompt longer than the token budget "
+             "(2 blocks): each child is prefilled in chunks (partial prefills sample nothing), later children "
+             "hit the blocks earlier ones stored, mixed with decode tokens of a running request",
+             B, 40, [CaseRequest("short", ids[450: 470], max_tokens=12),
+                     CaseRequest("kids", long_prompt, max_tokens=5, n=3, arrival_step=1)],
+             max_num_batched_tokens=2 * B, known_difference=_SUBSTITUTION),
+        Case(f"watermark-{s}", "watermark 0.25 (int(0.25 x 9) = 2 blocks kept free while a request runs): "
+             "the third request, whose 2 blocks fit the 2 free ones, waits until the first finishes",
+             B, 9, [CaseRequest("a", ids[0: 2 * B + 5], max_tokens=B // 2),
+                    CaseRequest("b", ids[2 * B + 8: 4 * B + 13], max_tokens=B // 2 + 4),
+                    CaseRequest("c", ids[4 * B + 16: 5 * B + 21], max_tokens=4)],
+             max_model_len=4 * B, watermark=0.25),
+        Case(f"finish-reasons-{s}", "finish and stop reasons: stop tokens (stop_reason = the token), the "
+             "length limit with and without ignore_eos, and a stop token sampled as the max_tokens-th token "
+             "(every token id a stop token, max_tokens 1: check_stop tests stop tokens before the length)",
+             B, 40, [CaseRequest("stop-dot", ids[100: 140], max_tokens=30, stop_token_ids=[14]),
+                     CaseRequest("stop-either", ids[0: 40], max_tokens=30, stop_token_ids=[45, 14]),
+                     CaseRequest("length", ids[450: 470], max_tokens=8, stop_token_ids=[vocab_size - 1]),
+                     CaseRequest("eos-on", ids[200: 230], max_tokens=8, ignore_eos=False),
+                     CaseRequest("stop-at-limit", ids[300: 330], max_tokens=1,
+                                 stop_token_ids=list(range(vocab_size)))]),
     ]
+    if B == 32:  # the lab's slowest kind of case (a hundred steps and more): at one block size only
+        cases.append(Case(
+            f"preemption-watermark-{s}", "recompute preemption under a watermark of 0.2 (int(0.2 x 9) = 1 "
+            "block): the fourth request, whose 2 blocks fit the 2 free ones, waits at the start; one preemption "
+            "instead of two; the preempted request re-admitted with the waiting one",
+            B, 9, [CaseRequest(f"p{i}", ids[40 * i: 40 * i + B + 5], max_tokens=2 * B) for i in range(4)],
+            max_model_len=4 * B, watermark=0.2))
+    return cases

@@ -61,6 +61,25 @@ def _schedule(result: dict) -> list[dict]:
     return [{names.get(str(k), str(k)): v for k, v in s["scheduled"].items()} for s in result["steps"]]
 
 
+def _preempted(result: dict) -> list[list[str]]:
+    """Per step, the requests preempted, in the order the scheduler preempted them."""
+    names = _canonical(result)
+    return [[names.get(str(r), str(r)) for r in s["preempted"]] for s in result["steps"]]
+
+
+def _finished(result: dict) -> list[list[tuple[str, str]]]:
+    """Per step, (request, finish_reason) of every request that finished in it, sorted by request (the
+    order outputs come out within one step is not scheduling)."""
+    names = _canonical(result)
+    return [sorted((names.get(str(r), str(r)), str(s["finish_reasons"].get(r))) for r in s["finished"])
+            for s in result["steps"]]
+
+
+def _reasons(result: dict) -> dict[str, list[tuple]]:
+    """Request -> (finish_reason, stop_reason) of each completion, in completion order."""
+    return {rid: list(zip(r["finish_reasons"], r["stop_reasons"])) for rid, r in result["requests"].items()}
+
+
 def _first_difference(a: list, b: list) -> str:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -94,8 +113,9 @@ def _cached(result: dict) -> dict[str, int]:
 
 
 def compare(vllm: dict, lab: dict) -> list[Check]:
-    """The checks of one case: outputs, num_cached_tokens, preemptions, per-step schedule, per-step KV
-    events by content, KV cache usage after each step, and the prefix-cache counters."""
+    """The checks of one case: outputs, num_cached_tokens, the requests preempted and finished per step,
+    finish and stop reasons, the watermark applied, per-step schedule, per-step KV events by content, KV
+    cache usage after each step, and the prefix-cache counters."""
     checks = []
     outs_v = {r: v["outputs"] for r, v in vllm["requests"].items()}
     outs_l = {r: v["outputs"] for r, v in lab["requests"].items()}
@@ -106,11 +126,22 @@ def compare(vllm: dict, lab: dict) -> list[Check]:
     cached_v, cached_l = _cached(vllm), _cached(lab)
     checks.append(Check("identical num_cached_tokens per request", cached_v == cached_l,
                         "" if cached_v == cached_l else f"vLLM {cached_v} vs lab {cached_l}"))
-    pre_v = [len(s["preempted"]) for s in vllm["steps"]]
-    pre_l = [len(s["preempted"]) for s in lab["steps"]]
-    checks.append(Check("same preemptions (count and step)", pre_v == pre_l and vllm["num_preemptions"] == lab["num_preemptions"],
-                        "" if pre_v == pre_l else f"vLLM {vllm['num_preemptions']} vs lab {lab['num_preemptions']}; "
+    pre_v, pre_l = _preempted(vllm), _preempted(lab)
+    same = pre_v == pre_l and vllm["num_preemptions"] == lab["num_preemptions"]
+    checks.append(Check("same requests preempted, in the same order, step by step", same,
+                        "" if same else f"vLLM {vllm['num_preemptions']} vs lab {lab['num_preemptions']} in all; "
                         + _first_difference(pre_v, pre_l)))
+    fin_v, fin_l = _finished(vllm), _finished(lab)
+    checks.append(Check("same requests finished, step by step, with the same finish_reason", fin_v == fin_l,
+                        _first_difference(fin_v, fin_l)))
+    why_v, why_l = _reasons(vllm), _reasons(lab)
+    bad = sorted(r for r in why_v.keys() | why_l.keys() if why_v.get(r) != why_l.get(r))
+    checks.append(Check("same finish_reason and stop_reason per completion", not bad,
+                        "; ".join(f"{r}: vLLM {why_v.get(r)} vs lab {why_l.get(r)}" for r in bad[:4])))
+    wm_v = (vllm["settings"].get("watermark"), vllm["settings"].get("watermark_blocks"))
+    wm_l = (lab["settings"].get("watermark"), lab["settings"].get("watermark_blocks"))
+    checks.append(Check("same watermark applied (share, blocks kept free)", wm_v == wm_l,
+                        "" if wm_v == wm_l else f"vLLM {wm_v} vs lab {wm_l}"))
     sched_v, sched_l = _schedule(vllm), _schedule(lab)
     checks.append(Check("same tokens scheduled per request, step by step", sched_v == sched_l,
                         _first_difference(sched_v, sched_l)))

@@ -5,8 +5,9 @@
 
 vLLM runs in its own virtual environment (``.peer-venv``, built by ``scripts/setup_peer.sh``) as a
 separate process (``peer/vllm_driver.py``), on the same model folder, with the settings of each case.
-Its result is cached under ``.peer-cache/`` by the hash of the spec and the driver's source, so a second
-run (the test suite after the docs) does not start vLLM again.
+Its result is cached under ``.peer-cache/``, case by case, by the hash of the case's spec and the driver's
+source, so a second run (the test suite after the docs, or all cases after a few) does not start vLLM again
+for a case it already ran.
 
 Raises ``PeerUnavailable`` when the peer environment is missing or vLLM fails, with vLLM's own error.
 """
@@ -54,28 +55,54 @@ def peer_available() -> str | None:
 
 
 def run_vllm(spec: dict, timeout_s: float = 1800) -> dict:
-    """Run ``spec`` through ``peer/vllm_driver.py`` in the peer environment (cached by content)."""
+    """Run ``spec`` through ``peer/vllm_driver.py`` in the peer environment. Each case's result is cached
+    on its own (by the model, the case's spec and the driver's source), so a run of a few cases
+    (``--case``) and a later run of all share what vLLM already did; only uncached cases start vLLM.
+    Returns the driver's OUT.json shape: the versions of the run that produced the first case, and
+    ``{"cases": {name: result}}``."""
     why = peer_available()
     if why:
         raise PeerUnavailable(why)
-    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode() + DRIVER.read_bytes()).hexdigest()[:16]
     CACHE.mkdir(exist_ok=True)
-    out = CACHE / f"vllm-{key}.json"
-    if out.exists():
-        return json.loads(out.read_text())
-    spec_path = CACHE / f"spec-{key}.json"
+    driver = DRIVER.read_bytes()
+    extra = {k: v for k, v in spec.items() if k != "cases"}  # the model, threads
+    paths = {}
+    for case in spec["cases"]:
+        key = hashlib.sha256(json.dumps({**extra, "case": case}, sort_keys=True).encode() + driver).hexdigest()[:16]
+        paths[case["name"]] = CACHE / f"case-{key}.json"
+    todo = [c for c in spec["cases"] if not paths[c["name"]].exists()]
+    if todo:
+        out = _run_driver({**extra, "cases": todo}, timeout_s)
+        meta = {k: v for k, v in out.items() if k != "cases"}
+        for case in todo:
+            paths[case["name"]].write_text(json.dumps({"meta": meta, "result": out["cases"][case["name"]]}))
+    merged: dict = {}
+    for case in spec["cases"]:
+        saved = json.loads(paths[case["name"]].read_text())
+        merged = merged or dict(saved["meta"])
+        merged.setdefault("cases", {})[case["name"]] = saved["result"]
+    return merged
+
+
+def _run_driver(spec: dict, timeout_s: float) -> dict:
+    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+    spec_path, out = CACHE / f"spec-{key}.json", CACHE / f"vllm-{key}.json.part"
     spec_path.write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if not k.startswith("VIRTUAL_ENV")}
-    proc = subprocess.run([str(PEER_PYTHON), str(DRIVER), str(spec_path), str(out) + ".part"],
+    proc = subprocess.run([str(PEER_PYTHON), str(DRIVER), str(spec_path), str(out)],
                           capture_output=True, text=True, timeout=timeout_s, env=env, cwd=ROOT)
     if proc.returncode != 0:
         raise PeerUnavailable(f"vLLM driver exited with {proc.returncode}: {proc.stderr.strip()[-3000:]}")
-    Path(str(out) + ".part").rename(out)
-    return json.loads(out.read_text())
+    try:
+        return json.loads(out.read_text())
+    finally:
+        out.unlink(missing_ok=True)
+        spec_path.unlink(missing_ok=True)
 
 
-def run_all(model: str | None = None, only: list[str] | None = None) -> tuple[dict, list[CaseResult]]:
-    """Run the cases (all, or those named in ``only``) on both sides; returns (vLLM's result, results)."""
+def run_all(model: str | None = None, only: list[str] | None = None, loaded=None) -> tuple[dict, list[CaseResult]]:
+    """Run the cases (all, or those named in ``only``) on both sides; returns (vLLM's result, results).
+    ``loaded``: the model's ``(model, tokenizer)`` already loaded (float32, CPU), to share."""
     from engine import EMBEDDED_MODEL
     from engine.model_loader import load_model
 
@@ -84,10 +111,14 @@ def run_all(model: str | None = None, only: list[str] | None = None) -> tuple[di
     from .lab_runner import run_case
 
     model = model or EMBEDDED_MODEL
-    loaded = load_model(model, _cpu(), "float32")
+    loaded = loaded or load_model(model, _cpu(), "float32")
     tok = loaded[1]
-    cases = [c for c in build_cases(lambda t: tok(t, add_special_tokens=False)["input_ids"])
+    cases = [c for c in build_cases(lambda t: tok(t, add_special_tokens=False)["input_ids"],
+                                    vocab_size=loaded[0].config.vocab_size)
              if not only or c.name in only]
+    unknown = sorted(set(only or ()) - {c.name for c in cases})
+    if unknown:
+        raise ValueError(f"no conformance case named {', '.join(unknown)}")
     t0 = time.perf_counter()
     vllm = run_vllm({"model": model, "cases": [c.spec() for c in cases]})
     vllm_s = time.perf_counter() - t0
@@ -106,6 +137,40 @@ def _cpu():
     return torch.device("cpu")
 
 
+# Fixed text of docs/conformance.md: what the harness cannot or does not compare, with vLLM's source.
+_NOTES = [
+    "## What vLLM's CPU build cannot run, and how the cases get around it",
+    "",
+    "- **Greedy `n > 1`.** vLLM refuses `n > 1` at temperature 0 (`SamplingParams._verify_greedy_sampling`: "
+    "'n must be 1 when using greedy sampling'). The driver sends such a request as temperature 1 with "
+    "`top_k` 1, which leaves one candidate, the argmax, so the tokens are greedy's (exact logit ties aside), "
+    "and the scheduler sees the same `n` child requests.",
+    "- **No seed with chunked prefill.** A request with a `seed` cannot be prefilled in chunks on the CPU: "
+    "after a partial prefill the model runner discards the sampled token and rewinds that request's "
+    "generator, `gen.set_offset(gen.get_offset() - 4)` (`GPUModelRunner._bookkeeping_sync`, "
+    "`vllm/v1/worker/gpu_model_runner.py:3499-3502`, which `CPUModelRunner` inherits), and a CPU "
+    "`torch.Generator` has no offset: `RuntimeError: CPU Generator does not use offset` (seen with "
+    "`parallel-n3-chunked-B32` when the driver still sent `seed=0`). So the driver sends no seed (`top_k` 1 "
+    "needs none) and `n > 1` with partial prefills is compared (`parallel-n3-chunked-*`). Seeded sampling "
+    "with chunked prefill stays out of reach of vLLM's CPU build.",
+    "- **EOS.** The embedded model does not sample its EOS token (id 0) in these cases, so a stop on EOS "
+    "(`finish_reason` \"stop\", `stop_reason` None) is not exercised; `eos-on` runs with `ignore_eos` off and "
+    "ends on its length on both sides. Stops on `stop_token_ids` are (`finish-reasons-*`).",
+    "",
+    "## The watermark",
+    "",
+    "vLLM V1 has one: `SchedulerConfig.watermark` (`vllm/config/scheduler.py:196`, default 0.0, `--watermark`, "
+    "`EngineArgs(watermark=...)`), passed to the `KVCacheManager` (`vllm/v1/core/sched/scheduler.py:342`), "
+    "which keeps `watermark_blocks = int(watermark * kv_cache_config.num_blocks)` free "
+    "(`vllm/v1/core/kv_cache_manager.py:208`; `num_blocks` counts the null block) when it allocates for a "
+    "WAITING or PREEMPTED request while another is running (`allocate_slots`, lines 509-516 and 537; the "
+    "scheduler passes `has_scheduled_reqs=bool(self.running)`, `scheduler.py:1272`). The lab's V1 mode has the "
+    "same rule (`EngineConfig(watermark=...)`, default 0 in V1; `SchedulerV1.watermark_blocks = "
+    "int(watermark * (num_blocks + 1))`). The cases with a watermark above 0 in the table pass it to both, and "
+    "the check \"same watermark applied\" compares the share and the blocks each side kept.",
+]
+
+
 def write_doc(vllm: dict, results: list[CaseResult], path: Path = DOC) -> None:
     """``docs/conformance.md``: vLLM's version, the fixed settings, each case and each check's result."""
     lines = [
@@ -122,21 +187,22 @@ def write_doc(vllm: dict, results: list[CaseResult], path: Path = DOC) -> None:
         f"the machine that wrote this page (2 CPU cores shared with other work; vLLM's include starting and "
         f"stopping its engine): a record of the run, not a speed comparison.",
         "",
-        "| case | what it checks | B | blocks (vLLM / lab) | budget | policy | result | vLLM s | lab s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| case | what it checks | B | blocks (vLLM / lab) | budget | policy | watermark | result | vLLM s | lab s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         c = r.case
         failed = [k.name for k in r.checks if not k.ok]
         verdict = "pass" if r.ok else "FAIL: " + "; ".join(failed)
         lines.append(f"| `{c.name}` | {c.what} | {c.block_size} | {c.num_gpu_blocks} / {c.lab_num_blocks} | "
-                     f"{c.max_num_batched_tokens} | {c.scheduling_policy} | {verdict} | {r.vllm_s:.1f} | {r.lab_s:.1f} |")
+                     f"{c.max_num_batched_tokens} | {c.scheduling_policy} | {c.watermark:g} | {verdict} | {r.vllm_s:.1f} | {r.lab_s:.1f} |")
     lines += ["", "Checks run on every case:", ""]
     if results:
         lines += [f"- {k.name}" for k in results[0].checks]
     diffs = [r for r in results if r.case.known_difference]
     if diffs:
         lines += ["", "Known differences, on purpose:", ""] + [f"- `{r.case.name}`: {r.case.known_difference}" for r in diffs]
+    lines += [""] + _NOTES
     fails = [(r.case.name, k) for r in results for k in r.checks if not k.ok]
     if fails:
         lines += ["", "## Failures", ""] + [f"- `{n}` / {k.name}: {k.detail}" for n, k in fails]

@@ -1,9 +1,16 @@
 """Run a conformance case through the lab's engine in V1 semantics; the result has the shape of
 ``peer/vllm_driver.py``'s, so ``peer.compare`` reads both the same way.
 
-Result: ``{"settings", "requests": {id: {"outputs", "finish_reasons", "num_cached_tokens",
+Result: ``{"settings", "requests": {id: {"outputs", "finish_reasons", "stop_reasons", "num_cached_tokens",
 "child_num_cached_tokens", "num_preemptions"}}, "steps": [{"step", "scheduled", "preempted", "finished",
-"kv_events", "num_free_blocks", "kv_cache_usage"}], "num_preemptions", "prefix_cache_stats", "child_ids"}``.
+"finish_reasons", "kv_events", "num_free_blocks", "kv_cache_usage"}], "num_preemptions", "prefix_cache_stats",
+"child_ids"}``.
+
+``stop_reasons``: the lab's outputs have no ``stop_reason`` field (``CompletionOutput`` carries
+``finish_reason`` only), so it is read off each finished completion as vLLM's ``check_stop``
+(``vllm/v1/core/sched/utils.py``) sets it: the last token when the completion finished "stop" on one of
+``stop_token_ids``, None when it finished on the EOS token (tested first, unless ``ignore_eos``) or on
+the length limit.
 """
 
 from __future__ import annotations
@@ -21,9 +28,11 @@ def run_case(case: Case, model: str, loaded=None) -> dict:
                           max_model_len=case.max_model_len, max_num_seqs=case.max_num_seqs,
                           max_num_batched_tokens=case.max_num_batched_tokens,
                           enable_prefix_caching=case.enable_prefix_caching,
-                          scheduling_policy=case.scheduling_policy, device="cpu", dtype="float32")
+                          scheduling_policy=case.scheduling_policy, watermark=case.watermark,
+                          device="cpu", dtype="float32")
     engine = LLMEngine(config, loaded=loaded)
     pending = sorted(case.requests, key=lambda r: r.arrival_step)
+    eos = engine.tokenizer.eos_token_id
     steps = []
     while pending or engine.has_unfinished():
         while pending and pending[0].arrival_step <= len(steps):
@@ -38,6 +47,7 @@ def run_case(case: Case, model: str, loaded=None) -> dict:
             "scheduled": {s.request_id: s.num_tokens for s in rec.scheduled},
             "preempted": [e.request_id for e in rec.events if e.kind == EventKind.PREEMPT],
             "finished": [e.request_id for e in rec.events if e.kind == EventKind.FINISH],
+            "finish_reasons": {e.request_id: e.data["reason"] for e in rec.events if e.kind == EventKind.FINISH},
             "kv_events": rec.kv_events,
             "num_free_blocks": rec.snapshot.num_free_blocks,
             "kv_cache_usage": metrics.kv_cache_usage_pct(rec.snapshot) / 100,
@@ -51,6 +61,7 @@ def run_case(case: Case, model: str, loaded=None) -> dict:
         requests[r.request_id] = {
             "outputs": [o.token_ids for o in out.outputs],
             "finish_reasons": [o.finish_reason for o in out.outputs],
+            "stop_reasons": [_stop_reason(o, r, eos) for o in out.outputs],
             "num_cached_tokens": out.num_cached_tokens,
             "child_num_cached_tokens": {c: engine.get_output(c).num_cached_tokens for c in kids},
             "num_preemptions": out.num_preemptions,
@@ -59,7 +70,8 @@ def run_case(case: Case, model: str, loaded=None) -> dict:
     return {
         "settings": {"block_size": case.block_size, "num_blocks": case.lab_num_blocks,
                      "max_num_batched_tokens": engine.max_num_batched_tokens, "max_num_seqs": case.max_num_seqs,
-                     "policy": case.scheduling_policy, "watermark": config.watermark},
+                     "policy": case.scheduling_policy, "watermark": config.watermark,
+                     "watermark_blocks": engine.scheduler.watermark_blocks},
         "requests": requests,
         "steps": steps,
         "num_preemptions": sum(len(s["preempted"]) for s in steps),
@@ -68,3 +80,13 @@ def run_case(case: Case, model: str, loaded=None) -> dict:
                                "preempted_hits": stats["preempted_hits"]},
         "child_ids": {p: list(c) for p, c in engine.parents.items()},
     }
+
+
+def _stop_reason(output, request, eos: int | None) -> int | None:
+    """vLLM's ``stop_reason`` of one finished completion (see the module docstring)."""
+    if output.finish_reason != "stop" or not output.token_ids:
+        return None
+    last = output.token_ids[-1]
+    if not request.ignore_eos and last == eos:
+        return None
+    return last if last in request.stop_token_ids else None

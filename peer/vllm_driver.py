@@ -57,7 +57,8 @@ OUT.json
           "scheduled_resumed": [ids re-admitted after a preemption],
           "preempted": [ids, in the order _preempt_request ran],
           "sampled": {internal id: [token ids appended this step]} (absent id: partial prefill, no token)
-          "finished": [internal ids, with "finish_reasons": {id: reason}],
+          "finished": [internal ids], "finish_reasons": {id: "stop" | "length"},
+          "stop_reasons": {id: stop token id or null (EOS, length)}   (EngineCoreOutput.stop_reason)
           "kv_events": [{"type": "BlockStored", "block_hashes": [str], "parent_block_hash": str|null,
                          "token_ids": [...], "block_size": int, "prefix_token_ids": [[...] per block]}
                         | {"type": "BlockRemoved", "block_hashes": [...], "prefix_token_ids": [...]}
@@ -91,8 +92,14 @@ How the record is taken (vLLM 0.32 source, vllm/v1/...):
     hit at the child's FIRST admission; re-admissions after preemption do not change it).
   * n > 1 with temperature 0: vLLM 0.32 refuses it ("n must be 1 when using greedy sampling",
     SamplingParams._verify_greedy_sampling). The driver sends such a request as temperature=1.0,
-    top_k=1, seed=0 (argmax sampling, same tokens as greedy barring exact logit ties) and marks it with
-    "sampling_substitution" in OUT.json. Scheduling is unaffected.
+    top_k=1 (argmax sampling, same tokens as greedy barring exact logit ties) and marks it with
+    "sampling_substitution" in OUT.json. Scheduling is unaffected. No seed: top_k=1 leaves one
+    candidate, so the draw needs none, and a seeded request cannot be prefilled in chunks on the CPU:
+    the model runner rewinds a seeded request's generator after a discarded partial-prefill sample
+    (GPUModelRunner, vllm/v1/worker/gpu_model_runner.py:3499-3502, ``gen.set_offset(gen.get_offset()
+    - 4)``; CPUModelRunner inherits it) and a CPU torch.Generator has no offset: "RuntimeError: CPU
+    Generator does not use offset". A request given an explicit "sampling_seed" still gets it, and
+    fails that way on its first partial prefill.
   * KV events: KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint tcp://127.0.0.1:
     <free port>). ZmqEventPublisher binds only '*', '::', ipc and inproc endpoints and connects to the
     rest, and a connecting PUB to a bound SUB delivered nothing on this machine, so the driver lets it
@@ -545,6 +552,7 @@ def _drive(case, engine, sub, endpoint) -> dict:
         sampled = {}
         finished = []
         reasons = {}
+        stop_reasons = {}
         for eco in outs.values():
             for o in eco.outputs:
                 rid = o.request_id
@@ -555,10 +563,12 @@ def _drive(case, engine, sub, endpoint) -> dict:
                 if o.finish_reason is not None:
                     finished.append(rid)
                     reasons[rid] = str(o.finish_reason)
+                    stop_reasons[rid] = o.stop_reason
         cur = box[0]
         cur["sampled"] = sampled
         cur["finished"] = finished
         cur["finish_reasons"] = reasons
+        cur["stop_reasons"] = stop_reasons
         return outs
 
     sched.schedule = w_schedule
@@ -620,11 +630,14 @@ def _drive(case, engine, sub, endpoint) -> dict:
         if n > 1 and temperature < _GREEDY_EPS:
             # vLLM 0.32 refuses n > 1 with greedy sampling (SamplingParams._verify_greedy_sampling:
             # "n must be 1 when using greedy sampling"). Argmax sampling instead: top_k=1 leaves one
-            # candidate, so every child samples the argmax (exact logit ties aside), seeded so the
-            # run stays reproducible. The scheduler sees the same n children either way.
+            # candidate, so every child samples the argmax (exact logit ties aside) and no seed is
+            # needed; a seed would break chunked prefill on the CPU (see the module docstring). The
+            # scheduler sees the same n children either way.
             temperature = 1.0
-            extra = {"top_k": 1, "seed": int(r.get("sampling_seed", 0))}
-            substitutions[rid] = "n>1 at temperature 0 sent as temperature=1.0, top_k=1, seed"
+            extra = {"top_k": 1}
+            substitutions[rid] = "n>1 at temperature 0 sent as temperature=1.0, top_k=1"
+            if r.get("sampling_seed") is not None:
+                extra["seed"] = int(r["sampling_seed"])
         elif r.get("sampling_seed") is not None:
             extra = {"seed": int(r["sampling_seed"])}
         sp = SamplingParams(
@@ -673,6 +686,7 @@ def _drive(case, engine, sub, endpoint) -> dict:
         rec["sampled"] = cur.get("sampled", {})
         rec["finished"] = cur.get("finished", [])
         rec["finish_reasons"] = cur.get("finish_reasons", {})
+        rec["stop_reasons"] = cur.get("stop_reasons", {})
         rec["kv_events"] = cur.get("kv_events", [])
         rec["num_free_blocks"] = int(pool.get_num_free_blocks())
         rec["num_free_blocks_after_schedule"] = cur.get("num_free_blocks_after_schedule",

@@ -529,7 +529,7 @@ class Lab:
         """The page has finished drawing engine step ``step`` while playing (``now``: monotonic seconds, for
         tests). A step drawn again (a redraw without a new step) counts once."""
         with self._lock:
-            shown, last, at = self.play_shown
+            shown, last, _ = self.play_shown
             if self.playing and step != last:
                 self.play_shown = (shown + 1, step, time.monotonic() if now is None else now)
 

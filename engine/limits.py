@@ -10,13 +10,18 @@ process, so one student's form must never take the process down for everyone. In
 - every size a form can set is capped (``ClassLimits``: ``num_blocks``, ``block_size``, ``max_model_len``,
   ``swap_space_blocks``, ``kv_budget_bytes``, ``max_num_batched_tokens``, requests per engine), checked when
   an ``EngineConfig`` is built, so before any allocation;
-- the bytes one session's engines would allocate (a Playground lab holds two: the paged pool plus its swap
-  pool, and the contiguous baseline's region of the same bytes) are checked against a per-session budget:
-  the host memory still available (``engine.memory.available_host_memory_bytes``: free RAM or the
+- everything one session keeps is charged, before anything is allocated, to a per-session budget (its
+  share): the host memory still available (``engine.memory.available_host_memory_bytes``: free RAM or the
   container's cgroup limit, whichever is smaller) divided by the seats (``PAL_CLASS_SEATS``, default 30),
-  or ``PAL_SESSION_MEMORY_MB`` when that is smaller;
-- a session's recorded history keeps the last ``history_steps`` steps and an idle session's lab is
-  released after ``idle_minutes`` (``ui/class_server.py`` does both).
+  or ``PAL_SESSION_MEMORY_MB`` when that is smaller. The charge (``plan_session``) is the KV pools a
+  Playground lab allocates (the paged pool plus its swap pool, and the contiguous baseline's region of the
+  same bytes), the engines' state for the run's sequences, Streamlit's own session, and the recorded steps
+  (StepRecords with their snapshots, the baseline's too) at a bound per step calibrated by measurement
+  (``recorded_step_bytes``). A run whose pools, state and ``MIN_HISTORY_STEPS`` steps do not fit is
+  refused, naming each part; otherwise the steps it keeps are capped to what fits;
+- a session's recorded history keeps the last ``history_steps`` steps (fewer when its share caps them),
+  an idle session's lab is released after ``idle_minutes``, a closed tab's after ``closed_seconds``
+  (``ui/class_server.py`` does these).
 
 Outside class mode nothing here refuses anything except a hub download larger than
 ``PAL_MAX_DOWNLOAD_MB`` (default 2,048 MiB; checked from the hub's file list before the weights are
@@ -38,6 +43,7 @@ SEATS_ENV = "PAL_CLASS_SEATS"
 SESSION_MEMORY_ENV = "PAL_SESSION_MEMORY_MB"
 HISTORY_STEPS_ENV = "PAL_HISTORY_STEPS"
 IDLE_MINUTES_ENV = "PAL_IDLE_MINUTES"
+CLOSED_SECONDS_ENV = "PAL_CLOSED_SECONDS"
 MAX_DOWNLOAD_ENV = "PAL_MAX_DOWNLOAD_MB"
 
 MIB = 2**20
@@ -86,8 +92,9 @@ class ClassLimits:
     Attributes (units in the names' terms): ``max_num_blocks`` blocks, ``max_block_size`` tokens,
     ``max_model_len`` tokens, ``max_swap_space_blocks`` blocks, ``max_kv_budget_bytes`` bytes,
     ``max_num_batched_tokens`` tokens, ``max_requests`` requests one engine holds (V1's child requests
-    count), ``history_steps`` recorded steps kept per session, ``idle_minutes`` before an idle session's
-    lab is released, ``seats`` sessions the memory is shared by, ``session_memory_bytes`` an explicit
+    count), ``history_steps`` recorded steps kept per session (fewer when a run's steps are large:
+    ``plan_session``), ``idle_minutes`` before an idle session's lab is released, ``closed_seconds`` after
+    its tab closed (its websocket gone) before a session's lab is released, ``seats`` sessions the memory is shared by, ``session_memory_bytes`` an explicit
     per-session cap (None: derived from the free memory), ``allowed_models`` resolved folders besides the
     embedded model.
     """
@@ -101,6 +108,7 @@ class ClassLimits:
     max_requests: int = 64
     history_steps: int = 500
     idle_minutes: float = 20.0
+    closed_seconds: float = 10.0
     seats: int = 30
     session_memory_bytes: int | None = None
     allowed_models: tuple[str, ...] = field(default_factory=tuple)
@@ -140,6 +148,7 @@ def class_limits() -> ClassLimits | None:
     memory_mb = _env_number(SESSION_MEMORY_ENV, 0, 0)
     return ClassLimits(history_steps=int(_env_number(HISTORY_STEPS_ENV, 500, 10)),
                        idle_minutes=_env_number(IDLE_MINUTES_ENV, 20.0, 0.1),
+                       closed_seconds=_env_number(CLOSED_SECONDS_ENV, 10.0, 0),
                        seats=int(_env_number(SEATS_ENV, 30, 1)),
                        session_memory_bytes=int(memory_mb * MIB) if memory_mb else None,
                        allowed_models=allowed)
@@ -197,13 +206,15 @@ def check_config(config) -> None:
     check_model(config.model)
 
 
-def check_request_count(held: int) -> None:
-    """In class mode, refuse a request beyond ``max_requests`` per engine (``held``: requests the engine
-    holds already, finished ones included). Raises ValueError naming the limit."""
+def check_request_count(held: int, adding: int = 1) -> None:
+    """In class mode, refuse ``adding`` requests (V1's n child requests of one request count) beyond
+    ``max_requests`` per engine (``held``: requests the engine holds already, finished ones included).
+    Raises ValueError naming the limit."""
     limits = class_limits()
-    if limits is not None and held >= limits.max_requests:
+    if limits is not None and held + adding > limits.max_requests:
+        more = f", {adding:,} more asked" if adding > 1 else ""
         raise ValueError(f"this class server runs at most {limits.max_requests} requests per run ({held} added "
-                         f"already); press Reset for a fresh run")
+                         f"already{more}); press Reset for a fresh run")
 
 
 def session_budget_bytes(limits: ClassLimits, available: int | None = None) -> int:
@@ -231,6 +242,134 @@ def check_session_bytes(parts: dict[str, int], limits: ClassLimits, available: i
         raise ValueError(f"these settings need {total / MIB:,.1f} MiB of KV memory ({said}) but one session on "
                          f"this class server may use {budget / MIB:,.1f} MiB (the free memory shared by "
                          f"{limits.seats} seats); use fewer blocks, a smaller block size or a smaller swap pool")
+
+
+# ------------------------------------------------------------------------------- everything a session keeps
+# What one recorded step keeps, per engine (a Playground lab records two: the paged engine and the contiguous
+# baseline), calibrated with tracemalloc on the embedded model (``bench/class_memory.py --calibrate``; the
+# measurement is in ``recorded_step_bytes``'s docstring).
+RECORD_STEP_BYTES = 16 * 1024  # the StepRecord, its Snapshot, queues, the contiguous layout's accounting
+RECORD_SEQ_BYTES = 1024  # per sequence a snapshot lists: SequenceState, its lists, its event, its new token
+RECORD_TOKEN_BYTES = 8  # per token of a listed sequence: its ``token_ids`` copy (a pointer to a shared int)
+RECORD_TABLE_BYTES = 8  # per block-table entry of a listed sequence
+VIEW_BLOCK_BYTES = 48  # per pool block, once a view has drawn the step (its five per-block lists built)
+ENGINE_TOKEN_BYTES = 48  # per token a sequence holds in an engine (its int, its list entry, its block's hash)
+SESSION_PAGE_BYTES = 8 * MIB  # Streamlit's own per-session state: widget states, the page's messages
+MIN_HISTORY_STEPS = 10  # fewer recorded steps than this and time travel is no use: such settings are refused
+
+
+@dataclass(frozen=True)
+class RunSizes:
+    """The sizes that decide what a lab's run keeps besides its KV pools: one entry per sequence (a request's
+    ``n`` samples or ``beam_width`` beams each count), the most tokens it can hold (prompt + ``max_tokens``, at
+    most ``max_model_len``: tokens); the pool's ``block_size`` (tokens), ``num_blocks`` and ``swap_blocks``
+    (blocks). ``engines``: engines that record (2: paged + contiguous baseline)."""
+
+    sequence_tokens: tuple[int, ...]
+    block_size: int
+    num_blocks: int
+    swap_blocks: int = 0
+    engines: int = 2
+
+    def describe(self) -> str:
+        most = max(self.sequence_tokens, default=0)
+        return (f"{len(self.sequence_tokens):,} sequences of up to {most:,} tokens, {self.num_blocks:,} blocks, "
+                f"{self.engines} engine{'s' * (self.engines != 1)}")
+
+
+def sequence_tokens(prompt, max_tokens: int, num_seqs: int, max_model_len: int) -> list[int]:
+    """The most tokens each of a request's ``num_seqs`` sequences can hold: its prompt (token ids, or text
+    counted in UTF-8 bytes: a byte-level tokenizer makes no more tokens than bytes, plus one special token)
+    plus ``max_tokens``, at most ``max_model_len``."""
+    prompt_tokens = len(prompt) if isinstance(prompt, (list, tuple)) else len(str(prompt).encode()) + 1
+    return [min(max_model_len, prompt_tokens + max_tokens)] * num_seqs
+
+
+def recorded_step_bytes(sizes: RunSizes) -> int:
+    """Bytes one recorded step can keep (all engines), an upper bound from the run's sizes: every sequence
+    listed in the step's snapshot with its longest token list and block table, the step's events and new
+    tokens, and the per-block lists a view builds when it draws the step:
+
+        engines x (RECORD_STEP_BYTES + sum over sequences of (RECORD_SEQ_BYTES + RECORD_TOKEN_BYTES x tokens
+                   + RECORD_TABLE_BYTES x ceil(tokens / block_size)) + VIEW_BLOCK_BYTES x (blocks + swap blocks))
+
+    Calibration (``bench/class_memory.py --calibrate``: a lab on the embedded model, class mode, all steps
+    kept, each step's snapshots built as a view does; tracemalloc's growth per step over 30 steps, after 3):
+
+    | run (requests x n, max_tokens, pool) | measured / step | sequences listed / step | tokens listed / step | bound |
+    | --- | ---: | ---: | ---: | ---: |
+    | 16 x 16, 100, 1,024 x 16 | 449 KiB | 332 | 10,338 | 1,170 KiB |
+    | 64 x 1 (66-word prompts), 200, 512 x 16 | 201 KiB | 128 | 10,164 | 750 KiB |
+    | 8 x 1, 50, 256 x 16 (no view) | 25 KiB | 16 | 504 | 82 KiB |
+
+    A listed sequence cost 1.1-1.2 KiB with its tokens (8 bytes each), ~0.6-0.85 KiB without; a step's
+    fixed part ~12 KiB per engine. The bound counts every sequence at its longest, listed at every step;
+    a run lists only its waiting and running ones, so the measured steps were 27-38% of it (the issue's
+    link, 64 x 16 sequences of up to 409 tokens on 4,096 x 16 blocks: 9.5 MiB a step)."""
+    per_seq = sum(RECORD_SEQ_BYTES + RECORD_TOKEN_BYTES * t + RECORD_TABLE_BYTES * -(-t // sizes.block_size)
+                  for t in sizes.sequence_tokens)
+    return sizes.engines * (RECORD_STEP_BYTES + per_seq + VIEW_BLOCK_BYTES * (sizes.num_blocks + sizes.swap_blocks))
+
+
+def engine_state_bytes(sizes: RunSizes) -> int:
+    """Bytes the engines hold for the run's sequences besides the pools and the records (an upper bound):
+    every sequence's tokens in each engine (``ENGINE_TOKEN_BYTES`` each)."""
+    return sizes.engines * ENGINE_TOKEN_BYTES * sum(sizes.sequence_tokens)
+
+
+@dataclass(frozen=True)
+class SessionPlan:
+    """What one session is charged before its lab runs: ``parts`` (what -> bytes, the recorded steps
+    included), the bytes a recorded step can keep (``step_bytes``), the recorded steps it may keep
+    (``history_steps``, fewer than ``ClassLimits.history_steps`` when the share caps it: ``capped``) and
+    the session's share (``budget``, bytes)."""
+
+    parts: dict
+    step_bytes: int
+    history_steps: int
+    budget: int
+    capped: bool
+    kv_parts: dict = field(default_factory=dict)  # the KV part of ``parts`` (what a re-plan starts from)
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def history_why(self) -> str:
+        """Why fewer steps are kept than the server's default, in words ("" when not capped)."""
+        if not self.capped:
+            return ""
+        return (f"each step of this run can keep {self.step_bytes / MIB:,.2f} MiB of records, and this session's "
+                f"share of the memory ({self.budget / MIB:,.0f} MiB) holds {self.history_steps:,} of them besides "
+                f"its pools")
+
+
+def plan_session(kv_parts: dict, sizes: RunSizes, limits: ClassLimits, budget: int | None = None) -> SessionPlan:
+    """Charge everything a lab keeps to one session's share (``session_budget_bytes`` unless ``budget`` is
+    given), before anything is allocated: the KV parts (``kv_parts``: what -> bytes), the engines' state for
+    the run's sequences (``engine_state_bytes``), Streamlit's own session (``SESSION_PAGE_BYTES``) and the
+    recorded steps (``recorded_step_bytes`` each). The steps kept are capped to what the share holds (at most
+    ``limits.history_steps``).
+
+    Raises ValueError, naming every part with its MiB, the bytes a step keeps and the share, when even
+    ``MIN_HISTORY_STEPS`` steps do not fit (refused)."""
+    budget = session_budget_bytes(limits) if budget is None else budget
+    fixed = {k: v for k, v in kv_parts.items() if v}
+    fixed["sequences' tokens in the engines"] = engine_state_bytes(sizes)
+    fixed["the page (Streamlit's session)"] = SESSION_PAGE_BYTES
+    step = max(1, recorded_step_bytes(sizes))
+    room = budget - sum(fixed.values())
+    steps = min(limits.history_steps, max(0, room) // step)
+    if steps < MIN_HISTORY_STEPS:
+        said = ", ".join(f"{name} {nbytes / MIB:,.1f} MiB" for name, nbytes in fixed.items())
+        need = sum(fixed.values()) + MIN_HISTORY_STEPS * step
+        raise ValueError(f"this run needs {need / MIB:,.1f} MiB ({said}, and {MIN_HISTORY_STEPS} recorded steps of "
+                         f"{step / MIB:,.2f} MiB each: {sizes.describe()}) but one session on this class server "
+                         f"may use {budget / MIB:,.1f} MiB (its share: the free memory over {limits.seats} seats, "
+                         f"or {SESSION_MEMORY_ENV}); use fewer requests or samples, shorter max_tokens, a smaller "
+                         f"pool or a smaller swap pool")
+    parts = {**fixed, f"recorded steps ({steps:,} x {step / MIB:,.2f} MiB)": steps * step}
+    return SessionPlan(parts, step, steps, budget, steps < limits.history_steps, dict(kv_parts))
 
 
 def history_limit() -> int | None:

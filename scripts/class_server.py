@@ -42,10 +42,43 @@ STICKY_COOKIE = "pal_worker"
 MAX_WORKERS = 64
 
 
-def nginx_config(listen: str, port: int, worker_ports: list[int], folder: str) -> str:
+MAX_URL_BYTES = 16 * 1024  # the longest request line (the page's address) nginx reads; a link is <= 8,000 chars
+LINK_TOO_LONG_PAGE = "pal-address-too-long.html"  # what a longer address gets instead of nginx's bare 414
+
+
+def link_too_long_html(max_url_bytes: int = MAX_URL_BYTES) -> str:
+    """The page nginx answers (status 414) to an address longer than ``max_url_bytes``: what the limit is, and
+    to save the scenario as a file instead of a link. Plain HTML, no script (nothing of the app has loaded);
+    no ' nor $ (it sits in a quoted nginx string, where $ starts a variable)."""
+    sys.path.insert(0, str(ROOT))
+    from engine.scenario_file import MAX_FILE_BYTES, MAX_LINK_CHARS
+
+    page = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>This link is too long - Paged Attention Lab</title>
+<style>body {{ font-family: sans-serif; max-width: 44rem; margin: 3rem auto; padding: 0 1rem; line-height: 1.5 }}</style>
+</head><body>
+<h1>This link is too long for this class server</h1>
+<p>The address you opened is longer than the {max_url_bytes:,} bytes this server reads (status 414). A scenario
+link holds at most {MAX_LINK_CHARS:,} characters, so this one was not made by the Playground, or was joined
+with something else.</p>
+<p><strong>Share the run as a scenario file instead:</strong> in the sidebar of the Playground open
+<em>Scenario file and link</em>, press <em>Save JSON</em> (or <em>Save YAML</em>), send the file, and open it there
+with <em>Open a scenario file</em> (at most {MAX_FILE_BYTES // 1024:,} KiB).</p>
+<p><a href="/">Open the Playground</a></p>
+</body></html>
+"""
+    if "'" in page or "$" in page:
+        raise ValueError("link_too_long_html: the page may hold neither ' nor $ (an nginx quoted string)")
+    return page
+
+
+def nginx_config(listen: str, port: int, worker_ports: list[int], folder: str,
+                 max_url_bytes: int = MAX_URL_BYTES) -> str:
     """nginx.conf text: listen on ``listen:port``, proxy HTTP and websockets to ``127.0.0.1:<worker_ports>``,
     one worker per browser (the ``pal_worker`` cookie, set on a browser's first response, hashed consistently).
-    ``folder``: nginx's private folder (pid, error log, temp buffers). Raises ValueError for no worker ports."""
+    ``folder``: nginx's private folder (pid, error log, temp buffers). An address longer than
+    ``max_url_bytes`` gets ``link_too_long_html`` with status 414 (inline: nginx's workers may not read the
+    private folder), not nginx's bare "414 Request-URI Too Large". Raises ValueError for no worker ports."""
     if not worker_ports:
         raise ValueError("worker_ports is empty: at least one Streamlit worker is needed")
     servers = "\n".join(f"        server 127.0.0.1:{p} max_fails=0;" for p in worker_ports)
@@ -61,6 +94,8 @@ http {{
     access_log off;
 {temp}
     client_max_body_size 2m;  # a scenario file is at most 256 KiB
+    # the longest address (request line) read; a longer one is answered 414 with the page below
+    large_client_header_buffers 4 {max_url_bytes // 1024}k;
     map $http_upgrade $connection_upgrade {{ default upgrade; '' close; }}
     # a browser's worker: its cookie, or for its first request a fresh id (then sent to it as the cookie)
     map $cookie_{STICKY_COOKIE} $pal_worker {{ "" $request_id; default $cookie_{STICKY_COOKIE}; }}
@@ -70,6 +105,12 @@ http {{
     }}
     server {{
         listen {listen}:{port};
+        error_page 414 /{LINK_TOO_LONG_PAGE};
+        location = /{LINK_TOO_LONG_PAGE} {{
+            internal;
+            default_type "text/html; charset=utf-8";
+            return 414 '{link_too_long_html(max_url_bytes)}';
+        }}
         location / {{
             add_header Set-Cookie "{STICKY_COOKIE}=$pal_worker; Path=/; SameSite=Lax; HttpOnly" always;
             add_header X-PAL-Worker $upstream_addr always;  # which worker answered (tests, debugging)

@@ -36,6 +36,74 @@ def test_the_config_proxies_websockets_to_every_worker_by_a_sticky_cookie():
     assert "pid /tmp/x/nginx.pid;" in text and "daemon off;" in text  # private folder, foreground
 
 
+def test_a_too_long_address_gets_the_apps_own_page_in_the_config():
+    launcher = _launcher()
+    text = launcher.nginx_config("0.0.0.0", 8501, [9001], "/tmp/x")
+    assert "large_client_header_buffers 4 16k;" in text
+    assert "error_page 414 /pal-address-too-long.html;" in text and "return 414 '<!DOCTYPE html>" in text
+    page = launcher.link_too_long_html()
+    assert "16,384 bytes" in page and "8,000 characters" in page and "Save JSON" in page
+    assert "Open a scenario file" in page and "'" not in page and "$" not in page
+
+
+def _serve_upstream():
+    """A stand-in worker on a free 127.0.0.1 port answering every GET with 200 and the path's length."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(f"worker saw {len(self.path)} characters".encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(NGINX is None, reason="nginx is not installed (scripts/test.sh installs it as root)")
+def test_a_100000_character_link_gets_the_apps_page_not_a_bare_414(tmp_path):
+    """Issue 23, item 15: nginx answered a 100,000-character link with its bare "414 Request-URI Too Large";
+    now with the app's page saying the limit and to save a scenario file. A link of the longest a scenario
+    link may be (8,000 characters) still reaches the worker."""
+    import subprocess
+    import urllib.error
+
+    from bench.class_load import free_port
+
+    launcher = _launcher()
+    upstream, port = _serve_upstream(), free_port()
+    (tmp_path / "nginx.conf").write_text(launcher.nginx_config("127.0.0.1", port, [upstream.server_port],
+                                                               str(tmp_path)))
+    nginx = subprocess.Popen([NGINX, "-p", str(tmp_path), "-e", f"{tmp_path}/error.log", "-c",
+                              f"{tmp_path}/nginx.conf"])
+    try:
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=5)
+                break
+            except OSError:
+                time.sleep(0.2)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/?scenario={'A' * 8000}&step=2000", timeout=30) as ok:
+            assert ok.status == 200 and ok.read() == b"worker saw 8021 characters"
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/?scenario={'A' * 100_000}&step=2000", timeout=30)
+        body = refused.value.read().decode()
+        assert refused.value.code == 414 and refused.value.headers["Content-Type"].startswith("text/html")
+        assert "This link is too long for this class server" in body and "16,384 bytes" in body
+        assert "Save JSON" in body and "Request-URI Too Large" not in body
+    finally:
+        nginx.terminate()
+        nginx.wait(timeout=30)
+        upstream.shutdown()
+
+
 def test_no_workers_and_a_bad_count_are_refused_by_name():
     launcher = _launcher()
     with pytest.raises(ValueError, match="worker_ports is empty"):

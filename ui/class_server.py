@@ -1,7 +1,20 @@
 """The class server's Streamlit side (``engine/limits.py`` holds its numbers and its checks): the locked
-model field, the per-session memory check before a lab is built, the note when old steps were dropped,
-and the release of idle sessions' labs. Outside class mode (``PAL_CLASS_SERVER`` unset) every function
-here does what the app did before (the model field is a free text field) or nothing.
+model field, the per-session memory charge before a lab is built (``session_plan``: everything the lab will
+keep, refused or its recorded steps capped), the note when old steps were dropped, and the release of idle
+and closed sessions' labs. Outside class mode (``PAL_CLASS_SERVER`` unset) every function here does what the
+app did before (the model field is a free text field) or nothing.
+
+Closed tabs. When a tab closes, Streamlit keeps its session (and so its lab) for
+``server.disconnectedSessionTTL`` (120 s) in case the browser reconnects, and drops it only when a later
+connection or disconnection happens to expire it; nothing told the app. The issue measured it: a valid link
+grew a worker by ~900 MiB, not given back when its tab closed. So a reaper thread (``start_reaper``) sweeps
+every ``REAP_INTERVAL_S``: a seat whose session the runtime no longer serves (``Runtime.is_active_session``)
+for ``ClassLimits.closed_seconds`` (10 s) has its lab released, and the freed memory is handed back to the
+operating system (``free_memory``: ``gc.collect`` then glibc's ``malloc_trim(0)``). A tab that reconnects
+later finds a note and a fresh lab, as after an idle release. Nothing else keeps a lab: the registry below
+holds it only while its session is served, the lessons' and Compare's shared runs (``lessons.runs``) are
+their own, and a link's replay (``ui.scenario_io.run_steps``) returns to Streamlit at least twice a second,
+where Streamlit stops a closed tab's script run.
 
 Idle sessions. Streamlit keeps a session's ``st.session_state`` (and so its lab: two engines with their KV
 pools, and the recorded steps) for as long as the browser tab stays open, and for
@@ -19,6 +32,9 @@ when its learner comes back, finds a note and a fresh lab.
 
 from __future__ import annotations
 
+import ctypes
+import gc
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -26,12 +42,12 @@ from dataclasses import dataclass
 import streamlit as st
 
 from engine import EMBEDDED_MODEL
-from engine.limits import ClassLimits, check_session_bytes, class_limits
+from engine.limits import ClassLimits, SessionPlan, check_session_bytes, class_limits, plan_session
 
-from .lab import Lab, LabSettings, fit_semantics
+from .lab import Lab, LabSettings, fit_semantics, run_sizes
 
-RELEASED_NOTE = ("Your Playground run was released after {minutes:g} idle minutes, to free memory for the "
-                 "class; a fresh run has started with the default settings.")
+RELEASED_NOTE = ("Your Playground run was {why}, to free memory for the class; a fresh run has started with "
+                 "the default settings.")
 
 
 # ------------------------------------------------------------------------------------------ the model field
@@ -56,11 +72,17 @@ def model_input(current: str, key: str) -> str:
 
 # ------------------------------------------------------------------------------------------ the sizes
 def session_bytes(settings: LabSettings, loaded) -> dict[str, int]:
+    """``_pool_bytes``'s parts (the KV bytes a lab with ``settings`` allocates, by part)."""
+    return _pool_bytes(settings, loaded)[0]
+
+
+def _pool_bytes(settings: LabSettings, loaded) -> tuple[dict[str, int], int, int]:
     """The KV bytes a lab with ``settings`` allocates, by part: the paged pool, its CPU swap pool, the
     contiguous baseline's region (the pool's bytes again) and, under "pow2" / "oracle", the headless paged
     run that learns the final lengths first (freed after, but held while the others exist).
     ``loaded``: the shared ``(model, tokenizer)``, for the KV geometry. Sizes as ``LLMEngine`` computes
-    them (``_pool_blocks``, ``_swap_pool_blocks``); nothing is allocated."""
+    them (``_pool_blocks``, ``_swap_pool_blocks``); nothing is allocated. Returns (parts, pool blocks, swap
+    blocks)."""
     from engine.kv_cache import num_blocks_for_budget
     from engine.model_loader import geometry_from_config, resolve_device, resolve_dtype
 
@@ -76,17 +98,50 @@ def session_bytes(settings: LabSettings, loaded) -> dict[str, int]:
              "contiguous region": blocks * per_block}
     if Lab.needs_final_lengths(settings):
         parts["final-length run"] = (blocks + swap) * per_block
-    return parts
+    return parts, blocks, swap
+
+
+def settings_requests(settings: LabSettings) -> list[tuple]:
+    """The (prompt, SamplingParams) pairs a lab with ``settings`` queues, read without the model: a preset's
+    requests (prompts as text), a scenario file's (text or token ids); none for "custom" without a file."""
+    from engine.scenarios import get_scenario
+
+    from .lab import count_only_tokenizer
+
+    if settings.preset != "custom":
+        return [(r.prompt, r.params) for r in get_scenario(settings.preset).make(settings.seed,
+                                                                                 count_only_tokenizer).requests]
+    if settings.scenario is None:
+        return []
+    return [(r.prompt_token_ids if r.prompt_token_ids is not None else r.prompt, r.sampling_params())
+            for r in settings.scenario.requests]
+
+
+def session_plan(settings: LabSettings, loaded, budget: int | None = None) -> SessionPlan:
+    """What a lab with ``settings`` would keep, charged to one session's share (``engine.limits.plan_session``):
+    its KV pools (``session_bytes``), the engines' state and recorded steps for its requests
+    (``settings_requests``) and Streamlit's session; the recorded steps kept are capped to what fits. Nothing is
+    allocated. Raises ValueError naming every part when even the fewest steps do not fit."""
+    limits = class_limits()
+    parts, blocks, swap = _pool_bytes(settings, loaded)
+    fitted, _ = fit_semantics(settings)
+    engines = 1 + (parts.get("contiguous region", 0) > 0)
+    sizes = run_sizes(fitted, settings_requests(fitted), blocks, swap, engines)
+    return plan_session(parts, sizes, limits, budget)
+
+
+PLAN_KEY = "class_memory_plan"  # the plan check_sizes made, for seat_lab: the share as it was before allocating
 
 
 def check_sizes(settings: LabSettings, loaded) -> None:
-    """On a class server, refuse settings whose lab would allocate more than one session's share of the
-    memory (``engine.limits.check_session_bytes``), before anything is allocated; the caps of each field
-    are checked when the engines' ``EngineConfig`` is built. Outside class mode: nothing. Raises ValueError
-    naming the parts, their sizes and the budget."""
+    """On a class server, refuse settings whose lab would keep more than one session's share of the memory
+    (``session_plan``: the KV pools, the engines' state, the page and the fewest recorded steps), before
+    anything is allocated; the caps of each field are checked when the engines' ``EngineConfig`` is built.
+    Outside class mode: nothing. Raises ValueError naming the parts, their sizes and the budget."""
     limits = class_limits()
     if limits is not None:
-        check_session_bytes(session_bytes(settings, loaded), limits)
+        check_session_bytes(session_bytes(settings, loaded), limits)  # the pools alone, named as before
+        st.session_state[PLAN_KEY] = session_plan(settings, loaded)
 
 
 # ------------------------------------------------------------------------------------------ history
@@ -100,18 +155,59 @@ def history_note(lab: Lab) -> None:
 # ------------------------------------------------------------------------------------------ idle sessions
 @dataclass
 class Seat:
-    """One browser session on a class server: its lab, when it was last active (monotonic s) and the lab's
-    activity (``_activity``) the last sweep saw."""
+    """One browser session on a class server: its lab, when it was last active (monotonic s), the lab's
+    activity (``_activity``) the last sweep saw, and since when its browser is gone (monotonic s; None while
+    connected)."""
 
     touched: float
     lab: Lab | None = None
     seen: tuple | None = None
+    gone_since: float | None = None
 
 
 @st.cache_resource
 def seat_registry() -> dict:
-    """Process-wide: browser session id -> its ``Seat``, and a lock; read by ``sweep``."""
-    return {"lock": threading.Lock(), "seats": {}}
+    """Process-wide: browser session id -> its ``Seat``, and a lock; read by ``sweep``. Its ``reaper`` thread
+    (``start_reaper``) sweeps every ``REAP_INTERVAL_S`` seconds."""
+    return {"lock": threading.Lock(), "seats": {}, "reaper": None}
+
+
+REAP_INTERVAL_S = 2.0
+
+
+def start_reaper(registry: dict) -> None:
+    """Start the process's sweeping thread once (``sweep`` every ``REAP_INTERVAL_S``): a closed tab's lab is
+    released ``ClassLimits.closed_seconds`` after its browser left, and an idle one after ``idle_minutes``,
+    whether or not any other session runs a script meanwhile."""
+    with registry["lock"]:
+        if registry["reaper"] is not None and registry["reaper"].is_alive():
+            return
+
+        def reap() -> None:
+            while True:
+                time.sleep(REAP_INTERVAL_S)
+                try:
+                    limits = class_limits()
+                    if limits is not None:
+                        sweep(limits, registry=registry)
+                except Exception:  # noqa: BLE001 - a bad environment value: said on the page; keep sweeping
+                    logging.getLogger(__name__).exception("class server: sweep failed")
+
+        registry["reaper"] = threading.Thread(target=reap, name="pal-class-reaper", daemon=True)
+        registry["reaper"].start()
+
+
+def free_memory() -> int:
+    """After labs were released: collect their cycles and hand the heap's free pages back to the operating
+    system (glibc's ``malloc_trim(0)``: without it, glibc keeps freed small allocations, Python's arenas and
+    the pools' smaller tensors mapped, and the process's RSS never shrinks). Returns the objects collected."""
+    collected = gc.collect()
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (musl, macOS): nothing to trim
+        return collected
+    libc.malloc_trim(0)
+    return collected
 
 
 def session_id() -> str:
@@ -135,16 +231,18 @@ def keep_session(now: float | None = None) -> None:
         return
     now = time.monotonic() if now is None else now
     registry = seat_registry()
-    with registry["lock"]:  # a sweep releases under this lock: after the touch, this run's lab stays
+    with registry["lock"]:  # a sweep decides under this lock, and skips a lab whose session touched it since
         lab = st.session_state.get("lab")
         released = lab is not None and lab.paged is None  # released by a sweep (``Lab.release``)
         if released:
+            why = lab.failure or f"released after {limits.idle_minutes:g} idle minutes"
             del st.session_state["lab"]
             lab = None
         seat = registry["seats"].setdefault(session_id(), Seat(now))
         seat.touched, seat.lab, seat.seen = now, lab, _activity(lab)
     if released:
-        st.info(RELEASED_NOTE.format(minutes=limits.idle_minutes), icon=":material/hourglass_disabled:")
+        st.info(RELEASED_NOTE.format(why=why), icon=":material/hourglass_disabled:")
+    start_reaper(registry)
     sweep(limits, now)
 
 
@@ -161,9 +259,14 @@ def touch_seat() -> None:
 
 
 def seat_lab(lab: Lab) -> None:
-    """Register the lab this session just built (``ui.state.build_lab``), so the sweep can release it."""
+    """Register the lab this session just built (``ui.state.build_lab``), so the sweep can release it, and
+    charge its run to the session's share (``Lab.plan_memory``, at the share ``check_sizes`` found before
+    allocating): it keeps at most the recorded steps that fit."""
     if class_limits() is None:
         return
+    checked = st.session_state.pop(PLAN_KEY, None)
+    kv = session_bytes(lab.settings, (lab.paged.model, lab.paged.tokenizer))
+    lab.plan_memory(kv, checked.budget if checked is not None else None)
     registry = seat_registry()
     now = time.monotonic()
     with registry["lock"]:
@@ -182,23 +285,47 @@ def _gone_sessions(ids) -> set[str]:
     return set() if runtime is None else {sid for sid in ids if not runtime.is_active_session(sid)}
 
 
-def sweep(limits: ClassLimits, now: float | None = None) -> list[str]:
-    """Release the labs of seats idle for more than ``limits.idle_minutes`` (``Lab.release``) and forget the
-    seats of sessions that are gone. Returns the session ids whose labs were released."""
+def sweep(limits: ClassLimits, now: float | None = None, registry: dict | None = None,
+          gone: set[str] | None = None) -> list[str]:
+    """Release the labs of seats idle for more than ``limits.idle_minutes``, and of sessions whose browser has
+    been gone (its tab closed, its websocket dropped) for ``limits.closed_seconds`` (``Lab.release``), and
+    forget those seats; then give the freed memory back (``free_memory``). Streamlit keeps a closed tab's
+    session, and so its lab, for ``server.disconnectedSessionTTL`` (120 s) in case it reconnects, and drops
+    it only when a later connection happens to expire it: this does not wait for either. A session that
+    comes back after its lab was released gets a fresh one and a note (``keep_session``).
+
+    ``gone``: the session ids the runtime no longer serves (default: asked of Streamlit's runtime).
+    Returns the session ids whose labs were released."""
     now = time.monotonic() if now is None else now
-    registry = seat_registry()
-    released = []
+    registry = seat_registry() if registry is None else registry
+    leaving = []
     with registry["lock"]:
         seats = registry["seats"]
-        for sid in _gone_sessions(list(seats)):
-            seats.pop(sid)  # Streamlit frees the session's state itself after its TTL
+        gone = _gone_sessions(list(seats)) if gone is None else gone
         for sid, seat in list(seats.items()):
+            if sid not in gone:
+                seat.gone_since = None  # (re)connected
+            elif seat.gone_since is None:
+                seat.gone_since = now
             activity = _activity(seat.lab)
             if activity != seat.seen:  # it stepped since the last look (Play in a fragment)
                 seat.seen, seat.touched = activity, now
-            if now - seat.touched > limits.idle_minutes * 60:
+            closed = seat.gone_since is not None and now - seat.gone_since >= limits.closed_seconds
+            if closed or now - seat.touched > limits.idle_minutes * 60:
                 seats.pop(sid)
-                if seat.lab is not None:
-                    seat.lab.release(f"released after {limits.idle_minutes:g} idle minutes")
-                    released.append(sid)
+                leaving.append((sid, seat.lab, f"released {limits.closed_seconds:g} s after its tab closed" if closed
+                                else f"released after {limits.idle_minutes:g} idle minutes"))
+                seat.lab = None
+    # outside the registry's lock: a release waits for its lab's step in progress, and no other session's
+    # touch should wait for that (a session touching its seat meanwhile gets a fresh one)
+    released = []
+    for sid, lab, why in leaving:
+        with registry["lock"]:
+            back = registry["seats"].get(sid)
+        if lab is None or lab.paged is None or (back is not None and back.lab is lab):  # came back meanwhile
+            continue
+        lab.release(why)
+        released.append(sid)
+    if released:
+        free_memory()
     return released

@@ -183,6 +183,22 @@ def engine_semantics_line(engine: LLMEngine) -> str:
                           engine.config.preemption_mode, engine.config.max_num_seqs)
 
 
+def run_sizes(settings: LabSettings, requests, num_blocks: int, swap_blocks: int = 0,
+              engines: int = 2) -> limits.RunSizes:
+    """``limits.RunSizes`` of a run of ``requests`` ((prompt, SamplingParams) pairs) under ``settings`` on a pool
+    of ``num_blocks`` (and ``swap_blocks``): each request's ``num_seqs`` sequences with their most tokens."""
+    tokens = [t for prompt, params in requests
+              for t in limits.sequence_tokens(prompt, params.max_tokens, params.num_seqs, settings.max_model_len)]
+    return limits.RunSizes(tuple(tokens), settings.block_size, num_blocks, swap_blocks, engines)
+
+
+@dataclass
+class _Scheduled:
+    """What ``learn_final_lengths`` reads of a step record: its scheduled sequences."""
+
+    scheduled: list
+
+
 def count_only_tokenizer(text: str) -> list[int]:
     """Stands in for the tokenizer when only a workload's sampling parameters are needed."""
     return [0] * max(1, len(text.split()))
@@ -221,6 +237,8 @@ class Lab:
     # counts the older ones dropped, so step numbers stay the engines' (``steps_run``, ``history_note``).
     history_limit: int | None = field(default_factory=lambda: limits.history_limit())
     dropped_steps: int = 0
+    # A class server's charge for this lab (``plan_memory``): what it keeps, by part, against the session's share
+    memory: limits.SessionPlan | None = None
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
     @staticmethod
@@ -274,7 +292,9 @@ class Lab:
                 learned: list = []  # a beam search may run past its longest output: its records say how far
 
                 def keep(record, report=on_step) -> None:
-                    learned.append(record)
+                    # only what learn_final_lengths reads: a whole record keeps its snapshot (and through its
+                    # pool delta every earlier one), hundreds of MiB for a large run
+                    learned.append(_Scheduled(record.scheduled))
                     if report is not None:
                         report(record)
 
@@ -294,8 +314,12 @@ class Lab:
         ``final_len``: its final length known in advance (the "pow2" and "oracle" policies need it; without
         it such a request runs on the paged engine only and ``notes`` says why). ``priority``: V1's priority
         policy runs lower values first (the paper's scheduler and the baseline ignore it).
-        Raises ValueError and adds nothing if the paged engine refuses it (in V1: beam search)."""
+        Raises ValueError and adds nothing if the paged engine refuses it (in V1: beam search), or on a class
+        server if the run with it would not fit the session's share (``plan_memory``; it may keep fewer steps)."""
         with self._lock:
+            if self.memory is not None:  # charged before it runs: refused, or fewer recorded steps kept
+                self.check(prompt, params)
+                self.plan_memory(self.memory.kv_parts, self.memory.budget, extra=[(prompt, params)])
             return self._add_request(prompt, params, final_len, priority)
 
     def _add_request(self, prompt, params: SamplingParams, final_len: int | None, priority: int = 0) -> str:
@@ -312,6 +336,30 @@ class Lab:
                 if known:
                     self.final_lens[rid] = known
         return rid
+
+    # ------------------------------------------------------------------------------------------- memory
+    def run_sizes(self, extra=()) -> limits.RunSizes:
+        """The sizes of this lab's run for a class server's charge (``limits.RunSizes``): every request added or
+        still to arrive, plus ``extra`` ((prompt, SamplingParams) pairs about to be added)."""
+        requests = [(r.prompt, r.params) for _, r in self.arrivals] + [(r.prompt, r.params) for r, _ in self.pending]
+        return run_sizes(self.settings, requests + list(extra), self.paged.num_blocks,
+                         getattr(self.paged.block_manager, "num_swap_blocks", 0),
+                         engines=1 + (self.contiguous is not None))
+
+    def plan_memory(self, kv_parts: dict, budget: int | None = None, extra=()) -> limits.SessionPlan:
+        """Charge this lab's run to its session's share on a class server (``limits.plan_session``: the KV
+        parts ``kv_parts``, the engines' state, the page and the recorded steps) and keep at most the steps
+        the charge allows (``history_limit``, oldest dropped first). ``extra``: requests about to be added.
+        Raises ValueError, changing nothing, when the run does not fit even with ``MIN_HISTORY_STEPS``."""
+        class_limits = limits.class_limits()
+        if class_limits is None:
+            raise ValueError("plan_memory: not a class server (PAL_CLASS_SERVER is not set)")
+        plan = limits.plan_session(kv_parts, self.run_sizes(extra), class_limits, budget)
+        with self._lock:
+            self.memory = plan
+            self.history_limit = plan.history_steps
+            self._trim_history()
+        return plan
 
     # --------------------------------------------------------------------------------------------- steps
     @property
@@ -362,6 +410,11 @@ class Lab:
             return
         del self.history[:excess]
         self.dropped_steps += excess
+        # A step's snapshot may hold only what changed since the step before (records.PoolDelta), which keeps
+        # that step alive: build the oldest kept step's lists, so the dropped steps are freed
+        for record in self.history[0] if self.history else ():
+            if record is not None:
+                record.snapshot.ref_counts  # noqa: B018 - reading the lists builds them (records._materialize)
         if self.cursor >= 0:
             self.cursor = max(0, self.cursor - excess)
 
@@ -371,8 +424,10 @@ class Lab:
             if not self.dropped_steps:
                 return None
             first, last = self.dropped_steps + 1, self.steps_run
+            why = self.memory.history_why() if self.memory is not None else ""
             return (f"Steps 1-{self.dropped_steps:,} were dropped to save memory; the run continues (this class "
-                    f"server keeps the last {self.history_limit:,} steps: {first:,}-{last:,}).")
+                    f"server keeps the last {self.history_limit:,} steps: {first:,}-{last:,}"
+                    + (f"; {why}" if why else "") + ").")
 
     def release(self, why: str) -> None:
         """Free this lab's engines and records (a class server releases an idle session's lab): nothing runs

@@ -30,8 +30,12 @@ FINAL_LENGTH_POLICIES = ("pow2", "oracle")  # the policies that must know each r
 SEMANTICS = ("paper", "v1")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's SchedulerConfig.policy
 DEFAULT_WATERMARK = {"paper": 0.01, "v1": 0.0}  # vLLM v0's BlockSpaceManager / vLLM V1's SchedulerConfig
-DEFAULT_MAX_NUM_BATCHED_TOKENS_V1 = 2048
-ZMQ_TRANSPORTS = ("tcp://", "ipc://", "inproc://")  # where KV events can be published  # V1's token budget when none is given
+DEFAULT_MAX_NUM_BATCHED_TOKENS_V1 = 2048  # V1's token budget when none is given
+# Most samples (n) or beams one request may ask for: vLLM's ``VLLM_MAX_N_SEQUENCES`` default (its
+# ``SamplingParams._verify_args`` refuses a larger n, "to prevent denial-of-service via excessively large
+# fan-out"). V1 turns n into n child requests, each with its own prompt copy and random stream.
+MAX_N_SEQUENCES = 16384
+ZMQ_TRANSPORTS = ("tcp://", "ipc://", "inproc://")  # where KV events can be published
 
 
 def check_endpoint(value, name: str = "endpoint", bind: bool = False) -> str:
@@ -243,7 +247,8 @@ class SamplingParams:
         ignore_eos: keep generating past the end-of-sequence token (True or False).
         stop_token_ids: token ids that end the reply like the end-of-sequence token (vLLM's name); the
             stop token is the reply's last token, finish reason "stop".
-        n: parallel sampling, ``n`` completions of one prompt that share the prompt's KV blocks.
+        n: parallel sampling, ``n`` completions of one prompt that share the prompt's KV blocks; at most
+            ``MAX_N_SEQUENCES`` (vLLM's cap), as is ``beam_width``.
         beam_width: beam search with this many beams (1: off). Deterministic like transformers'
             ``generate(num_beams=w, do_sample=False, early_stopping=False)``: temperature, top_p and top_k
             do not apply to it.
@@ -280,6 +285,10 @@ class SamplingParams:
             raise ValueError(f"seed must be None or an integer in [0, 2**62), got {self.seed!r}")
         _check_positive_int("n", self.n)
         _check_positive_int("beam_width", self.beam_width)
+        for name in ("n", "beam_width"):
+            if getattr(self, name) > MAX_N_SEQUENCES:
+                raise ValueError(f"{name} must be at most {MAX_N_SEQUENCES:,} (vLLM's VLLM_MAX_N_SEQUENCES), "
+                                 f"got {getattr(self, name):,}")
         if self.n > 1 and self.beam_width > 1:
             raise ValueError(f"use n ({self.n}) or beam_width ({self.beam_width}), not both")
         if (isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float))

@@ -14,11 +14,15 @@ in the paged pool, each request samples its next token, finished requests free t
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
 import numbers
 import random
 import time
 from dataclasses import dataclass
+from itertools import chain
+from operator import attrgetter
 
 import torch
 
@@ -28,7 +32,7 @@ from . import limits, memory
 from .allocator import KVAllocator
 from .block_manager import BlockManager
 from .contiguous import ContiguousAllocator
-from .config import DEFAULT_MAX_NUM_BATCHED_TOKENS_V1, EngineConfig, SamplingParams
+from .config import DEFAULT_MAX_NUM_BATCHED_TOKENS_V1, MAX_SEED, EngineConfig, SamplingParams
 from .kv_cache import KVCache, num_blocks_for_budget
 from .model_loader import geometry_from_config, load_model, resolve_device, resolve_dtype
 from .model_runner import ModelRunner, SeqInput
@@ -46,6 +50,27 @@ DEFAULT_POOL_REQUESTS = 4  # with neither num_blocks nor a budget, the pool hold
 # 3-million-block pool, when every step was built, kept ~250 MB a step until the process was killed. A
 # larger pool is refused; the same memory at a larger block size is allowed.
 MAX_RECORDED_BLOCKS = 65_536
+
+
+def _shown(text: str, limit: int = 60) -> str:
+    """``repr(text)``, cut to about ``limit`` characters (an error names a long prompt without holding it)."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text):,} characters)"
+
+
+# pre-tokenizers that keep every character of the text (ByteLevel maps each byte to one character)
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts", "Split"}
+
+
+def _keeps_characters(spec: dict | None) -> bool:
+    """Whether a ``tokenizers`` pre-tokenizer (its JSON ``spec``) keeps every character of the text, so the
+    tokens cover the whole (normalized) text; a Split that removes its matches does not."""
+    if spec is None:
+        return True
+    if spec.get("type") == "Sequence":
+        return all(_keeps_characters(p) for p in spec.get("pretokenizers", []))
+    if spec.get("type") == "Split":
+        return str(spec.get("behavior", "")).lower() != "removed"
+    return spec.get("type") in _KEEPING_PRE_TOKENIZERS
 
 
 @dataclass
@@ -149,6 +174,14 @@ class LLMEngine:
         # the requests a snapshot lists: every unfinished one and those finished this step (in add order);
         # a finished request leaves it, so a step's cost does not grow with every request ever served
         self._listed: dict[str, Request] = {}
+        # ``snapshot`` keeps each listed request's SequenceStates and rebuilds only those of requests that
+        # may have changed since the last one (added, scheduled, running then or now), so a step's cost does
+        # not grow with the waiting queue: a request waiting untouched is not visited
+        self._states: dict[str, tuple[SequenceState, ...]] = {}
+        self._touched: set[str] = set()  # added or scheduled since the last snapshot
+        self._was_running: set[str] = set()  # running at the last snapshot (preempted since, maybe)
+        self._leaving: set[str] = set()  # listed but finished: dropped once a later step is snapshotted
+        self._roots: set[str] = set()  # "R1" for an id "R1.x" a request holds (``_auto_ids`` skips it)
         self._token_text: dict[int, str] = {}  # token id -> its text alone (StepRecord.new_text)
         self.parents: dict[str, list[str]] = {}  # V1: a request with n > 1 -> its child requests' ids
         self._arrivals = 0
@@ -251,19 +284,36 @@ class LLMEngine:
         share the prompt's full blocks through the prefix cache; ``get_output(id)`` gathers them.
 
         Raises:
-            ValueError: empty prompt, a token id outside the vocabulary, a duplicate id, a prompt that can
-                never fit in the pool or leaves no room to generate within max_model_len. The engine is
+            ValueError: ``params`` not a ``SamplingParams``, an empty prompt, a token id outside the
+                vocabulary, a duplicate id, a prompt that can never fit in the pool or leaves no room to
+                generate within max_model_len (vLLM's rule: prompt + at least one token; a prompt too long
+                is refused by its length before any per-token work), n samples that can never run (see
+                ``_make_request``; n above ``config.MAX_N_SEQUENCES`` is refused by ``SamplingParams``),
+                more requests than a class server allows (V1's child requests count). The engine is
                 unchanged.
         """
-        limits.check_request_count(len(self.requests))  # a class server's cap per engine (engine/limits.py)
+        params = self._check_params(params)
+        # a class server's cap per engine (engine/limits.py); V1 adds n child requests at once
+        limits.check_request_count(len(self.requests), params.n if self.semantics == "v1" else 1)
         rid = request_id if request_id is not None else self._auto_ids(1)[0]
-        for request in self._make_requests(prompt, params or SamplingParams(), rid, final_len, priority):
+        for request in self._make_requests(prompt, params, rid, final_len, priority):
             self._enqueue(request)
         return rid
+
+    @staticmethod
+    def _check_params(params) -> SamplingParams:
+        """``params``, or the defaults for None; ValueError naming the type of anything else (a string, a
+        dict: only ``SamplingParams`` has been validated)."""
+        if params is None:
+            return SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__} {repr(params)[:40]}")
+        return params
 
     def _make_requests(self, prompt, params: SamplingParams, rid: str, final_len: int | None = None,
                        priority: int = 0) -> list[Request]:
         """The request, or in V1 semantics with ``n > 1`` its child requests (validated; nothing added)."""
+        params = self._check_params(params)
         if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         priority = int(priority)
@@ -276,13 +326,26 @@ class LLMEngine:
             return [self._make_request(prompt, params, rid, final_len, priority)]
         if rid in self.parents:
             raise ValueError(f"request_id {rid!r} is already in use")
-        # each child must fit the pool on its own; together they just queue (vLLM refuses no n)
+        # each child must fit the pool on its own; together they just queue (vLLM refuses no n up to its
+        # VLLM_MAX_N_SEQUENCES, which SamplingParams holds). Validated once, as the parent: the children
+        # differ only in id and seed (vLLM's ParentRequest: seed + i)
         parent = self._make_request(prompt, dataclasses.replace(params, n=1), rid, final_len, priority)
+        if parent.seed + params.n - 1 >= MAX_SEED:
+            raise ValueError(f"seed {parent.seed} + {params.n - 1} (the last of n={params.n} samples' seeds) is not "
+                             f"below 2**62")
         children = []
         for i in range(params.n):
-            child = dataclasses.replace(params, n=1, seed=parent.seed + i)
-            children.append(self._make_request(parent.prompt_token_ids, child, f"{rid}.{i}", final_len, priority))
-            children[-1].prompt, children[-1].parent_id = parent.prompt, rid
+            cid = f"{rid}.{i}"
+            if cid in self.requests or cid in self.parents:
+                raise ValueError(f"request_id {cid!r} is already in use")
+            seed = parent.seed + i
+            child_params = copy.copy(params)  # the parent's, validated; only n and the seed differ
+            child_params.n, child_params.seed = 1, seed
+            child = copy.copy(parent)
+            child.request_id, child.params, child.seed, child.parent_id = cid, child_params, seed, rid
+            child.seqs = [Sequence(cid, list(parent.prompt_token_ids), len(parent.prompt_token_ids),
+                                   self._generator(seed, 0))]
+            children.append(child)
         return children
 
     def check_request(self, prompt, params: SamplingParams | None = None, final_len: int | None = None,
@@ -293,15 +356,13 @@ class LLMEngine:
             ValueError: whatever ``add_request`` would refuse, with the same message.
         """
         # an id that is free now, so a caller's own ids never make the check fail
-        return self._make_requests(prompt, params or SamplingParams(), self._auto_ids(1)[0],
-                                   final_len, priority)[0].prompt_token_ids
+        return self._make_requests(prompt, params, self._auto_ids(1)[0], final_len, priority)[0].prompt_token_ids
 
     def _auto_ids(self, count: int) -> list[str]:
         """The next ``count`` free ids "R<k>", skipping ids a caller chose."""
         ids, k = [], self._next_id
-        roots = {r.split(".")[0] for r in self.requests if "." in r}  # "R1.0" takes "R1" for a parent's children
         while len(ids) < count:
-            if f"R{k}" not in self.requests and f"R{k}" not in self.parents and f"R{k}" not in roots:
+            if f"R{k}" not in self.requests and f"R{k}" not in self.parents and f"R{k}" not in self._roots:
                 ids.append(f"R{k}")
             k += 1
         return ids
@@ -313,6 +374,9 @@ class LLMEngine:
         request.arrival = self._arrivals
         self.requests[request.request_id] = request
         self._listed[request.request_id] = request
+        self._touched.add(request.request_id)
+        if "." in request.request_id:  # "R1.0" takes "R1" for a parent's children (``_auto_ids``)
+            self._roots.add(request.request_id.split(".")[0])
         if request.parent_id is not None:
             self.parents.setdefault(request.parent_id, []).append(request.request_id)
         self.scheduler.add(request)
@@ -338,17 +402,7 @@ class LLMEngine:
             raise ValueError(f"the {self.config.allocator} allocator serves {'one' if per_request == 1 else per_request}"
                              f" sequence{'s' * (per_request != 1)} per request; "
                              f"got n={params.n}, beam_width={params.beam_width}")
-        need = -(-len(ids) // self.block_size)
-        if need > self.num_blocks:
-            raise ValueError(
-                f"prompt of {len(ids)} tokens needs {need} blocks of {self.block_size} but the pool has only "
-                f"{self.num_blocks}; it can never fit"
-            )
-        if len(ids) >= self.max_model_len:
-            limit = (f"the contiguous reservation of {self.max_model_len} slots (reservation_tokens)"
-                     if self.max_model_len < (self.config.max_model_len or 10**9)
-                     and self.config.allocator == "contiguous" else f"max_model_len {self.max_model_len}")
-            raise ValueError(f"prompt of {len(ids)} tokens leaves no room to generate within {limit}")
+        self._check_prompt_len(len(ids))
         max_len = min(len(ids) + params.max_tokens, self.max_model_len)
         if final_len is None and params.length_known:
             final_len = max_len
@@ -389,24 +443,76 @@ class LLMEngine:
     def _generator(seed: int, index: int) -> torch.Generator:
         return torch.Generator(device="cpu").manual_seed(seed + index)
 
+    def _check_prompt_len(self, num_tokens: int, what: str | None = None) -> None:
+        """Refuse a prompt of ``num_tokens`` tokens that can never run: more blocks than the pool holds, or
+        no room for one generated token within max_model_len (vLLM's rule: prompt + at least one output
+        token must fit). ``what`` describes the prompt in the error (default "prompt of N tokens")."""
+        what = what or f"prompt of {num_tokens} tokens"
+        need = -(-num_tokens // self.block_size)
+        if need > self.num_blocks:
+            raise ValueError(f"{what} needs {need:,} blocks of {self.block_size} but the pool has only "
+                             f"{self.num_blocks}; it can never fit")
+        if num_tokens >= self.max_model_len:
+            limit = (f"the contiguous reservation of {self.max_model_len} slots (reservation_tokens)"
+                     if self.max_model_len < (self.config.max_model_len or 10**9)
+                     and self.config.allocator == "contiguous" else f"max_model_len {self.max_model_len}")
+            raise ValueError(f"{what} leaves no room to generate within {limit}")
+
+    def _check_text_len(self, text: str) -> None:
+        """Refuse a text prompt by its length alone, before tokenizing it (a 10-million-token text took
+        ~50 s to tokenize): it has at least ``len / L`` tokens, where ``L`` is the longest token of the
+        tokenizer in characters (``_longest_token_chars``), when that bound is sound for the tokenizer."""
+        if len(text) < self.max_model_len:  # a character may be several tokens: too short to judge
+            return
+        longest = self._longest_token_chars()
+        if longest is None:
+            return
+        normalizer = self.tokenizer.backend_tokenizer.normalizer
+        chars = len(normalizer.normalize_str(text)) if normalizer is not None else len(text)
+        least = -(-chars // longest)
+        self._check_prompt_len(least, f"prompt of {len(text):,} characters (at least {least:,} tokens: no token "
+                                      f"of this tokenizer is longer than {longest} characters)")
+
+    def _longest_token_chars(self) -> int | None:
+        """The most characters one token of the tokenizer covers, or None when no such bound holds.
+
+        A BPE token's vocabulary string covers at least as many characters of the (normalized) text as it
+        has: a byte-level token has one character per byte (a text character is 1-4 bytes), a
+        SentencePiece piece ("▁the") one per character, a byte-fallback token ("<0x41>") six for one byte.
+        No bound: a slow tokenizer, a model other than BPE, unknown characters fused into one "<unk>"
+        (no byte fallback), or a pre-tokenizer that drops characters (whitespace splitting). Computed once.
+        """
+        if not hasattr(self, "_longest_token"):
+            self._longest_token = None
+            backend = getattr(self.tokenizer, "backend_tokenizer", None)
+            if backend is not None:
+                spec = json.loads(backend.to_str())
+                model = spec.get("model") or {}
+                fused_unk = model.get("fuse_unk") and model.get("unk_token") and not model.get("byte_fallback")
+                if model.get("type") == "BPE" and not fused_unk and _keeps_characters(spec.get("pre_tokenizer")):
+                    self._longest_token = max(map(len, self.tokenizer.get_vocab()), default=0) or None
+        return self._longest_token
+
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty ('')")
+            self._check_text_len(prompt)  # by its length, before any per-character or per-token work
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError as exc:  # a lone surrogate such as '\ud800', which no tokenizer takes
                 raise ValueError(f"prompt has an invalid character {prompt[exc.start]!r} (a lone surrogate, "
                                  f"not Unicode text) at position {exc.start}") from None
             if prompt.isspace():
-                raise ValueError(f"prompt is only whitespace ({prompt!r}); give some text")
+                raise ValueError(f"prompt is only whitespace ({_shown(prompt)}); give some text")
             ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
             if not ids:
-                raise ValueError(f"prompt {prompt!r} encodes to no tokens")
+                raise ValueError(f"prompt {_shown(prompt)} encodes to no tokens")
             return prompt, list(ids)
         if isinstance(prompt, (list, tuple)):
             if not prompt:
                 raise ValueError("prompt is empty ([])")
+            self._check_prompt_len(len(prompt))  # by its length, before any per-token work
             vocab = self.model.config.vocab_size
             bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
             if bad:
@@ -427,6 +533,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.step_count += 1
         batch = self.scheduler.schedule()
+        self._touched.update(r.request_id for r in batch.requests)
         self.kv_cache.apply(self.block_manager.drain_ops())  # swaps and copy-on-write copies, in order
         out = _StepOutput()
         scheduled: list[ScheduledSequence] = []
@@ -618,26 +725,43 @@ class LLMEngine:
         finished in (with their last block table), not afterwards, so a snapshot stays as small as the
         live batch."""
         bm = self.block_manager
-        states = []
-        for req in list(self._listed.values()):
-            if req.status == FINISHED and req.finish_step != self.step_count:
-                del self._listed[req.request_id]
+        for rid in [r for r in self._leaving if self._listed[r].finish_step != self.step_count]:
+            del self._listed[rid], self._states[rid]
+            self._leaving.discard(rid)
+        running = {r.request_id for r in self.scheduler.running}
+        # a request changes only when added, scheduled (admitted, run, swapped in, finished) or preempted
+        # (running before); one that waits untouched keeps its states (SequenceState is never mutated)
+        for rid in self._touched | self._was_running | running:
+            req = self._listed.get(rid)
+            if req is None:  # finished and dropped already
                 continue
-            for seq in req.seqs:
-                held = bm.table_of(seq.seq_id)
-                table, n = held if held else (seq.last_block_table if seq.status == FINISHED else [], 0)
-                states.append(SequenceState(
-                    seq_id=seq.seq_id, request_id=req.request_id, status=seq.status, prompt_len=seq.prompt_len,
-                    num_generated=len(seq.output_token_ids), num_tokens=n, block_table=list(table),
-                    token_ids=list(seq.token_ids), finish_reason=seq.finish_reason,
-                ))
-        queues = dict(waiting=[r.request_id for r in self.scheduler.waiting],
-                      running=[r.request_id for r in self.scheduler.running],
-                      swapped=[r.request_id for r in self.scheduler.swapped])
+            self._states[rid] = self._sequence_states(req, bm)
+            if req.status == FINISHED:
+                self._leaving.add(rid)
+        self._touched, self._was_running = set(), running
+        states = list(chain.from_iterable(map(self._states.__getitem__, self._listed)))
+        request_id = attrgetter("request_id")
+        queues = dict(waiting=list(map(request_id, self.scheduler.waiting)),
+                      running=list(map(request_id, self.scheduler.running)),
+                      swapped=list(map(request_id, self.scheduler.swapped)))
         snapshot = make_snapshot(sequences=states, **bm.snapshot_fields(), **queues)
         if hasattr(bm, "snapshot_taken"):  # the paged manager records relative to its last snapshot
             bm.snapshot_taken(snapshot)
         return snapshot
+
+    @staticmethod
+    def _sequence_states(req: Request, bm) -> tuple[SequenceState, ...]:
+        """The snapshot's view of each sequence of ``req`` now (a finished one with its last block table)."""
+        states = []
+        for seq in req.seqs:
+            held = bm.table_of(seq.seq_id)
+            table, n = held if held else (seq.last_block_table if seq.status == FINISHED else [], 0)
+            states.append(SequenceState(
+                seq_id=seq.seq_id, request_id=req.request_id, status=seq.status, prompt_len=seq.prompt_len,
+                num_generated=len(seq.output_token_ids), num_tokens=n, block_table=list(table),
+                token_ids=list(seq.token_ids), finish_reason=seq.finish_reason,
+            ))
+        return tuple(states)
 
     def get_output(self, request_id: str) -> RequestOutput:
         """The request's output so far (``finish_reason`` None while it runs). Raises KeyError if unknown.
@@ -700,7 +824,7 @@ class LLMEngine:
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        params_list = params if isinstance(params, list) else [self._check_params(params)] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         ids = self._auto_ids(len(prompts))

@@ -705,7 +705,8 @@ class BlockManager:
             self.block_hashes[b] = None
             self.stats["evictions"] += 1
             self.kv_events.append({"type": "BlockRemoved", "block_hashes": [old], "medium": "GPU"})
-            also = f"; {_n(len(copies), 'other block')} with the same prefix stay cached" if copies else ""
+            also = (f"; {_n(len(copies), 'other block')} with the same prefix {'stays' if len(copies) == 1 else 'stay'}"
+                    " cached" if copies else "")
             self.log.emit(EventKind.EVICT, None, [b],
                           f"block {b} evicted from the prefix cache (hash {old}) to be reused{also}",
                           hash=old, still_cached=len(copies))

@@ -139,11 +139,13 @@ class Exercise:
         return value == target
 
     def slip_for(self, value: Any) -> Slip | None:
-        """The first slip whose answer a parsed wrong ``value`` equals (same rule as the right answer)."""
-        for slip in self.slips:
-            if self._matches(value, self.parse(slip.answer)):
-                return slip
-        return None
+        """The slip whose answer a parsed wrong ``value`` equals (same rule as the right answer). When the
+        tolerance lets a number match several slips, the nearest one is named (the first of equally near
+        ones), so every slip's own answer gets its own message."""
+        matching = [slip for slip in self.slips if self._matches(value, self.parse(slip.answer))]
+        if self.kind == "number" and len(matching) > 1:
+            return min(matching, key=lambda slip: abs(value - self.parse(slip.answer)))
+        return matching[0] if matching else None
 
 
 _NUMBER = re.compile(r"[+-]?([0-9]{1,3}(,[0-9]{3})+|[0-9]+)(\.[0-9]+)?|[+-]?\.[0-9]+")  # 512, 5,126, 68.7, .5 (ASCII digits)
@@ -162,8 +164,10 @@ def parse_number(text: str, unit: str = "") -> float:
     return float(t.replace(",", ""))
 
 
-def parse_int_list(answer: Any) -> list[int]:
+def parse_int_list(answer: Any, allow_none: bool = True) -> list[int]:
     """``"0, 2"``, ``"[0 2]"``, ``[0, 2]`` -> ``[0, 2]``; ``""`` or ``"none"`` -> ``[]``.
+    ``allow_none``: an answer may be "none" (an exercise's empty set); False for input that is not an answer
+    (e.g. a widget's list of lengths), whose errors then do not suggest it.
     Raises ValueError naming the first piece that is not a whole number."""
     if isinstance(answer, (list, tuple)):
         pieces = [str(x) for x in answer]
@@ -177,8 +181,8 @@ def parse_int_list(answer: Any) -> list[int]:
     out = []
     for p in pieces:
         if not re.fullmatch(r"[0-9]+", p.strip()):
-            raise ValueError(f"{p!r} is not a whole number of 0 or more; write whole numbers separated by commas "
-                             "(or none, where nothing is the answer)")
+            raise ValueError(f"{p!r} is not a whole number of 0 or more; write whole numbers separated by commas"
+                             + (" (or none, where nothing is the answer)" if allow_none else ""))
         out.append(int(p))
     return out
 

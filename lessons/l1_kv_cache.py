@@ -186,6 +186,12 @@ def exercises(ctx) -> dict[str, Exercise]:
     no_weights = kv_math.gpu_fit(gpu.memory_bytes, 0, g2.bytes_per_token, CONTEXT).requests
     one_mib = kv_math.gpu_fit(gpu.memory_bytes, weights, 2**20, CONTEXT).requests
     gib = kv_math.gpu_fit(int(gpu.memory_gb * 2**30), weights, g2.bytes_per_token, CONTEXT).requests
+    # What the card reports: the total memory in the H100 start-up log lesson 9 quotes (vLLM PR #10511). The
+    # question names the vendor's GB (10^9 bytes); reading it as GiB is a slip of its own, named first.
+    from lessons.l9_planning_memory import PROFILE
+
+    reported_gib = PROFILE["total_gpu_memory"]
+    reported = kv_math.gpu_fit(round(reported_gib * 2**30), weights, g2.bytes_per_token, CONTEXT).requests
 
     # the scheduler: who runs in the first batch
     admit_model = kv_math.model_presets()[ADMIT["model"]]
@@ -253,7 +259,8 @@ def exercises(ctx) -> dict[str, Exercise]:
         ),
         "h100_fit": Exercise(
             "h100_fit",
-            f"An **{gpu.name}** serves {llama2.name} in {llama2.dtype}. The server may use "
+            f"An **{gpu.name}** serves {llama2.name} in {llama2.dtype}. Take its memory as the vendor states "
+            f"it, {gpu.memory_gb:g} GB = {gpu.memory_gb:g} × 10^9 bytes (not GiB). The server may use "
             f"{kv_math.VLLM_GPU_MEMORY_UTILIZATION:.0%} of the memory (vLLM's default), the weights take "
             f"{params:,} parameters × {g2.dtype_bytes} bytes, and the rest holds KV cache. How many requests of "
             f"**{CONTEXT:,} tokens** fit at once? (Within 5% counts.)",
@@ -265,12 +272,13 @@ def exercises(ctx) -> dict[str, Exercise]:
                          "limits the batch. Real servers fit a little fewer (activations, CUDA context)."),
             tags={"transfer"},
             slips=[
+                Slip("gib", gib,
+                     f"You read {gpu.memory_gb:g} GB as {gpu.memory_gb:g} **GiB** ({gpu.memory_gb:g} × 2^30 bytes, "
+                     f"{2**30 / 10**9 - 1:.0%} more). The question takes the vendor's GB, 10^9 bytes. (The card itself reports "
+                     f"{reported_gib:g} GiB, as lesson 9's log shows, which would give {reported}.)"),
                 Slip("all-memory", no_util,
                      f"You gave the cache all {gpu.memory_gb:g} GB; the server may use only "
-                     f"{kv_math.VLLM_GPU_MEMORY_UTILIZATION:.0%} of it."
-                     + (f" (Or you read {gpu.memory_gb:g} GB as {gpu.memory_gb:g} GiB, which gives {gib}: "
-                        "this question keeps the vendor's GB, 10^9 bytes, for simplicity. A real card does report "
-                        "about that many GiB, more than the vendor's GB.)" if abs(gib - no_util) <= 0.05 * no_util else "")),
+                     f"{kv_math.VLLM_GPU_MEMORY_UTILIZATION:.0%} of it."),
                 Slip("no-weights", no_weights, "You left out the weights: they sit in the same memory, "
                      f"{fit.weight_bytes / 1e9:,.1f} GB of it."),
                 Slip("one-mib", one_mib, "You took 1 MiB per token, the rounded figure; the config gives "

@@ -99,9 +99,20 @@ def waste_run(lengths: list[int], max_len: int, block_size: int, progress: int |
     return WasteRun(layout, snap, final, used, reserved, not_yet, reserved - used - not_yet, snap.slots_allocated)
 
 
-def reference_run() -> WasteRun:
+def reference_run(last_token: bool = True) -> WasteRun:
+    """The reference run. ``last_token``: a request of final length L holds L slots, its last token's
+    included (this lesson's convention, which keeps the used slots equal to the lengths' sum); False: L - 1,
+    what an engine stores, since a finished request's last token is never fed back in (lesson 1)."""
     r = REFERENCE
-    return waste_run(draw_lengths(r["seed"], r["n"]), r["max_len"], r["block_size"])
+    lengths = draw_lengths(r["seed"], r["n"])
+    if not last_token:
+        lengths = [max(1, L - 1) for L in lengths]
+    return waste_run(lengths, r["max_len"], r["block_size"])
+
+
+def stored_run() -> WasteRun:
+    """The reference run counted as the engine stores it: each request without its last token."""
+    return reference_run(last_token=False)
 
 
 def fragmentation() -> tuple[ContiguousAllocator, BlockManager]:
@@ -176,6 +187,7 @@ def _slots(region: ContiguousAllocator) -> str:
 
 def facts(ctx) -> dict:
     run = ctx.memo(reference_run)
+    stored = ctx.memo(stored_run)
     region, _ = fragmentation()
     small = min(FRAG_SIZES)
     return {"n_requests": len(run.final_lengths), "lengths": ", ".join(f"{L:,}" for L in run.final_lengths.values()),
@@ -183,7 +195,9 @@ def facts(ctx) -> dict:
             "used": run.used, "contig_pct": _pct(run.contig_pct), "paged_blocks": run.paged_blocks,
             "paged_slots": run.paged_slots, "paged_pct": _pct(run.paged_pct), "frag_capacity": region.capacity,
             "frag_sizes": " / ".join(f"{s:,}" for s in FRAG_SIZES), "frag_small": f"{small:,}",
-            "draw_lo": LENGTH_RANGE[0], "draw_hi": LENGTH_RANGE[1] - 1, "ref_seed": REFERENCE["seed"]}
+            "draw_lo": LENGTH_RANGE[0], "draw_hi": LENGTH_RANGE[1] - 1, "ref_seed": REFERENCE["seed"],
+            "stored_used": f"{stored.used:,}", "stored_contig_pct": _pct(stored.contig_pct),
+            "stored_paged_blocks": stored.paged_blocks, "stored_paged_pct": _pct(stored.paged_pct)}
 
 
 def exercises(ctx) -> dict[str, Exercise]:
@@ -222,8 +236,9 @@ def exercises(ctx) -> dict[str, Exercise]:
     return {
         "contig_waste": Exercise(
             "contig_waste",
-            "Every reply has ended, and each request still holds its reservation. What **percentage of the "
-            "reserved slots** never held a token? (Within 5 points counts.)", "number", round(run.contig_pct, 1),
+            "Every reply has ended, and each request still holds its reservation. Count one slot for every token "
+            "of a request's final length, its last token included. What **percentage of the reserved slots** "
+            "holds no token? (Within 5 points counts.)", "number", round(run.contig_pct, 1),
             tolerance=5.0, unit="%",
             explanation=(f"{run.reserved:,} slots reserved ({len(run.final_lengths)} × {REFERENCE['max_len']:,}), "
                          f"{run.used:,} used: ({run.reserved:,} − {run.used:,}) / {run.reserved:,} = "
@@ -381,7 +396,7 @@ def widget_waste(ctx) -> None:
         st.text_input("Final lengths (tokens, comma-separated; drawn from the seed, or type your own)",
                       key="keep_l2_lengths")
         try:
-            lengths = parse_int_list(st.session_state["keep_l2_lengths"])
+            lengths = parse_int_list(st.session_state["keep_l2_lengths"], allow_none=False)
             final = waste_run(lengths, int(st.session_state["keep_l2_max"]), int(st.session_state["keep_l2_block"]))
         except ValueError as exc:
             st.error(f"Cannot run these settings: {exc}")

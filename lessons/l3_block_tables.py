@@ -33,6 +33,19 @@ REPO = Path(__file__).resolve().parent.parent
 KERNEL_RUN = {"json": "docs/gpu_runs/run5_bench.json", "date": "2026-11-29",
               "doc": "docs/benchmarks.md, section gpu-kernels"}
 KERNEL_REF, KERNEL_ASK = 16, 1  # times are shown relative to B = 16; the question asks about B = 1
+# Where each design's free-list order comes from, read in vLLM's source (file, function, lines):
+FREE_ORDER_SOURCES = {
+    "v0": ("vLLM V0, vllm-0.10.0 (the PyPI sdist, sha256 a44e9013...), `vllm/core/block/naive_block.py`: "
+           "`NaiveBlockAllocator.__init__` keeps the free block ids in a `deque` (line 42), `_allocate_block_id` "
+           "takes `popleft()` (line 138), `_free_block_id` returns a freed id with `appendleft()` (line 152); "
+           "`vllm/core/block/block_table.py` `BlockTable.free` frees a table first block to last (line 243); "
+           "`cpu_gpu_block_allocator.py` uses this allocator when prefix caching is off (lines 65-78)"),
+    "v1": ("vLLM V1, vllm 0.32.0 (`.peer-venv`), `vllm/v1/core/block_pool.py` `BlockPool.free_blocks` (lines "
+           "774-803): a freed block without a hash, or any block with caching off, is put at the front "
+           "(`prepend_n`), one with a hash at the back (`append_n`); `get_new_blocks` takes from the front "
+           "(`popleft_n`, line 681); `single_type_kv_cache_manager.py` frees a request's blocks tail first "
+           "(`reversed`, line 589); the queue is `FreeKVCacheBlockQueue` in `kv_cache_utils.py` (line 246)"),
+}
 KERNEL_BANDS = [(-math.inf, -3.0, "more than 3% shorter"), (-3.0, 3.0, "within 3% of it, either way"),
                 (3.0, 50.0, "3% to 50% longer"), (50.0, math.inf, "half as long again, or more")]
 
@@ -41,8 +54,9 @@ RECAP = [
     "a physical one, so its slot in the pool is physical block × *B* + offset.",
     "Prefill takes just the blocks the prompt fills; decode takes a new block only when the last one is full; a "
     "finished request gives all its blocks back at once.",
-    "The free list is a queue: blocks leave from its front and come back at its end, a request's last block "
-    "first, so block tables soon point all over the pool, and any free block fits any request.",
+    "This engine's free list is a queue (vLLM V1's order for cached blocks): blocks leave from its front and "
+    "come back at its end, a request's last block first; vLLM V0 reused the most recently freed block first. "
+    "Either way block tables soon point all over the pool, and any free block fits any request.",
     "A request wastes at most *B* − 1 slots, all in its last block. On this project's H200 kernel, block sizes "
     "{{ kernel_sizes }} changed a decode step's attention time by {{ kernel_spread }} against *B* = 16: block "
     "size is a memory trade-off more than a speed one.",
@@ -81,6 +95,33 @@ def busy_story() -> BusyPool:
     new = f"R{len(b['tokens']) + 1}"
     bm.allocate(new, b["new"])
     return BusyPool(before, free, bm, new, bm.drain_events()[-1].message)
+
+
+def v0_naive_order(tables: dict[str, list[int]], freed: list[str], num_blocks: int, need: int) -> list[int]:
+    """The blocks vLLM V0's ``NaiveBlockAllocator`` would hand a new request needing ``need`` blocks, after
+    the requests ``freed`` (in that order) release their ``tables`` (``FREE_ORDER_SOURCES["v0"]``): free
+    ids in a deque, a table freed first block to last, each freed id put back with ``appendleft``, new
+    blocks taken with ``popleft``, so the most recently freed block comes first. The pool's other blocks
+    are held (the busy pool has none free)."""
+    from collections import deque
+
+    held = {b for t in tables.values() for b in t}
+    free = deque(b for b in range(num_blocks) if b not in held)
+    for rid in freed:
+        for b in tables[rid]:
+            free.appendleft(b)
+    return [free.popleft() for _ in range(need)]
+
+
+def v1_uncached_order(tables: dict[str, list[int]], freed: list[str], num_blocks: int, need: int) -> list[int]:
+    """The blocks vLLM V1 would hand out with prefix caching off (every freed block to the front, a table
+    tail first: ``FREE_ORDER_SOURCES["v1"]``), from this engine's ``BlockManager`` in that mode."""
+    bm = BlockManager(num_blocks, max(1, BUSY["block_size"]), evict_uncached_first=True)
+    for rid, table in tables.items():
+        bm.allocate(rid, len(table) * bm.block_size)
+    for rid in freed:
+        bm.free(rid)
+    return list(bm.free_block_queue)[:need]
 
 
 def busy_pool() -> tuple[BlockManager, str]:
@@ -223,7 +264,14 @@ def facts(ctx) -> dict:
             "busy_count": len(BUSY["tokens"]), "busy_each": max(BUSY["tokens"]), "busy_request": story.new, "busy_tokens": BUSY["new"],
             "busy_before": _tables(story.tables_before), "busy_table": str(story.bm.block_tables[story.new]),
             "trade_tokens": TRADE_TOKENS,
-            "fresh_queue": ", ".join(map(str, list(BlockManager(BUSY["num_blocks"], BUSY["block_size"]).free_block_queue)[:3]))}
+            "fresh_queue": ", ".join(map(str, list(BlockManager(BUSY["num_blocks"], BUSY["block_size"]).free_block_queue)[:3])),
+            "v1_source": ("`vllm/v1/core/block_pool.py`, `BlockPool.free_blocks`: a freed block with a hash joins the "
+                          "back of the `FreeKVCacheBlockQueue`, and a finished request's blocks are freed tail first"),
+            "v0_order": ("vLLM V0, whose design this engine's paper semantics follow, did otherwise: its "
+                         "`NaiveBlockAllocator` keeps the free block ids in a deque and hands out the block freed "
+                         "**most recently** first (`popleft` to take, `appendleft` to give back: "
+                         "`vllm/core/block/naive_block.py`, lines 138 and 152, in vLLM 0.10.0)."),
+            }
 
 
 def _band(pct: float) -> str:
@@ -250,6 +298,8 @@ def exercises(ctx) -> dict[str, Exercise]:
     table_order = [b for rid in freed for b in story.tables_before[rid]][:n_blocks]
     other_first = [b for rid in reversed(freed) for b in story.free_before if b in story.tables_before[rid]][:n_blocks]
     stack = list(reversed(story.free_before))[:n_blocks]
+    v0 = v0_naive_order(story.tables_before, freed, BUSY["num_blocks"], n_blocks)
+    v1_off = v1_uncached_order(story.tables_before, freed, BUSY["num_blocks"], n_blocks)
     logical, offset = divmod(WHERE_T, BB)
     phys = bm.slot(new, WHERE_T) // BB
 
@@ -323,12 +373,20 @@ def exercises(ctx) -> dict[str, Exercise]:
         "free_list_table": Exercise(
             "free_list_table",
             f"**Be the block manager.** {new} arrives with a prompt of {BUSY['new']} tokens. Write its block "
-            "table, as the engine will.", "list", table,
+            "table, as this engine's free queue gives it.", "list", table,
             explanation=(f"The free list held {story.free_before} ({freed[0]}'s blocks first, each request's last "
                          f"block first); ceil({BUSY['new']} / {BB}) = {n_blocks} blocks come from its front. The "
                          f"engine said: *{story.message}*"),
             tags={"allocator", "transfer"},
-            slips=[
+            slips=_distinct_slips(table, [
+                Slip("v0-most-recent-first", v0,
+                     "That is the order of **vLLM V0**'s `NaiveBlockAllocator`, which hands out the most recently "
+                     "freed block first" + (" (and of V1 with prefix caching off)" if v1_off == v0 else "")
+                     + f". This engine's free list is a queue, as V1's is for cached blocks: {freed[0]}, freed "
+                     "first, leaves first."),
+                Slip("v1-caching-off", v1_off,
+                     "That is vLLM V1's order with prefix caching **off**, where every freed block goes to the "
+                     "front. This engine's free list puts freed blocks at the back."),
                 Slip("table-order", table_order,
                      "You gave the freed blocks back in table order (or took the lowest ids). A finished request's "
                      "blocks join the free list **last block first**."),
@@ -336,12 +394,12 @@ def exercises(ctx) -> dict[str, Exercise]:
                      f"{freed[0]} finished before {freed[1]}, so its blocks joined the free list first and leave "
                      "it first."),
                 Slip("newest-first", stack,
-                     "You took the most recently freed block first (a stack). The free list is a queue: the block "
-                     "freed longest ago leaves first."),
+                     "You read the queue from its back (the most recently freed block first). In this engine the "
+                     "block freed longest ago leaves first."),
                 Slip("one-block-short", table[:-1],
                      f"{BUSY['new']} tokens need {n_blocks} blocks: the last {BUSY['new'] % BB} tokens need a "
                      "block of their own."),
-            ]),
+            ])),
         "where_block": Exercise(
             "where_block", f"In {new}'s table {table}, which **physical block** holds token {WHERE_T}?", "number",
             phys,
@@ -398,6 +456,17 @@ def exercises(ctx) -> dict[str, Exercise]:
             slips=[Slip(f"band-{i}", label, k_msgs[label]) for i, (*_, label) in enumerate(KERNEL_BANDS)
                    if label != k_answer]),
     }
+
+
+def _distinct_slips(expected, slips: list[Slip]) -> list[Slip]:
+    """The slips whose answers differ from ``expected`` and from every earlier slip's (the first of equal
+    ones is kept: V0's order and another usual slip can give the same table)."""
+    seen, out = [expected], []
+    for slip in slips:
+        if slip.answer not in seen:
+            seen.append(slip.answer)
+            out.append(slip)
+    return out
 
 
 def reveal_free_list_table(ctx) -> None:

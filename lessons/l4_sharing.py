@@ -175,12 +175,15 @@ def _practice_exercises() -> dict[str, Exercise]:
     copy_block = a_write.data.get("dst", main[2].tables["A"][-1])
     b_options = {k: o.format(b=shared_block) for k, o in B_COPY_OPTIONS.items()}
     b_answer = b_options[b_write.kind]
-    why = ["When A wrote, block {b} had count 2; when B wrote, its count was already 1",
-           "B is the original sequence and A is the copy", "Copy-on-write only copies every other write",
-           "B's token went into a new block, so there was nothing to copy"]
+    why = ["block {b}'s reference count at the moment B writes, whatever it was when A wrote",
+           "which of the two is the original sequence and which the fork",
+           "how many writes the block has had: copy-on-write copies every other one",
+           "nothing: B's token goes into a new block of its own"]
     why = [w.format(b=shared_block) for w in why]
     count_at_b = main[2].counts[shared_block]
-    why_answer = why[0] if (a_write.kind == "cow" and b_write.kind == "append" and count_at_b == 1) else why[3]
+    # the engine's own decisions: A copied a block of count 2; B's write follows the count it then finds
+    by_count = a_write.kind == "cow" and (b_write.kind == "cow") == (count_at_b > 1)
+    why_answer = why[0] if by_count and b_write.kind != "new_block" else why[3]
     fork_counts = [main[1].counts[b] for b in a_table_before]
     before_fork = [main[0].counts[b] for b in a_table_before]
     only_full = [c if main[1].bm.fills[b] == BLOCK_SIZE else before for b, c, before
@@ -202,11 +205,12 @@ def _practice_exercises() -> dict[str, Exercise]:
                        f"B's block {shared_block} is shared at that moment, so B must copy it first."),
     }
     why_messages = {
-        why[1]: "Both sequences are equal owners: neither table is the \"original\". What differs is *when* each "
-                "writes.",
-        why[2]: "There is no such rhythm: each write checks the count of the block it writes into, at that moment.",
-        why[3]: f"B's token went into block {shared_block}, the same logical block A copied; there was room in it.",
-        why[0]: f"B did find block {shared_block} with count 1.",
+        why[1]: "Both sequences are equal owners: neither table is the \"original\". What matters is the state of "
+                "the block at the moment of each write.",
+        why[2]: "There is no such rhythm: each write checks the block it writes into, at that moment.",
+        why[3]: (f"B's next token belongs in logical block {len(a_table_before) - 1}, the one A just copied, and "
+                 f"block {shared_block} still has room for it."),
+        why[0]: "The engine decided by something else here.",
     }
     return {
         "p_fork": Exercise(
@@ -237,16 +241,16 @@ def _practice_exercises() -> dict[str, Exercise]:
                    Slip("original-freed", original_freed,
                         f"Block {shared_block} is not freed: B's table still points at it, so its count is "
                         f"{count_at_b}, not 0.")]),
+        "p_why": Exercise(
+            "p_why", f"A had to copy block {shared_block} because it was shared. B is about to write into the same "
+            "logical block. What decides whether B must copy too?", "choice", why_answer, options=why,
+            explanation=("Copy-on-write looks at the reference count at the moment of the write, not at who forked "
+                         "whom or at what happened before. Use the counts after A's write to predict B's."),
+            slips=[Slip(name, w, why_messages[w]) for name, w in zip(WHY_SLIPS, why) if w != why_answer]),
         "p_b_copy": Exercise(
             "p_b_copy", "Does B copy a block before it writes?", "choice", b_answer, options=list(b_options.values()),
             explanation=f"The engine said: *{b_write.message}*. {_table_text(main[3])}",
             slips=[s for k, s in b_slips.items() if b_options[k] != b_answer]),
-        "p_why": Exercise(
-            "p_why", "Why did A have to copy, but B did not a moment later?", "choice", why_answer, options=why,
-            explanation=(f"Copy-on-write looks at the count at the moment of the write. A's copy lowered block "
-                         f"{shared_block}'s count to {count_at_b}, so B was its only owner by then and could write "
-                         "in place."),
-            slips=[Slip(name, w, why_messages[w]) for name, w in zip(WHY_SLIPS, why) if w != why_answer]),
     }
 
 

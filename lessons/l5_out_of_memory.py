@@ -10,6 +10,7 @@ from engine import EngineConfig, LLMEngine
 from engine.metrics import blocks_for, preemption_cost
 from engine.records import plural
 from engine.scenarios import get_scenario
+from lessons import batch_invariance
 from lessons.common import EngineRun, run_engine, scenario_requests, scenario_run
 from lessons.exercise import Exercise, Slip
 
@@ -39,8 +40,9 @@ RECAP = [
     "again.",
     "When the swap pool has no room for the victim's blocks, this engine falls back to recompute (vLLM V0 "
     "stopped with an error there; vLLM V1 only recomputes).",
-    "Either way every reply is identical, token for token: preemption changes when a request runs, not what "
-    "it computes.",
+    "In greedy decoding on this CPU float32 engine every reply came out identical, token for token: preemption "
+    "changed when a request ran, not what it computed. That is a measurement, not a law: vLLM on GPUs is not "
+    "batch-invariant, and even here {{ bi_short }}.",
 ]
 
 
@@ -184,7 +186,7 @@ def facts(ctx) -> dict:
             "rec_time": _ms(rec["recompute_s"]), "swap_time": _ms(swp["swap_s"]),
             "plain_time": _ms(rec["plain_decode_s"]),
             "rec_steps": plural(len(rec["recompute_steps"]), "re-admission step"),
-            "swap_steps": plural(len(swp["swap_steps"]), "step")}
+            "swap_steps": plural(len(swp["swap_steps"]), "step"), **batch_invariance.facts()}
 
 
 def exercises(ctx) -> dict[str, Exercise]:
@@ -407,6 +409,7 @@ def _outcome_exercises(ctx, rec_run, swap_run, roomy, ids) -> dict[str, Exercise
     same = all(rec_run.outputs[r].output_token_ids == roomy.outputs[r].output_token_ids ==
                swap_run.outputs[r].output_token_ids for r in ids)
     same_answer = SAME_OPTIONS[0] if same else SAME_OPTIONS[1]
+    bi = batch_invariance.facts()
     fallback_messages = {
         "recompute": "It does: recompute needs no room anywhere, so it is always possible.",
         "partial": (f"A request is swapped whole or not at all: it resumes only when all its blocks are back, so "
@@ -419,8 +422,9 @@ def _outcome_exercises(ctx, rec_run, swap_run, roomy, ids) -> dict[str, Exercise
     }
     same_messages = {
         SAME_OPTIONS[0]: "The engine compared the runs and found a difference.",
-        SAME_OPTIONS[1]: ("Recomputing runs the same model on the same tokens: the keys and values come out the "
-                          "same, so the next tokens do too."),
+        SAME_OPTIONS[1]: ("Recomputing runs the same model on the same tokens. The numbers can differ in the last "
+                          "bits of float32 rounding (a prefill multiplies matrices of other shapes than the decode "
+                          "steps did), but far too little to change which token is the most likely here."),
         SAME_OPTIONS[2]: ("Recompute computes the victim's keys and values again from the same tokens, with the "
                           "same result; the replies match in both modes."),
     }
@@ -440,7 +444,10 @@ def _outcome_exercises(ctx, rec_run, swap_run, roomy, ids) -> dict[str, Exercise
             explanation=("The engine compared the recompute, swap and roomy runs: " + ("every request's tokens are "
                          "identical" if same else "they differ") + ". Preemption changes when a request runs, not "
                          "what it computes: its keys and values are recomputed from the same tokens, or copied "
-                         "back bit for bit."),
+                         "back bit for bit. That holds for greedy decoding on this CPU float32 engine. With seeded "
+                         "sampling a draw can land so close to the boundary between two tokens that float rounding "
+                         f"decides; measured on this engine, {bi['bi_long']}. vLLM on GPUs is not batch-invariant "
+                         "either: the batch changes the order of its floating-point sums."),
             slips=[Slip(name, o, same_messages[o]) for name, o in zip(SAME_SLIPS, SAME_OPTIONS) if o != same_answer]),
     }
 

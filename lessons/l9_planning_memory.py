@@ -549,7 +549,10 @@ def widget_runs(ctx) -> None:
         label = st.radio("Run", list(labels), horizontal=True, key="keep_l9_run")
         which = labels[label]
         run = {"main": main_run, "heavy": heavy_run, "small": small_block_run}[which](ctx)
-        step_through(run, f"l9_step_{which}", _tokenizer_decode(ctx), jump_kinds=("admit", "preempt", "finish"))
+        # no text column: the prompts are cut to an exact token count, mid-word, so the replies read as
+        # fragments; this table is about blocks
+        step_through(run, f"l9_step_{which}", _tokenizer_decode(ctx), jump_kinds=("admit", "preempt", "finish"),
+                     show_text=False)
 
 
 def widget_planner(ctx) -> None:

@@ -26,9 +26,11 @@ def _kept(key: str) -> None:
 
 
 def step_through(run: EngineRun, key: str, decode=None, slot_mode: bool | None = None,
-                 jump_kinds: tuple[str, ...] = ()) -> None:
+                 jump_kinds: tuple[str, ...] = (), show_text: bool = True) -> None:
     """A step slider over ``run``'s records with the pool, the swap pool, this step's events in words and
     the block tables. ``slot_mode``: one cell per slot (default: for pools of at most 16 blocks).
+    ``show_text``: the block tables get a column of each sequence's generated text (with ``decode``); off
+    where the replies carry no meaning (prompts cut mid-word to an exact length), so the table holds blocks.
     ``jump_kinds``: event kinds the "previous/next" buttons jump between. The chosen step is kept while the
     widget is off screen (e.g. while another run is selected)."""
     n = len(run.records)
@@ -71,6 +73,8 @@ def step_through(run: EngineRun, key: str, decode=None, slot_mode: bool | None =
         lines.append(f"{appends} sequence{'s' * (appends != 1)} wrote {'their' if appends != 1 else 'its'} new "
                      "token into a block with room")
     right.markdown("**This step, in words**\n\n" + ("\n".join(f"- {x}" for x in lines) or "- nothing changed"))
-    rows = block_table_rows(snap, decode)
+    rows = block_table_rows(snap, decode if show_text else None)
+    if not (show_text and decode):
+        rows = [{k: v for k, v in row.items() if k != "text"} for row in rows]
     if rows:
         st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")

@@ -163,6 +163,7 @@ def test_lesson1_config_figures_and_the_run(ctx, exs, facts):
     fit = (72 * 10**9 - 6_738_415_616 * 2) // 524_288 // 4096
     assert ex["h100_fit"].expected == fit
     assert {s.name: s.answer for s in ex["h100_fit"].slips} == {
+        "gib": (int(80 * 2**30 * 0.9) - 6_738_415_616 * 2) // 524_288 // 4096,
         "all-memory": (80 * 10**9 - 6_738_415_616 * 2) // 524_288 // 4096,
         "no-weights": 72 * 10**9 // 524_288 // 4096,
         "one-mib": (72 * 10**9 - 6_738_415_616 * 2) // 2**20 // 4096}

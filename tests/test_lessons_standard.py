@@ -140,6 +140,50 @@ def test_the_readme_gives_no_lesson_answer_away(built):
                 assert ex.expected not in section, f"README states lesson {lesson.number}'s {ex.id}"
 
 
+def answer_free_documents() -> list[Path]:
+    """The documents a learner may read before a lesson: the whole README and every page under docs/."""
+    return [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+
+
+def _units(text: str):
+    """A document's paragraphs, each table row on its own."""
+    for block in re.split(r"\n\s*\n", text):
+        lines = block.splitlines()
+        rows = [line for line in lines if line.lstrip().startswith("|")]
+        yield "\n".join(line for line in lines if not line.lstrip().startswith("|"))
+        yield from rows
+
+
+def _about_the_lessons(unit: str) -> bool:
+    """Whether a paragraph speaks of the lessons ("lesson 3", "the lesson's lengths", "lesson tests")."""
+    return re.search(r"\blessons?\b", unit, re.IGNORECASE) is not None
+
+
+@pytest.mark.parametrize("doc", answer_free_documents(), ids=lambda p: p.name)
+def test_the_readme_and_docs_give_no_lesson_answer_away(built, doc):
+    """The whole README and every page of docs/: a block table or a long choice answer anywhere, and a
+    number in any paragraph or table row that speaks of the lessons (elsewhere, 128 or "3 blocks" is a
+    benchmark's figure, not an answer)."""
+    text = doc.read_text(encoding="utf-8")
+    about = [u for u in _units(text) if _about_the_lessons(u)]
+    for lesson in LESSONS:
+        for ex in built[lesson.slug][2].values():
+            for needle in _needles(ex):
+                where = [text] if ex.kind in ("list", "set") else about
+                assert not any(_leaks(u, needle) for u in where), \
+                    f"{doc.name} states {needle!r}, lesson {lesson.number}'s {ex.id}"
+            if ex.kind == "choice" and len(ex.expected) >= 12:
+                assert ex.expected not in text, f"{doc.name} states lesson {lesson.number}'s {ex.id}"
+
+
+def test_the_whole_document_check_catches_a_figure_next_to_a_lesson():
+    ex = Exercise("e", "q", "number", 68.7, unit="%")
+    leaking = "| `lesson-lengths` | contiguous reserves the maximum: 68.7% wasted |"
+    about = [u for u in _units("Intro.\n\n" + leaking + "\n| `batch` | 68.7% of something else |")
+             if _about_the_lessons(u)]
+    assert about == [leaking] and any(_leaks(u, n) for u in about for n in _needles(ex))
+
+
 def test_the_leak_check_catches_a_leak():
     ex = Exercise("e", "q", "number", 38, unit="blocks")
     assert _leaks("it takes 38 blocks in all", _needles(ex)[0])

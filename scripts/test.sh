@@ -22,4 +22,12 @@ if ! bash "$ROOT/scripts/setup_peer.sh"; then
     echo "[test] the vLLM peer could not be set up: the conformance tests will be skipped" >&2
 fi
 cd "$ROOT"
+# Two workers by default (one per core, PAL_TEST_WORKERS to change; 0 or 1 runs in this process), each test file
+# on one worker (its module fixtures, e.g. a server it starts, are built once); each worker's torch uses one thread
+# (tests/conftest.py), so the two never fight for the cores. Passing -n yourself, or -p no:xdist, overrides this.
+workers="${PAL_TEST_WORKERS:-2}"
+case " $* " in *" -n"*|*" --numprocesses"*|*"no:xdist"*) workers=0 ;; esac
+if [ "$workers" -gt 1 ]; then
+    set -- -n "$workers" --dist loadfile "$@"
+fi
 exec "$ROOT/.venv/bin/python" -m pytest "$@"

@@ -22,6 +22,8 @@ from engine.threads import configure_threads
 
 # The cores free right now, as the CLI does: with torch's default (all cores) a test run on a machine busy with
 # other work slowed down up to 10x while its thread pool fought for the cores (docs/benchmarks.md, cpu-threads).
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one of scripts/test.sh's workers: one core each, one thread each
+    os.environ.setdefault("PAL_NUM_THREADS", "1")
 configure_threads("cli")
 
 # A fixed English text; tests cut prompts of exact token lengths from its encoding.
@@ -37,7 +39,74 @@ TEXT = (
 )
 
 
+# --- test tiers: every test is marked by what it needs, found from its code, not by hand ------------------------
+# A test needs what its function, the fixtures it uses and the module-level helpers they call name (followed
+# through the functions of the test files and conftest that they call, a few levels deep). ``bash scripts/test.sh -m "not slow"`` is the fast
+# tier: unit, property and engine tests, no Streamlit script runs, no server, no browser, no vLLM, no
+# subprocess. The names that give a need away (a module name, or a global a test's code reads):
+NEEDS = {
+    "app": ("AppTest",),  # runs a Streamlit page through streamlit.testing (seconds each)
+    "browser": ("app_url", "serve_app", "sync_playwright", "chromium_page"),  # a server + headless Chromium
+    "subprocess": ("subprocess",),  # starts another Python (the CLI, a server, a fresh interpreter)
+}
+# Needs that make a test slow; ``peer`` (vLLM itself) and ``gpu`` are marked on their modules already.
+SLOW_NEEDS = ("app", "browser", "subprocess", "peer")
+
+
+def _names_used(obj, module, depth: int = 4, seen: set | None = None) -> set[str]:
+    """Global names read by ``obj``'s code (nested functions and lambdas included), followed into functions
+    of ``module`` that it calls, ``depth`` levels deep."""
+    seen = set() if seen is None else seen
+    code = getattr(getattr(obj, "__wrapped__", obj), "__code__", None)
+    if code is None or code in seen:
+        return set()
+    seen.add(code)
+    names: set[str] = set()
+    stack = [code]
+    while stack:
+        c = stack.pop()
+        names.update(c.co_names)
+        stack.extend(k for k in c.co_consts if hasattr(k, "co_names"))
+    if depth > 0:
+        for name in list(names):
+            helper = getattr(module, name, None)
+            home = sys.modules.get(getattr(helper, "__module__", None) or "")
+            if callable(helper) and home is not None and _is_test_module(home):
+                names |= _names_used(helper, home, depth - 1, seen)
+    return names
+
+
+def _is_test_module(module) -> bool:
+    """A module of this folder (a test file or conftest): its helpers are followed, the project's are not."""
+    return Path(getattr(module, "__file__", None) or "/").resolve().parent == Path(__file__).resolve().parent
+
+
+def _needs(item) -> set[str]:
+    module = item.module
+    names = set(item.fixturenames) | {module.__name__.rsplit(".", 1)[-1]}
+    names |= _names_used(item.function, module)
+    for defs in getattr(item, "_fixtureinfo", None).name2fixturedefs.values():
+        for fixturedef in defs:
+            func = fixturedef.func
+            names |= _names_used(func, sys.modules.get(func.__module__, module))
+    found = {need for need, words in NEEDS.items() if names & set(words)}
+    if any(n.startswith("test_browser") for n in names):
+        found.add("browser")
+    return found
+
+
+def pytest_configure(config):
+    for need in NEEDS:
+        config.addinivalue_line("markers", f"{need}: set by conftest from the test's code (tests/conftest.py NEEDS)")
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        needs = _needs(item) | ({"peer"} if "peer" in item.keywords else set())
+        for need in needs - {"peer"}:
+            item.add_marker(getattr(pytest.mark, need))
+        if needs & set(SLOW_NEEDS) and "slow" not in item.keywords:
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

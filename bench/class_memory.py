@@ -331,13 +331,13 @@ def r_after(r: Result) -> int:
     return round(closed[-1] - closed[0]) + 1 if closed else 0
 
 
-def section(results: list[Result], duration: float) -> str:
+def section(results: list[Result], duration: float, options: str = "") -> str:
     r = results[0]
     return "\n".join([
         "## One student cannot take the memory: heavy links on a class server (issue 23)",
         "",
-        f"Command: `nice -n 10 python bench/class_memory.py` (run {len(results)} time"
-        f"{'s' * (len(results) != 1)}). A fresh class server (`streamlit run app.py`, `PAL_CLASS_SERVER=1`, "
+        f"Command: `nice -n 10 python bench/class_memory.py{options}` ({len(results)} run"
+        f"{'s' * (len(results) != 1)}, a fresh server each). A fresh class server (`streamlit run app.py`, `PAL_CLASS_SERVER=1`, "
         f"`PAL_CLASS_SEATS={r.sessions}`, `PAL_SESSION_MEMORY_MB={r.session_mb:g}`) on this shared 2-core CPU; "
         f"its RSS (`/proc`) sampled every second. First {r.tabs.get('tabs', 0)} tabs open the default Playground "
         f"one after another and close; then {r.sessions} sessions open the heaviest scenario link the caps admit "
@@ -425,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
         r = measure(args.sessions, args.session_mb, args.duration, args.after, args.tabs, args.ttl_wait)
         results.append(r)
         print("\n".join(run_text(r, f"Run {i + 1}")), flush=True)
-    text = section(results, args.duration)
+    text = section(results, args.duration, "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:])
+                                                   if a not in ("--no-write",)))
     if not args.no_write:
         write_section(args.doc, "class-memory", text)
     else:

@@ -47,6 +47,33 @@ SMALL_TEXT_JS = """() => {
 }"""
 
 
+# Labels cut short: a text of a widget label, a button, a caption or the stage's words and numbers whose box (or
+# one of its 4 nearest ancestors) clips it (overflow not visible, or an ellipsis) while its content is wider.
+TRUNCATED_JS = """() => {
+  const main = document.querySelector('[data-testid="stMain"]') || document.body;
+  const scope = '[data-testid="stWidgetLabel"], [data-testid="stButton"], [data-testid="stCaptionContainer"], '
+              + '.st-key-present_words, .st-key-present_numbers';
+  const cut = [];
+  let count = 0;
+  for (const el of main.querySelectorAll('*')) {
+    if (el instanceof SVGElement || !el.closest(scope)) continue;
+    if (![...el.childNodes].some(n => n.nodeType === 3 && n.textContent.trim())) continue;
+    const r = el.getBoundingClientRect();
+    if (r.width === 0 || r.height === 0) continue;
+    count += 1;
+    let node = el;
+    for (let k = 0; k < 5 && node && node !== main; k++, node = node.parentElement) {
+      const cs = getComputedStyle(node);
+      const clips = cs.overflowX !== 'visible' || cs.textOverflow === 'ellipsis';
+      if (clips && node.scrollWidth > node.clientWidth + 1) {
+        cut.push([el.textContent.trim().slice(0, 40), node.scrollWidth, node.clientWidth]); break;
+      }
+    }
+  }
+  return {count, cut};
+}"""
+
+
 def key_step_caption(page) -> str:
     for text in page.locator(".st-key-present_numbers [data-testid='stCaptionContainer']").all_inner_texts():
         if re.search(r"step \d+ of \d+", text):
@@ -99,6 +126,11 @@ def test_each_preset_key_step_fits_the_screen(app_url, tmp_path, width, height):
             small = page.evaluate(SMALL_TEXT_JS)
             assert small["count"] > 50, (preset, small)
             assert not small["under"] or min(u[0] for u in small["under"]) >= promised, (preset, promised, small["under"][:8])
+            # nothing cut short: every label, button, caption and sentence shows all its text (at 1280 px the
+            # "Presenter view" toggle's label was cut to "Presenter ...")
+            cut = page.evaluate(TRUNCATED_JS)
+            assert cut["count"] > 5 and not cut["cut"], (preset, width, cut)
+            assert page.get_by_text("Presenter view", exact=True).is_visible(), preset
             # a copy's "1->2" is one arrow character: no line breaks inside it
             assert "->" not in page.locator(".st-key-present_words").inner_text(), preset
             if preset in README_SHOTS:

@@ -301,3 +301,20 @@ def test_class_load_bench_runs(tmp_path):
     assert main(["--students", "2", "--rounds", "2", "--workers", "1", "--doc", str(doc)]) == 0
     text = doc.read_text()
     assert "<!-- class-load:start -->" in text and "| 2 | 1 process | 4 |" in text and "ok: no leak; 2/2" in text
+
+
+def test_histogram_type_for_the_projector():
+    """The projector view's histogram (issue 23, item 19): every text at least the font asked for (18 px at 720
+    lines, 27 at 1080), the figure grown to hold it; a bad size is refused by name."""
+    from viz.classroom import predictions_figure
+    from viz.presenter import smallest_font
+
+    counts = {"2": 3, "3": 5, "4": 1}
+    assert smallest_font(predictions_figure(counts, "3")) < 18  # the page's own view: Plotly's 12 px
+    for px in (18, 27):
+        fig = predictions_figure(counts, "3", font_px=px)
+        assert smallest_font(fig) >= px
+        assert fig.data[0].textfont.size >= px and fig.layout.yaxis.title.font.size >= px
+        assert fig.layout.height >= 16 * px
+    with pytest.raises(ValueError, match="'big'"):
+        predictions_figure(counts, font_px="big")

@@ -44,8 +44,75 @@ def class_registry() -> ClassRegistry:
 
 
 def big_code(code: str) -> None:
-    st.markdown(f"<div style='font-size:5rem;font-weight:800;letter-spacing:0.4rem;font-family:monospace'>"
-                f"{html.escape(code)}</div>", unsafe_allow_html=True)
+    st.markdown(f"<div class='pal-class-code' style='font-size:5rem;font-weight:800;letter-spacing:0.4rem;"
+                f"font-family:monospace'>{html.escape(code)}</div>", unsafe_allow_html=True)
+
+
+# ------------------------------------------------------------------------------------- the projector view
+# The presenter's screen is shown on a projector: every text at least the README's promise, 18 px at 720 lines
+# and 27 at 1080 (``viz.presenter.presenter_sizes``: 2.5 % of the window's height, never under 18 px). The
+# page's own text by CSS in ``vh`` (it follows the window with no round trip); headings and the join code keep
+# their bigger sizes, grown alike. The sidebar's page list (its titles cut short at these sizes) and Streamlit's
+# header are hidden, as in the Playground's presenter view; choosing Student brings them back. The histogram
+# (Plotly sizes its text in px) gets its size from the window
+# the viewport component below reports (before its first report: 27 px, the 1080-line promise).
+PROJECTOR_CSS = """
+<style>
+[data-testid="stMain"] :is(p, span, label, li, a, button, input, textarea, div, code,
+  small):not(h1 *, h2 *, h3 *, .pal-class-code, .js-plotly-plot *) { font-size: max(18px, 2.5vh) !important; }
+[data-testid="stMain"] :is(h1, h1 *) { font-size: max(2.75rem, 6vh) !important; }
+[data-testid="stMain"] :is(h2, h2 *, h3, h3 *) { font-size: max(27px, 3.4vh) !important; }
+[data-testid="stMain"] .pal-class-code { font-size: max(5rem, 11vh) !important; line-height: 1.2 !important; }
+[data-testid="stMain"] [data-testid="stWidgetLabel"] * { white-space: normal !important; overflow: visible !important; }
+section[data-testid="stSidebar"], [data-testid="stSidebarCollapsedControl"], header[data-testid="stHeader"]
+  { display: none !important; }
+</style>
+"""
+VIEWPORT_KEY = "class_viewport"
+_VIEWPORT_JS = """
+export default function (component) {
+  const { data, setStateValue } = component;
+  const w = window;
+  const send = () => {
+    const vp = { w: w.innerWidth, h: w.innerHeight };
+    const known = w.__palClassViewport || (data && data.viewport);
+    if (!known || known.w !== vp.w || known.h !== vp.h) { w.__palClassViewport = vp; setStateValue("viewport", vp); }
+  };
+  let timer = null;
+  const onResize = () => { clearTimeout(timer); timer = setTimeout(send, 400); };
+  w.addEventListener("resize", onResize);
+  send();
+  return () => { clearTimeout(timer); w.removeEventListener("resize", onResize); };
+}
+"""
+_viewport_component = None
+
+
+def class_viewport() -> dict | None:
+    """The window's size in CSS px (``{"w", "h"}``) as a small invisible component last reported it (None
+    before its first report, and in AppTest): sent on the first render and after a resize, only when it
+    differs from what the server holds, so it never loops."""
+    global _viewport_component
+    state = st.session_state.get(VIEWPORT_KEY)
+    vp = state.get("viewport") if hasattr(state, "get") else None
+    known = vp if isinstance(vp, dict) and all(isinstance(vp.get(k), int) and 0 < vp[k] < 100_000
+                                               for k in ("w", "h")) else None
+    if _viewport_component is None:
+        from streamlit.components import v2
+
+        _viewport_component = v2.component("pal_class_viewport", js=_VIEWPORT_JS, isolate_styles=False)
+    _viewport_component(key=VIEWPORT_KEY, data={"viewport": known}, on_viewport_change=lambda: None,
+                        width="stretch", height="content")
+    return {"w": known["w"], "h": known["h"]} if known else None
+
+
+def projector_font() -> int:
+    """The histogram's smallest type (px) for this window: ``presenter_sizes``' (18 at 720 lines, 27 at
+    1080), or 27 before the window's size is known."""
+    from viz.presenter import presenter_sizes
+
+    vp = class_viewport()
+    return presenter_sizes(vp["h"])["font"] if vp else 27
 
 
 def choice_label(choice: str) -> str:
@@ -54,6 +121,8 @@ def choice_label(choice: str) -> str:
 
 # --------------------------------------------------------------------------------------------- presenter
 def presenter() -> None:
+    st.markdown(PROJECTOR_CSS, unsafe_allow_html=True)
+    st.session_state["class_font"] = projector_font()
     registry = class_registry()
     code = st.session_state.get("class_code_presenting")
     if code is not None and not registry.exists(code):
@@ -74,7 +143,8 @@ def presenter() -> None:
             st.error(st.session_state.get("lab_error"))
             return
         lab = get_lab()
-    st.caption("Join code: students open this page (Class), choose Student and type it")
+    st.caption("Join code: students open this page (Class), choose Student and type it. (Projector view: the "
+               "page list is hidden; choose Student above to get it back.)")
     big_code(code)
     if st.button("End the class", key="class_end"):
         registry.close(code)
@@ -125,7 +195,8 @@ def presenter_live(registry, code: str) -> None:
     st.caption(f"{view.answered} prediction{'s' * (view.answered != 1)} so far"
                + (f"; right answer: **{choice_label(view.answer)}**" if view.revealed else ""))
     if view.counts:
-        st.plotly_chart(predictions_figure(view.counts, view.answer), width="stretch", key="class_hist_presenter")
+        st.plotly_chart(predictions_figure(view.counts, view.answer, font_px=st.session_state.get("class_font", 27)),
+                        width="stretch", key="class_hist_presenter", config={"displayModeBar": False})
 
 
 def step_and_reveal(registry, code: str, lab) -> None:

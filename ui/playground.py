@@ -28,6 +28,7 @@ from ui.state import (applied_settings, build_lab, default_settings, get_lab, ov
 from viz import (block_pool_figure, block_table_rows, contiguous_region_figure, paged_slots_figure,
                  swap_pool_figure, timeline_figure)
 from viz.block_table import block_table_figure
+from viz.presenter import phased
 from viz.colors import colour_key, request_color, request_id_of
 from viz.steps import (SEMANTICS_SHORT, latest_sequences, sharing_counts, step_label, step_sentences,
                         step_tokens_figure)
@@ -606,17 +607,17 @@ def pools(lab, paged, contiguous) -> None:
     left, right = st.columns(2)
     with left:
         st.subheader("Paged block pool")
-        # outline what changed structurally (a plain write into a block with room is not outlined)
-        changed = sorted({b for e in paged.events if e.kind != "append" for b in e.blocks})
+        # outline what changed structurally (a plain write into a block with room is not outlined): below
         selected = st.selectbox("Highlight a request", ["none"] + order, key="selected")
         slot_mode = st.toggle("Slot view (one cell per token slot)", value=False, disabled=snap.num_blocks > 128,
                               key="slot_mode")
         # the title names the step and the semantics, so a downloaded image says what it shows
         title = (f"step {paged.step}, {SEMANTICS_SHORT[paged.semantics]}: {snap.num_used_blocks}/{snap.num_blocks} "
                  f"blocks in use<br><sub>{step_label(paged)}</sub>")
-        st.plotly_chart(block_pool_figure(snap, order, decode=decode, highlight=changed,
-                                          selected=None if selected == "none" else selected, slot_mode=slot_mode,
-                                          title=title),
+        st.plotly_chart(phased(paged, None, lambda s, events: block_pool_figure(  # a beam step: two phases
+            s, order, decode=decode, highlight=sorted({b for e in events if e.kind != "append" for b in e.blocks}),
+            selected=None if selected == "none" else selected, slot_mode=slot_mode,
+            title=title.replace(f"{snap.num_used_blocks}/", f"{s.num_blocks - s.num_free_blocks}/", 1)), font=14),
                         width="stretch", key="pool")
         if snap.num_swap_blocks:
             st.plotly_chart(swap_pool_figure(snap, order), width="stretch", key="swap")
@@ -673,8 +674,11 @@ def tables_and_text(lab, record, records: list) -> None:
     if snap.sequences:  # a row per sequence (``block_table_rows``)
         picture = st.container()  # the picture first, the pick's widgets under it (they are read before it is drawn)
         token = token_locator(snap, snap.block_size)
-        figure = block_table_figure(record, lab.order, selected=None if selected == "none" else selected,
-                                    token=token, decode=decode)
+        # a beam step in its two phases (the copies, then the selection: ``viz.presenter.phased``)
+        figure = phased(record, records[-2] if len(records) > 1 else None, lambda s, events: block_table_figure(
+            s, lab.order, selected=None if selected == "none" else selected, events=events, decode=decode,
+            token=token if token and any(q.seq_id == token[0] and q.block_table for q in s.sequences) else None,
+            title=f"Block tables after step {record.step}: logical -> physical"), font=14)
         picture.plotly_chart(figure, width="stretch", key="block_tables")
         # drawn only while open (a lazy expander): a table to serialise on every step otherwise
         rows_panel = st.expander("Block tables as rows (logical -> physical)", key="block_rows_open",

@@ -23,8 +23,9 @@ import streamlit as st
 from engine import metrics
 from ui.lab import POLICY_LABELS
 from viz import block_pool_figure, contiguous_region_figure
+from viz.block_table import selection_events
 from ui.state import viewport
-from viz.presenter import one_line_cells, presenter_sizes, projector_style
+from viz.presenter import one_line_cells, phased, presenter_sizes, projector_style
 from viz.steps import SEMANTICS_SHORT, step_label, step_sentences
 
 PRESENT_PARAM = "present"  # ?present=1 opens the Playground in the presenter view
@@ -47,6 +48,10 @@ section[data-testid="stSidebar"], [data-testid="stSidebarCollapsedControl"], hea
 [data-testid="stMain"] [data-testid="stCaptionContainer"] p, [data-testid="stMain"] [data-testid="stSliderThumbValue"],
 [data-testid="stMain"] [data-testid="stSliderTickBar"] div, [data-testid="stMain"] [data-testid="stAlert"] p
   {{ font-size: {font}px !important; }}
+[data-testid="stMain"] [data-testid="stWidgetLabel"], [data-testid="stMain"] [data-testid="stWidgetLabel"] *,
+[data-testid="stMain"] [data-testid="stButton"] button *
+  {{ white-space: normal !important; text-overflow: clip !important; overflow: visible !important;
+     overflow-wrap: normal !important; }}
 </style>
 """
 
@@ -88,16 +93,17 @@ def sizes() -> dict:
 
 def style_page() -> None:
     font = sizes()["font"]
-    st.markdown(CSS.format(words=round(font * 1.25), numbers=round(font * 1.05), font=font), unsafe_allow_html=True)
+    st.markdown(CSS.format(words=round(font * 1.15), numbers=round(font * 1.05), font=font), unsafe_allow_html=True)
 
 
 def numbers(lab, paged, contiguous) -> list[str]:
     """The few numbers that tell the story, a line per side, each read through ``engine.metrics``."""
     snap = paged.snapshot
     used = snap.num_blocks - snap.num_free_blocks
-    line = (f"**Paged**: {used}/{snap.num_blocks} blocks in use, "
+    after = " (after beam selection)" if selection_events(paged.events, snap)[1] else ""  # the picture's phase 2
+    line = (f"**Paged**{after}: {used}/{snap.num_blocks} blocks in use, "
             f"{metrics.slack_pct(snap):.0f}% slack" if metrics.slots_allocated(snap) else
-            f"**Paged**: {used}/{snap.num_blocks} blocks in use")
+            f"**Paged**{after}: {used}/{snap.num_blocks} blocks in use")
     line += f", {len(snap.running)} running"
     if snap.waiting:
         line += f", {len(snap.waiting)} waiting"
@@ -119,6 +125,9 @@ def few_sentences(paged, contiguous, budget: int | None) -> list[str]:
     """The step in at most ``SENTENCES`` sentences, the moment first (``step_sentences(key_first=True)``);
     the last says how many more decisions the Playground view lists."""
     said = step_sentences(paged, contiguous, budget, limit=10**6, key_first=True, group_from=2)
+    beam = next((i for i, x in enumerate(said) if x.startswith("beam selection")), None)
+    if beam:  # a beam step says its two phases (the copies, the selection) the picture shows
+        said.insert(1, said.pop(beam))
     shown = said[:SENTENCES]
     if len(said) > SENTENCES:
         shown[-1] += f" (+{len(said) - SENTENCES} more)"
@@ -131,16 +140,41 @@ def words_markdown(sentences: list[str]) -> str:
     return "\n".join("- " + html.escape(x).replace("-&gt;", "\u2192") for x in sentences)
 
 
-def block_table_picture(lab, paged, size: dict, decode):
-    """The block-table picture of the step (``viz.block_table``) at the projector's type: laid out for the
-    pool row's height and half the window's width, every text ``size["font"]`` px, the title on one line;
-    the copy-on-write's caption is left out (the sentences above say it)."""
+def stage_tables_figure(paged, previous, order: list[str], size: dict, decode, width: int):
+    """The block-table picture of ``paged`` (``viz.block_table``) at the projector's type: laid out for the
+    pool row's height and ``width`` px, every text ``size["font"]`` px, the title on one line; the
+    copy-on-write's caption is left out (the sentences above say it). A beam step is drawn in its two phases
+    (``selection_phases``: 1/2 the copies, 2/2 the beam selection; buttons switch), opening on the copies,
+    the moment its key sentence says. ``previous``: the record before (the pruned beams' tokens)."""
     from viz.block_table import block_table_figure
 
+    def one(source, events=None):
+        fig = block_table_figure(source, order, compact=True, decode=decode, title="block tables", events=events,
+                                 font_px=size["font"], height_px=size["pool"], width_px=width, captions=False)
+        return projector_style(fig, height=size["pool"], min_font=size["font"], scale=1.0)
+
+    return phased(paged, previous, one, size["font"])
+
+
+def block_table_picture(lab, paged, size: dict, decode, previous=None):
+    """``stage_tables_figure`` in the right half of this window."""
     width = (viewport() or {"w": 1280})["w"] // 2 - 40  # the picture's column: half the window, less padding
-    fig = block_table_figure(paged, lab.order, compact=True, decode=decode, title="block tables",
-                             font_px=size["font"], height_px=size["pool"], width_px=width, captions=False)
-    return projector_style(fig, height=size["pool"], min_font=size["font"], scale=1.0)
+    return stage_tables_figure(paged, previous, lab.order, size, decode, width)
+
+
+def stage_pool_figure(paged, previous, order: list[str], size: dict, decode, width: float):
+    """The paged pool at the projector's type, ``width`` px wide; a beam step in its two phases (as
+    ``stage_tables_figure``), each titled with its own blocks in use and outlining what it changed."""
+    def one(snap, events, label=""):
+        changed = sorted({b for e in events if e.kind != "append" for b in e.blocks})
+        title = f"paged pool{label}: {snap.num_blocks - snap.num_free_blocks}/{snap.num_blocks} blocks in use"
+        fig = projector_style(block_pool_figure(snap, order, decode=decode, highlight=changed, title=title),
+                              height=size["pool"], min_font=size["font"])
+        rows, cols = max(1, len(fig.data[0].z)), max(1, len(fig.data[0].z[0]))
+        one_line_cells(fig, (size["pool"] - fig.layout.margin.t - 10) / rows, size["font"], col_px=width / cols)
+        return fig
+
+    return phased(paged, previous, one, size["font"])
 
 
 def views(lab, history: list, index: int, has_work: bool, decode) -> None:
@@ -149,22 +183,15 @@ def views(lab, history: list, index: int, has_work: bool, decode) -> None:
     size = sizes()
     with st.container(key="present_words"):
         st.markdown(words_markdown(few_sentences(paged, contiguous, lab.step_budget())))
-    snap = paged.snapshot
-    changed = sorted({b for e in paged.events if e.kind != "append" for b in e.blocks})
+    previous = history[index - 1][0] if index > 0 else None
     left, right = st.columns([1, 1])
     with left, st.container(key="present_pool"):
-        title = f"paged pool: {snap.num_blocks - snap.num_free_blocks}/{snap.num_blocks} blocks in use"
-        fig = projector_style(block_pool_figure(snap, lab.order, decode=decode, highlight=changed, title=title),
-                              height=size["pool"], min_font=size["font"])
-        rows, cols = max(1, len(fig.data[0].z)), max(1, len(fig.data[0].z[0]))
         width = (viewport() or {"w": 1280})["w"] / 2 - 60  # the pool's column: half the window, less padding
-        one_line_cells(fig, (size["pool"] - fig.layout.margin.t - 10) / rows, size["font"], col_px=width / cols)
-        st.plotly_chart(fig, width="stretch",
-                        key="present_pool_fig",
-                        config={"displayModeBar": False})
+        st.plotly_chart(stage_pool_figure(paged, previous, lab.order, size, decode, width), width="stretch",
+                        key="present_pool_fig", config={"displayModeBar": False})
     with right, st.container(key="present_tables"):
-        st.plotly_chart(block_table_picture(lab, paged, size, decode), width="stretch", key="present_tables_fig",
-                        config={"displayModeBar": False})
+        st.plotly_chart(block_table_picture(lab, paged, size, decode, previous), width="stretch",
+                        key="present_tables_fig", config={"displayModeBar": False})
     low_left, low_right = st.columns([3, 2])
     with low_left, st.container(key="present_contiguous"):
         if contiguous is not None:

@@ -31,7 +31,9 @@ figure of every preset.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 import textwrap
 from typing import Callable
 
@@ -636,3 +638,85 @@ def _layout(pic: dict, g: dict, head: str, bottom: list[str], width_px: int = 62
                                + (" (swapped)" if r["status"] == "swapped" else "") for r in pic["rows"]],
                   "tickfont": {"size": font, "color": TEXT}, "automargin": True},
     }
+
+
+# ------------------------------------------------------------------------------ a beam step in two phases
+def _beam_key(seq_id: str) -> tuple:
+    """Sort key: request, then beam number ("R1.b10" after "R1.b9")."""
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", seq_id))
+
+
+def selection_events(events, snapshot=None) -> tuple[list, list]:
+    """A step's beam selection, read from its events: the ``fork`` events (a kept beam continuing a parent
+    another kept beam already continues shares the parent's blocks) and the ``free`` events of the beams it
+    pruned (sequences of a request that forked this step and, with ``snapshot``, absent from the step's
+    snapshot: a pruned beam leaves its request). Returns (forks, pruned frees); both empty for any other step.
+    The engine emits them in ``LLMEngine._beam_continue``: forks first, then the pruned beams' frees, after the
+    step's copy-on-write and writes."""
+    forks = [e for e in events if e.kind == "fork" and e.data.get("parent")]
+    forked = {request_id_of(e.request_id) for e in forks}
+    present = None if snapshot is None else {s.seq_id for s in snapshot.sequences}
+    pruned = [e for e in events if e.kind == "free" and "released" in e.data
+              and request_id_of(e.request_id) in forked and (present is None or e.request_id not in present)]
+    return forks, pruned
+
+
+def selection_phases(record, previous=None) -> list[dict]:
+    """A beam-search step as two moments, so a picture never shows one while the words say the other.
+
+    1. "copies": the step's copy-on-write and writes done, before beam selection: every live beam on its own
+       table (e.g. R1.b0 [0, 2], R1.b1 [0, 3], R1.b2 [0, 4], R1.b3 [0, 1]);
+    2. "beam selection": the step's snapshot, after the kept beams forked and the pruned ones were freed
+       (e.g. R1.b0, b4, b5, b6 all on [0, 2]).
+
+    Phase 1 is rebuilt exactly from the step's snapshot by undoing its selection events (``selection_events``):
+    each fork's child leaves its blocks (count - 1, owner removed), each pruned beam takes back the table its
+    ``free`` event released (count + 1, owner added, the last block's fill from its token count); the kept
+    beams lose the token ``_beam_continue`` appended. ``previous``: the record before (the pruned beams' token
+    ids, for the hover; without it they are empty). Returns [] for a step without beam selection, else two
+    dicts: ``phase`` ("copies" | "beam selection"), ``label`` ("1 copies", "2 selection"), ``snapshot`` (an
+    ``engine.records.Snapshot``), ``events`` (that phase's)."""
+    snap = record.snapshot
+    forks, pruned = selection_events(record.events, snap)
+    if not pruned:
+        return []
+    B = snap.block_size
+    counts, fills, owners = list(snap.ref_counts), list(snap.fills), [list(o) for o in snap.owners]
+    for e in forks:
+        for b in e.blocks:
+            counts[b] -= 1
+            owners[b] = [o for o in owners[b] if o != e.request_id]
+    children = {e.request_id for e in forks}
+    involved = {request_id_of(e.request_id) for e in forks + pruned}
+    before = {s.seq_id: s for s in (previous.snapshot.sequences if previous is not None else ())}
+    template = {s.request_id: s for s in snap.sequences}
+    seqs = []
+    for s in snap.sequences:
+        if s.seq_id in children:
+            continue
+        if s.request_id in involved and s.status == "running" and s.token_ids:  # the token selection appended
+            s = dataclasses.replace(s, token_ids=list(s.token_ids[:-1]), num_generated=max(0, s.num_generated - 1))
+        seqs.append(s)
+    for e in pruned:
+        table = list(e.data["released"])
+        rid = request_id_of(e.request_id)
+        like = template.get(rid) or next((s for s in seqs if request_id_of(s.seq_id) == rid), None)
+        old = before.get(e.request_id)
+        n = like.num_tokens if like is not None else len(table) * B  # beams of a request decode in step
+        for k, b in enumerate(table):
+            counts[b] += 1
+            owners[b].append(e.request_id)
+            fills[b] = B if k < len(table) - 1 else n - (len(table) - 1) * B
+        seqs.append(dataclasses.replace(
+            like if like is not None else old, seq_id=e.request_id, request_id=rid, status="running",
+            block_table=table, num_tokens=n, finish_reason=None,
+            token_ids=list(old.token_ids) if old is not None else [],
+            num_generated=old.num_generated if old is not None else 0))
+    seqs.sort(key=lambda s: _beam_key(s.seq_id))
+    copies = dataclasses.replace(snap, ref_counts=counts, fills=fills, owners=owners, sequences=seqs,
+                                 num_free_blocks=sum(c == 0 for c in counts))  # free exactly at count 0
+    selection = set(map(id, forks + pruned))
+    return [{"phase": "copies", "label": "1 copies", "snapshot": copies,
+             "events": [e for e in record.events if id(e) not in selection]},
+            {"phase": "beam selection", "label": "2 selection", "snapshot": snap,
+             "events": [e for e in record.events if id(e) in selection]}]

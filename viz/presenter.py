@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
+from .colors import TEXT
+
 PROJECTOR_FONT = 18  # px: the smallest type a presenter view draws (the Playground's labels are 10-13 px)
 
 
@@ -100,3 +102,54 @@ def presenter_sizes(viewport_h: int | None) -> dict:
     room = h - CHROME_PX
     return {"pool": max(290, int(room * POOL_SHARE)), "strip": max(150, int(room * (1 - POOL_SHARE) * 0.85)),
             "font": round(PROJECTOR_FONT * min(h / BASE_VIEWPORT_H, 2.0))}
+
+
+def phases_figure(phases: list[tuple[str, go.Figure]], font: int = PROJECTOR_FONT) -> go.Figure:
+    """One figure showing one of several moments of a step (``viz.block_table.selection_phases``: the copies,
+    then the beam selection), with a button per phase named by its label in the title's line, right-aligned;
+    the first phase shown (the one the step's key sentence says). Each phase's traces, title, axes and
+    annotations are its own figure's; every button's text is ``font`` px. Raises ValueError for no phase."""
+    if not phases:
+        raise ValueError("phases_figure needs at least one (label, figure) phase, got none")
+    if len(phases) == 1:
+        return phases[0][1]
+    first = phases[0][1]
+    fig = go.Figure(first)
+    fig.data = ()
+    visible, data = [], []
+    for k, (_, f) in enumerate(phases):
+        for t in f.data:
+            data.append(t)
+            visible.append(k)
+    fig.add_traces(data)
+    for t, k in zip(fig.data, visible):
+        t.visible = k == 0
+    buttons = []
+    for k, (label, f) in enumerate(phases):
+        lay = f.layout
+        buttons.append({"label": label, "method": "update",
+                        "args": [{"visible": [v == k for v in visible]},
+                                 {"title.text": lay.title.text, "annotations": lay.annotations or [],
+                                  "shapes": lay.shapes or [], "xaxis.range": lay.xaxis.range,
+                                  "yaxis.range": lay.yaxis.range, "xaxis.tickvals": lay.xaxis.tickvals,
+                                  "xaxis.ticktext": lay.xaxis.ticktext, "yaxis.tickvals": lay.yaxis.tickvals,
+                                  "yaxis.ticktext": lay.yaxis.ticktext}]})
+    top = first.layout.margin.t or 0
+    plot_h = max(1, (first.layout.height or 450) - top - (first.layout.margin.b or 0))
+    fig.update_layout(updatemenus=[{"type": "buttons", "direction": "right", "active": 0, "buttons": buttons,
+                                    "x": 1, "xanchor": "right", "y": 1 + (top - 2) / plot_h, "yanchor": "top",
+                                    "pad": {"r": 4, "t": 0}, "showactive": True, "font": {"size": font, "color": TEXT},
+                                    "bgcolor": "#FFFFFF", "bordercolor": "#555555"}])
+    return fig
+
+
+def phased(record, previous, draw, font: int = PROJECTOR_FONT) -> go.Figure:
+    """``draw(snapshot, events)`` for a step, or for a beam step one figure per phase of
+    ``viz.block_table.selection_phases`` (the copies, then the selection) joined by ``phases_figure``.
+    ``previous``: the record before (the pruned beams' tokens, for the hover; may be None)."""
+    from .block_table import selection_phases
+
+    phases = selection_phases(record, previous)
+    if not phases:
+        return draw(record.snapshot, record.events)
+    return phases_figure([(p["label"], draw(p["snapshot"], p["events"])) for p in phases], font)

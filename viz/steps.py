@@ -21,6 +21,8 @@ import re
 
 import plotly.graph_objects as go
 
+from .block_table import selection_events
+from .colors import request_id_of
 from .plain import figure
 
 # one colour per part of a step (not request colours: this chart is about the step, not who ran)
@@ -267,12 +269,45 @@ def _append_sentence(appends: list) -> str:
 KEY_KINDS = ("cow", "preempt", "swap_out", "swap_in", "prefix_hit", "fork", "wait")
 
 
-def _event_lines(events: list, key_first: bool = False, group_from: int = GROUP_FROM) -> list[tuple[str, str]]:
+def _beams(ids: list[str]) -> str:
+    """Beam ids in short: "R1.b4-b6" for consecutive beams of one request, else a list ("R1.b0, R1.b3")."""
+    m = [re.fullmatch(r"(.+\.b)(\d+)", i) for i in ids]
+    if len(ids) > 2 and all(m) and len({x.group(1) for x in m}) == 1:
+        nums = [int(x.group(2)) for x in m]
+        if nums == list(range(nums[0], nums[0] + len(nums))):
+            return f"{ids[0]}-b{nums[-1]}"
+    return ", ".join(ids)
+
+
+def _selection_sentence(forks: list, pruned: list) -> str:
+    """A beam step's selection in one short sentence (``viz.block_table.selection_events``): the beams kept
+    by forking (grouped by parent, with the blocks they share) and the pruned ones (with the blocks that went
+    back to the free queue), e.g. "beam selection: R1.b4-b6 forked from R1.b0 on blocks [0, 2]; R1.b1-b3
+    pruned, blocks [1, 3, 4] freed" (one line on the presenter's 1920 px screen)."""
+    by_parent: dict[str, list] = {}
+    for e in forks:
+        by_parent.setdefault(e.data["parent"], []).append(e)
+    kept = [f"{_beams([e.request_id for e in kids])} forked from {parent} on blocks {sorted(kids[0].blocks)}"
+            for parent, kids in by_parent.items()]
+    freed = sorted({b for e in pruned for b in e.blocks})
+    back = f"blocks {freed} freed" if freed else "no block freed (all still shared)"
+    gone = [f"{_beams([e.request_id for e in pruned])} pruned, {back}"] if pruned else []
+    return "beam selection: " + "; ".join(kept + gone)
+
+
+def _event_lines(events: list, key_first: bool = False, group_from: int = GROUP_FROM,
+                 snapshot=None) -> list[tuple[str, str]]:
     """(kind, sentence) per decision of a step: see ``event_sentences``."""
+    paged = snapshot is not None and getattr(snapshot, "allocator", "paged") == "paged"
+    forks, pruned = selection_events(events, snapshot) if paged else ([], [])
+    selection = set(map(id, forks + pruned)) if pruned else set()
+    events = [e for e in events if id(e) not in selection]
     by_kind: dict[str, list] = {}
     for e in events:
         by_kind.setdefault(str(e.kind), []).append(e)
     lines, said = [], set()
+    if selection:  # kind "fork": a key moment, said after a copy-on-write
+        lines.append(("fork", _selection_sentence(forks, pruned)))
     for e in events:
         kind = str(e.kind)
         if kind == "append" or kind in said:
@@ -291,11 +326,14 @@ def _event_lines(events: list, key_first: bool = False, group_from: int = GROUP_
     return lines
 
 
-def event_sentences(events: list, key_first: bool = False, group_from: int = GROUP_FROM) -> list[str]:
+def event_sentences(events: list, key_first: bool = False, group_from: int = GROUP_FROM,
+                    snapshot=None) -> list[str]:
     """The allocator's decisions of one step, in order of first appearance: each event's own sentence, or
     one sentence for ``group_from`` or more events of a ``GROUPED_KINDS`` kind; plain appends summed up
-    last. ``key_first``: the sentences of ``KEY_KINDS`` first, in that order (a stable sort)."""
-    return [text for _, text in _event_lines(events, key_first, group_from)]
+    last. A beam step's selection (its forks and the pruned beams' frees, ``snapshot``: the step's, to tell a
+    pruned beam from a finished one) is one "beam selection" sentence. ``key_first``: the sentences of
+    ``KEY_KINDS`` first, in that order (a stable sort)."""
+    return [text for _, text in _event_lines(events, key_first, group_from, snapshot)]
 
 
 def step_sentences(paged, contiguous=None, budget: int | None = None,
@@ -305,7 +343,7 @@ def step_sentences(paged, contiguous=None, budget: int | None = None,
     prefixed "contiguous:". At most ``limit`` sentences: beyond, one more says how many were left out.
     ``key_first`` (the presenter's few lines): the paged step's copy-on-write, preemption, swap and hit
     sentences before the step's parts. ``group_from``: see ``event_sentences``."""
-    events = _event_lines(paged.events, key_first=key_first, group_from=group_from)
+    events = _event_lines(paged.events, key_first=key_first, group_from=group_from, snapshot=paged.snapshot)
     lines = [describe_step(paged, budget)] + [text for _, text in events]
     if key_first and events and events[0][0] in KEY_KINDS:  # the moment first, then what the step computed
         lines = [events[0][1], describe_step(paged, budget)] + [text for _, text in events[1:]]

@@ -15,6 +15,7 @@ Raises ``PeerUnavailable`` when the peer environment is missing or vLLM fails, w
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import os
@@ -70,12 +71,18 @@ def run_vllm(spec: dict, timeout_s: float = 1800) -> dict:
     for case in spec["cases"]:
         key = hashlib.sha256(json.dumps({**extra, "case": case}, sort_keys=True).encode() + driver).hexdigest()[:16]
         paths[case["name"]] = CACHE / f"case-{key}.json"
-    todo = [c for c in spec["cases"] if not paths[c["name"]].exists()]
-    if todo:
-        out = _run_driver({**extra, "cases": todo}, timeout_s)
-        meta = {k: v for k, v in out.items() if k != "cases"}
-        for case in todo:
-            paths[case["name"]].write_text(json.dumps({"meta": meta, "result": out["cases"][case["name"]]}))
+    # One process at a time runs vLLM and fills the cache (scripts/test.sh runs two pytest workers, and two test
+    # files ask for the same cases): the second waits, then finds them cached instead of running vLLM again.
+    with open(CACHE / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        todo = [c for c in spec["cases"] if not paths[c["name"]].exists()]
+        if todo:
+            out = _run_driver({**extra, "cases": todo}, timeout_s)
+            meta = {k: v for k, v in out.items() if k != "cases"}
+            for case in todo:
+                part = paths[case["name"]].with_suffix(".part")
+                part.write_text(json.dumps({"meta": meta, "result": out["cases"][case["name"]]}))
+                os.replace(part, paths[case["name"]])  # a reader never sees half a file
     merged: dict = {}
     for case in spec["cases"]:
         saved = json.loads(paths[case["name"]].read_text())

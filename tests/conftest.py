@@ -45,12 +45,17 @@ TEXT = (
 # tier: unit, property and engine tests, no Streamlit script runs, no server, no browser, no vLLM, no
 # subprocess. The names that give a need away (a module name, or a global a test's code reads):
 NEEDS = {
-    "app": ("AppTest",),  # runs a Streamlit page through streamlit.testing (seconds each)
-    "browser": ("app_url", "serve_app", "sync_playwright", "chromium_page"),  # a server + headless Chromium
+    # the app: a Streamlit page through streamlit.testing, or the app's session object (ui.lab.Lab) stepping presets
+    "app": ("AppTest", "Lab"),
+    # a server + headless Chromium, or kaleido (which drives a headless Chromium) for image exports
+    "browser": ("app_url", "serve_app", "sync_playwright", "kaleido_ok", "run_gif", "run_mp4", "figure_png"),
     "subprocess": ("subprocess",),  # starts another Python (the CLI, a server, a fresh interpreter)
+    # a whole benchmark-sized workload (hundreds of steps), named by its preset or its runner
+    "workload": ("lesson-lengths", "chat-workload", "chat-arrivals", "shared_prefix_requests",
+                 "pressure_run", "chat_paged"),
 }
 # Needs that make a test slow; ``peer`` (vLLM itself) and ``gpu`` are marked on their modules already.
-SLOW_NEEDS = ("app", "browser", "subprocess", "peer")
+SLOW_NEEDS = ("app", "browser", "subprocess", "workload", "peer")
 
 
 def _names_used(obj, module, depth: int = 4, seen: set | None = None) -> set[str]:
@@ -66,7 +71,10 @@ def _names_used(obj, module, depth: int = 4, seen: set | None = None) -> set[str
     while stack:
         c = stack.pop()
         names.update(c.co_names)
-        stack.extend(k for k in c.co_consts if hasattr(k, "co_names"))
+        consts = list(c.co_consts)
+        consts += [x for k in c.co_consts if isinstance(k, (tuple, frozenset)) for x in k]  # a folded list literal
+        names.update(k for k in consts if isinstance(k, str) and len(k) < 40)  # e.g. a preset's name
+        stack.extend(k for k in consts if hasattr(k, "co_names"))
     if depth > 0:
         for name in list(names):
             helper = getattr(module, name, None)
@@ -84,6 +92,10 @@ def _is_test_module(module) -> bool:
 def _needs(item) -> set[str]:
     module = item.module
     names = set(item.fixturenames) | {module.__name__.rsplit(".", 1)[-1]}
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None:  # a parametrized test's values, e.g. the preset it runs
+        names |= {v for v in callspec.params.values() if isinstance(v, str)} | set(callspec.id.split("-"))
+        names.add(callspec.id)
     names |= _names_used(item.function, module)
     for defs in getattr(item, "_fixtureinfo", None).name2fixturedefs.values():
         for fixturedef in defs:

@@ -140,6 +140,12 @@ def test_phases_figure_opens_on_the_copies_with_a_labelled_button_per_phase(beam
     assert len(second) == len(fig.data) and any(second) and not any(v and t.visible for v, t in zip(second, fig.data))
     with pytest.raises(ValueError, match="none"):
         phases_figure([])
+    # the Playground's narrow columns: the buttons in a band of their own under the figure, which grows by it
+    low = phased(record, previous, lambda s, ev: block_table_figure(s, ["R1"], events=ev), font=14, where="bottom")
+    alone = block_table_figure(selection_phases(record, previous)[0]["snapshot"], ["R1"])
+    assert low.layout.updatemenus[0].y < 0 and low.layout.height > alone.layout.height
+    with pytest.raises(ValueError, match="'left'"):
+        phases_figure([("a", alone), ("b", alone)], where="left")
 
 
 @pytest.mark.parametrize("present", [False, True])

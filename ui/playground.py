@@ -617,7 +617,8 @@ def pools(lab, paged, contiguous) -> None:
         st.plotly_chart(phased(paged, None, lambda s, events: block_pool_figure(  # a beam step: two phases
             s, order, decode=decode, highlight=sorted({b for e in events if e.kind != "append" for b in e.blocks}),
             selected=None if selected == "none" else selected, slot_mode=slot_mode,
-            title=title.replace(f"{snap.num_used_blocks}/", f"{s.num_blocks - s.num_free_blocks}/", 1)), font=14),
+            title=title.replace(f"{snap.num_used_blocks}/", f"{s.num_blocks - s.num_free_blocks}/", 1)), font=14,
+            where="bottom"),
                         width="stretch", key="pool")
         if snap.num_swap_blocks:
             st.plotly_chart(swap_pool_figure(snap, order), width="stretch", key="swap")
@@ -678,7 +679,7 @@ def tables_and_text(lab, record, records: list) -> None:
         figure = phased(record, records[-2] if len(records) > 1 else None, lambda s, events: block_table_figure(
             s, lab.order, selected=None if selected == "none" else selected, events=events, decode=decode,
             token=token if token and any(q.seq_id == token[0] and q.block_table for q in s.sequences) else None,
-            title=f"Block tables after step {record.step}: logical -> physical"), font=14)
+            title=f"Block tables after step {record.step}: logical -> physical"), font=14, where="bottom")
         picture.plotly_chart(figure, width="stretch", key="block_tables")
         # drawn only while open (a lazy expander): a table to serialise on every step otherwise
         rows_panel = st.expander("Block tables as rows (logical -> physical)", key="block_rows_open",

@@ -104,13 +104,18 @@ def presenter_sizes(viewport_h: int | None) -> dict:
             "font": round(PROJECTOR_FONT * min(h / BASE_VIEWPORT_H, 2.0))}
 
 
-def phases_figure(phases: list[tuple[str, go.Figure]], font: int = PROJECTOR_FONT) -> go.Figure:
+def phases_figure(phases: list[tuple[str, go.Figure]], font: int = PROJECTOR_FONT, where: str = "top") -> go.Figure:
     """One figure showing one of several moments of a step (``viz.block_table.selection_phases``: the copies,
     then the beam selection), with a button per phase named by its label in the title's line, right-aligned;
     the first phase shown (the one the step's key sentence says). Each phase's traces, title, axes and
-    annotations are its own figure's; every button's text is ``font`` px. Raises ValueError for no phase."""
+    annotations are its own figure's; every button's text is ``font`` px. ``where``: "top" (in the title's
+    line, right-aligned: the presenter's wide, fixed-height figures) or "bottom" (a band of their own under the
+    figure, left-aligned, the figure that much taller: the Playground's narrower columns, where a title fills
+    its line). Raises ValueError for no phase or another ``where``."""
     if not phases:
         raise ValueError("phases_figure needs at least one (label, figure) phase, got none")
+    if where not in ("top", "bottom"):
+        raise ValueError(f"where must be 'top' or 'bottom', got {where!r}")
     if len(phases) == 1:
         return phases[0][1]
     first = phases[0][1]
@@ -134,22 +139,29 @@ def phases_figure(phases: list[tuple[str, go.Figure]], font: int = PROJECTOR_FON
                                   "yaxis.range": lay.yaxis.range, "xaxis.tickvals": lay.xaxis.tickvals,
                                   "xaxis.ticktext": lay.xaxis.ticktext, "yaxis.tickvals": lay.yaxis.tickvals,
                                   "yaxis.ticktext": lay.yaxis.ticktext}]})
-    top = first.layout.margin.t or 0
-    plot_h = max(1, (first.layout.height or 450) - top - (first.layout.margin.b or 0))
+    top, bottom = first.layout.margin.t or 0, first.layout.margin.b or 0
+    height = first.layout.height or 450
+    plot_h = max(1, height - top - bottom)
+    place = {"x": 1, "xanchor": "right", "y": 1 + (top - 2) / plot_h, "yanchor": "top"}
+    if where == "bottom":
+        band = round(font * 1.5 + 16)  # a button's height at this type, and a gap
+        place = {"x": 0, "xanchor": "left", "y": -(bottom + 4) / plot_h, "yanchor": "top"}
+        fig.update_layout(margin_b=bottom + band, height=height + band)
     fig.update_layout(updatemenus=[{"type": "buttons", "direction": "right", "active": 0, "buttons": buttons,
-                                    "x": 1, "xanchor": "right", "y": 1 + (top - 2) / plot_h, "yanchor": "top",
-                                    "pad": {"r": 4, "t": 0}, "showactive": True, "font": {"size": font, "color": TEXT},
-                                    "bgcolor": "#FFFFFF", "bordercolor": "#555555"}])
+                                    **place, "pad": {"r": 4, "t": 0}, "showactive": True,
+                                    "font": {"size": font, "color": TEXT}, "bgcolor": "#FFFFFF",
+                                    "bordercolor": "#555555"}])
     return fig
 
 
-def phased(record, previous, draw, font: int = PROJECTOR_FONT) -> go.Figure:
+def phased(record, previous, draw, font: int = PROJECTOR_FONT, where: str = "top") -> go.Figure:
     """``draw(snapshot, events)`` for a step, or for a beam step one figure per phase of
     ``viz.block_table.selection_phases`` (the copies, then the selection) joined by ``phases_figure``.
-    ``previous``: the record before (the pruned beams' tokens, for the hover; may be None)."""
+    ``previous``: the record before (the pruned beams' tokens, for the hover; may be None); ``where``: the
+    buttons' place (``phases_figure``)."""
     from .block_table import selection_phases
 
     phases = selection_phases(record, previous)
     if not phases:
         return draw(record.snapshot, record.events)
-    return phases_figure([(p["label"], draw(p["snapshot"], p["events"])) for p in phases], font)
+    return phases_figure([(p["label"], draw(p["snapshot"], p["events"])) for p in phases], font, where)

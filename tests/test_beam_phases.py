@@ -168,7 +168,9 @@ def test_the_playground_and_the_stage_draw_the_key_step_in_two_phases(present):
     charts = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
     tables = next(c for c in charts if "block tables" in c["layout"]["title"]["text"].lower())
     pool = next(c for c in charts if "blocks in use" in c["layout"]["title"]["text"] and c is not tables)
-    for fig in (tables, pool):
+    phased = [c for c in charts if c["layout"].get("updatemenus")]
+    assert len(phased) == (2 if present else 3)  # the pool, the tables (and the Playground's slot view)
+    for fig in phased:
         assert [b["label"] for b in fig["layout"]["updatemenus"][0]["buttons"]] == ["1 copies", "2 selection"]
     assert "5/64 blocks in use" in pool["layout"]["title"]["text"]
     shown = {c[2] for t in tables["data"] if t.get("meta", {}).get("role") == "arrows" and t.get("visible") is not False

@@ -625,7 +625,8 @@ def pools(lab, paged, contiguous) -> None:
             st.caption(f"swapped out: {', '.join(snap.swapped) or 'none'}")
     with right:
         st.subheader("Same memory, slot by slot")
-        st.plotly_chart(paged_slots_figure(snap, order), width="stretch", key="paged_slots")
+        st.plotly_chart(phased(paged, None, lambda s, events: paged_slots_figure(s, order), font=14, where="bottom"),
+                        width="stretch", key="paged_slots")
         if contiguous is not None:
             st.plotly_chart(contiguous_region_figure(contiguous.snapshot.contiguous, order,
                                                      lab.contiguous_final_lengths()),

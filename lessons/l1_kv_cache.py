@@ -240,7 +240,7 @@ def exercises(ctx) -> dict[str, Exercise]:
         "run_bytes": Exercise(
             "run_bytes",
             f"The engine has just picked the {ordinal(new)} and last new token of that request. How many **bytes** of KV "
-            "cache does the request hold at that moment (before it hands its memory back)?", "number", held,
+            "cache does the request store at that moment (before it hands its memory back)?", "number", held,
             unit="bytes",
             explanation=(f"Prefill stored the {prompt} prompt tokens and picked the first new token; each of the "
                          f"next {len(steps) - 1} steps stored the token picked before it and picked one more. "

@@ -433,7 +433,7 @@ def _outcome_exercises(ctx, rec_run, swap_run, roomy, ids) -> dict[str, Exercise
             "m_fallback", f"Swap mode again, but the CPU swap pool now has room for only {TINY_SWAP} "
             f"block{'s' * (TINY_SWAP != 1)}. When the pool runs out, what does this engine's scheduler do?", "choice",
             fallback_answer, options=list(FALLBACK_OPTIONS.values()), tags={"transfer"},
-            explanation=((f"The engine ran it: *{tp['event'].message}*" if tp["event"] is not None else
+            explanation=((f"The engine ran it: *{tp['event'].message.rstrip()}*{'' if tp['event'].message.rstrip().endswith(('.', '!', '?')) else '.'}" if tp["event"] is not None else
                           "The engine ran it: nobody was preempted.")
                          + f" That is this engine's choice; in vLLM V0 {V0_SWAP_ERROR}. vLLM V1 has no swap: it only "
                          "recomputes."),

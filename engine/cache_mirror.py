@@ -91,6 +91,7 @@ class PrefixCacheMirror:
     num_notes: int = 0       # notes written so far (``notes`` keeps the last 200): a reader prints the new ones
     stale: str | None = None
     starts_at: int | None = None
+    first_seq: int | None = None  # the first batch applied (since the last restart)
     _num_blocks: int = 0
     _order: deque = field(default_factory=deque, repr=False)  # hashes by first store, for the cap (may hold gone ones)
     _restarted: bool = False
@@ -119,6 +120,8 @@ class PrefixCacheMirror:
         self.total_stored += stored
         self.total_removed += removed
         self.num_batches += 1
+        if self.first_seq is None:
+            self.first_seq = seq
         self.last_seq = seq
         cleared, self._restarted = cleared or self._restarted, False
         summary = BatchSummary(seq=seq, ts=ts, stored=stored, removed=removed, cleared=cleared,
@@ -204,6 +207,7 @@ class PrefixCacheMirror:
         self._restarted = True
         self.stale = None
         self.starts_at = None
+        self.first_seq = None
 
     def mark_stale(self, text: str) -> None:
         """Keep the blocks on screen but say they are no longer the server's (e.g. it restarted: its cache is

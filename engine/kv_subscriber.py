@@ -39,11 +39,13 @@ reconnect event within ``DROP_GRACE_S`` is taken for it, counted as malformed, s
 reconnects itself (``disconnect`` + ``connect``); batches sent meanwhile are a gap, replayed or lost as
 any gap.
 
-A restart is seen two ways. The connection drops and a handshake succeeds again (a running ZMQ publisher
+A restart is seen one way: the connection drops and a handshake succeeds again (a running ZMQ publisher
 never closes a subscriber's connection, so the peer is a new process, whose cache is empty): the view is
 marked at once (``mirror.mark_stale``) and cleared when the new publisher's first batch arrives (the
-catch-up on the replay socket then asks from batch 0). Or, without a drop seen, a live sequence number not
-above the last one. The first batch applied after either is flagged ``restart`` in the capture.
+catch-up on the replay socket then asks from batch 0); that batch is flagged ``restart`` in the capture. A
+live sequence number not above the last one on a connection that never dropped is a duplicate or
+out-of-order batch: skipped and counted as malformed, the view kept. A number more than ``MAX_SEQ_JUMP``
+past the last one is skipped the same way, not counted as lost batches.
 """
 
 from __future__ import annotations
@@ -64,6 +66,10 @@ from .records import plural
 
 SILENT_AFTER_S = 5.0  # "live" turns "idle" after this long without a batch
 DROP_GRACE_S = 0.5  # a drop with no reconnect event within this long was a protocol error (see above)
+# A live batch more than this many numbers past the last one is not a gap but a corrupt sequence number:
+# vLLM's publisher buffers 10,000 batches for replay (ZmqEventPublisher's buffer_steps), so no real gap that
+# could be told apart from a broken number is larger.
+MAX_SEQ_JUMP = 10_000
 RESTARTED = "server restarted: the cache shown is from before; the server's is empty"
 MAX_REPLAY_ROUNDS = 100  # replay requests per gap (each round brings at least one batch, or ends)
 
@@ -337,7 +343,8 @@ class KVEventSubscriber:
             return None
         seq = int.from_bytes(frames[1], "big")
         if not replayed:
-            self._check_sequence(seq)
+            if not self._check_sequence(seq):
+                return seq
             self._live_last = seq
         if self._last_seq is not None and seq <= self._last_seq:
             return seq  # already applied (a replay overlapping the live stream)
@@ -366,17 +373,20 @@ class KVEventSubscriber:
             self._on_raw(raw)
         return seq
 
-    def _check_sequence(self, seq: int) -> None:
+    def _check_sequence(self, seq: int) -> bool:
+        """False when the live batch ``seq`` is skipped: a duplicate or out-of-order batch (a number not above
+        the last live one while the connection never dropped: a real restart drops it first, see
+        ``_restarted``), or an impossible jump (more than MAX_SEQ_JUMP past the last one)."""
         if self._live_last is not None and seq <= self._live_last:
-            # One publisher's live sequence numbers only grow (PUB keeps order; a gap skips some), so a
-            # number not above the last live one means a new publisher: the server restarted.
-            with self._lock:
-                self.mirror.restart(seq)
-                self._flag_restart = True
-            self._error(f"the publisher restarted (sequence number {seq} after {self._live_last}); the view "
-                        f"starts afresh")
-            self._last_seq = None
-            self._live_last = None
+            self._malformed(f"batch {seq}: a duplicate or out-of-order batch (sequence number {seq} after "
+                            f"{self._live_last} on a connection that never dropped); the view is kept")
+            return False
+        last = self._last_seq if self._last_seq is not None else self._live_last
+        if last is not None and seq - last - 1 > MAX_SEQ_JUMP:
+            self._malformed(f"batch {seq}: sequence number jumped from {last} to {seq}: not counted as lost "
+                            f"(more than {MAX_SEQ_JUMP:,} batches at once, more than vLLM's replay buffer "
+                            f"holds: not a real gap)")
+            return False
         last = self._last_seq
         if last is None:
             if seq > 0 and self.replay_endpoint is None:
@@ -395,17 +405,18 @@ class KVEventSubscriber:
                         self.mirror.starts_at = seq
                     self.note(f"joined at batch {seq}; the replay socket {self.replay_endpoint} did not answer "
                               f"within {self._replay_timeout_ms / 1000:g} s, so batches 0-{seq - 1} are missing")
-                    return
+                    return True
                 self._count_unbuffered(0, r)
                 self.note(f"joined at batch {seq}; {plural(r.applied, 'earlier batch', 'earlier batches')} came from "
                           f"the replay socket")
-            return
+            return True
         if seq > last + 1:
             recovered = self._replay(last + 1, seq).applied
             with self._lock:
                 self.gaps += 1
                 self.lost += seq - (last + 1) - recovered
                 self.mirror.note_gap(last + 1, seq, recovered)
+        return True
 
     def _catch_up(self) -> None:
         """On every (re)connect: batches published before the subscription reached the publisher (ZMQ's

@@ -80,7 +80,12 @@ def state_lines(mirror: PrefixCacheMirror, decode=None, max_roots: int = 8) -> l
         lines.append(f"  ... {len(roots) - max_roots} more roots")
     lines += [f"  note: {n}" for n in mirror.notes[-5:]]
     if mirror.unknown_removals:
-        lines.append(f"  note: {mirror.unknown_removals} removals of blocks stored before the watch began")
+        if mirror.first_seq == 0 and mirror.starts_at is None and mirror.lost_batches == 0:
+            lines.append(f"  note: {mirror.unknown_removals} removals of blocks never stored (unknown hashes: "
+                         f"this watch saw every batch from #0)")
+        else:
+            lines.append(f"  note: {mirror.unknown_removals} removals of blocks stored before the watch began "
+                         f"(or in batches it missed)")
     return lines
 
 

@@ -462,3 +462,56 @@ def test_a_restart_with_a_replay_endpoint_catches_up_from_the_new_publishers_fir
     finally:
         sub.stop()
         p.close()
+
+
+# --- trial after issue 23: impossible jumps, duplicates, removals of unknown blocks ----------------------
+
+
+def test_an_impossible_sequence_jump_is_not_counted_as_lost_and_the_watch_goes_on():
+    pub, port = raw_pub()
+    sub = KVEventSubscriber(f"tcp://127.0.0.1:{port}")
+    try:
+        subscribed(sub)
+        msgs = [frames(s, encode_batch([stored(s + 1)])) for s in range(3)]
+        msgs += [frames(2**64 - 2, encode_batch([stored(99)])), frames(3, encode_batch([stored(4)]))]
+        assert send_until(pub, sub, msgs, lambda v: v.mirror.last_seq == 3)
+        v = sub.view()
+        assert v.lost == 0 and v.gaps == 0 and v.mirror.lost_batches == 0, (v.lost, v.gaps)
+        assert v.malformed == 1 and v.received == 4 and v.mirror.num_blocks == 4
+        assert any(f"sequence number jumped from 2 to {2**64 - 2}: not counted as lost" in e for e in v.errors)
+    finally:
+        sub.stop()
+        pub.close()
+
+
+def test_a_repeated_old_seq_on_the_same_connection_is_a_skipped_duplicate_not_a_restart():
+    pub, port = raw_pub()
+    sub = KVEventSubscriber(f"tcp://127.0.0.1:{port}")
+    try:
+        subscribed(sub)
+        msgs = [frames(s, encode_batch([stored(s + 1)])) for s in range(16)]
+        msgs += [frames(13, encode_batch([stored(500)])), frames(16, encode_batch([stored(17)]))]
+        assert send_until(pub, sub, msgs, lambda v: v.mirror.last_seq == 16)
+        v = sub.view()
+        assert v.mirror.num_blocks == 17 and v.received == 17 and v.malformed == 1
+        assert v.mirror.starts_at is None and v.lost == 0
+        assert not any("joined at" in n or "restarted" in n for n in v.mirror.notes), v.mirror.notes
+        assert not any("restarted" in e for e in v.errors), v.errors
+        assert any("batch 13: a duplicate or out-of-order batch" in e for e in v.errors), v.errors
+    finally:
+        sub.stop()
+        pub.close()
+
+
+def test_a_removal_of_a_hash_never_stored_in_a_complete_watch_is_called_unknown():
+    from engine.watch import state_lines
+
+    m = PrefixCacheMirror()
+    m.apply(0, 0.0, [stored(1)])
+    m.apply(1, 0.0, [{"type": "BlockRemoved", "block_hashes": [format(77, "064x")], "medium": "GPU"}])
+    text = "\n".join(state_lines(m))
+    assert "1 removals of blocks never stored" in text and "before the watch began" not in text, text
+    late = PrefixCacheMirror()
+    late.starts_at = 5
+    late.apply(5, 0.0, [{"type": "BlockRemoved", "block_hashes": [format(77, "064x")], "medium": "GPU"}])
+    assert "before the watch began" in "\n".join(state_lines(late))

@@ -63,6 +63,8 @@ class Exercise:
         tags: "transfer" (a situation the text has not worked through, answered by the engine running it)
             and/or "allocator" (the learner acts as the block manager or scheduler: picks blocks, writes a
             table, names a victim).
+        source: who gave ``expected``, named in the verdict ("the engine says ..."); a measurement taken
+            elsewhere (e.g. lesson 3's kernel timings from an H200) names itself instead.
     """
 
     id: str
@@ -76,6 +78,7 @@ class Exercise:
     unit: str = ""
     slips: list[Slip] = field(default_factory=list)
     tags: frozenset = frozenset()
+    source: str = "the engine"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -122,11 +125,11 @@ class Exercise:
         value = self.parse(answer)
         shown = format_value(self.expected, self.unit)
         if self._matches(value):
-            return Verdict(True, f"Correct: the engine agrees, {shown}.")
+            return Verdict(True, f"Correct: {self.source} agrees, {shown}.")
         slip = self.slip_for(value)
         if slip is not None:
-            return Verdict(False, f"{slip.message} The engine says {shown}.", slip.name)
-        return Verdict(False, f"Not quite: the engine says {shown}.")
+            return Verdict(False, f"{slip.message} {self.source[:1].upper()}{self.source[1:]} says {shown}.", slip.name)
+        return Verdict(False, f"Not quite: {self.source} says {shown}.")
 
     def _matches(self, value: Any, target: Any = _UNSET) -> bool:
         """Whether a parsed answer equals ``target`` (default: the engine's answer), by this kind's rule."""

@@ -453,6 +453,7 @@ def exercises(ctx) -> dict[str, Exercise]:
                          f"{k.times[KERNEL_REF]:.1f} µs at *B* = {KERNEL_REF}, {_signed(k_rel)} "
                          f"({k.gpu}, run of {k.date}, `{k.source}`). The kernel gathers keys and values in tiles of "
                          "many tokens, row by row through the table, whatever the block size."),
+            source=f"the {k.gpu} measurement ({k.date})",
             slips=[Slip(f"band-{i}", label, k_msgs[label]) for i, (*_, label) in enumerate(KERNEL_BANDS)
                    if label != k_answer]),
     }

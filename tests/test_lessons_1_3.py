@@ -109,7 +109,8 @@ def test_every_slip_is_named_with_its_message(exs, slug):
                 verdict = ex.check(answer)
                 assert not verdict.correct, (ex.id, slip.name)
                 assert verdict.slip == slip.name, f"{ex.id}: {slip.name} is shadowed by {verdict.slip}"
-                assert slip.message in verdict.message and "The engine says" in verdict.message
+                says = f"{ex.source[:1].upper()}{ex.source[1:]} says"  # "The engine says", or the measurement
+                assert slip.message in verdict.message and says in verdict.message
             assert len(slip.message) > 20 and slip.message.rstrip().endswith((".", ")")), (ex.id, slip.name)
 
 
@@ -311,7 +312,7 @@ def test_page_answered_in_order_a_slip_then_the_right_answer(exs, facts, slug):
         assert f"{i + 1} of {n} predictions made, {i} right" in at.caption[0].value
         next(b for b in at.button if b.key == f"again-{key}").click().run()
         _commit(at, key, ex, ex.expected)
-        assert any("engine agrees" in s.value for s in at.success)
+        assert any(f"{ex.source} agrees" in s.value for s in at.success)
     assert f"{n} of {n} predictions made, {n} right (0 at the first try)" in at.caption[0].value
     assert not at.error and not any("to go on" in i.value for i in at.info)
     nxt = catalog()[catalog().index(lesson) + 1]

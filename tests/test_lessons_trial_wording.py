@@ -29,3 +29,18 @@ def test_lesson5_fallback_reveal_ends_the_engines_message_before_the_next_senten
 def test_lesson1_kv_bytes_question_asks_what_the_request_stores(ctx):
     ex = importlib.import_module("lessons.l1_kv_cache").exercises(ctx)["run_bytes"]
     assert "does the request store" in ex.question and "hold" not in ex.question
+
+
+def test_lesson3_kernel_speed_verdict_names_the_measurement_not_the_engine(ctx):
+    l3 = importlib.import_module("lessons.l3_block_tables")
+    ex = l3.exercises(ctx)["kernel_speed"]
+    gpu = l3.kernel_sweep().gpu if hasattr(l3, "kernel_sweep") else "H200"
+    wrong = next(o for o in ex.options if o != ex.expected)
+    for verdict in (ex.check(ex.expected), ex.check(wrong)):
+        assert "engine" not in verdict.message.lower(), verdict.message
+        assert gpu in verdict.message and "measurement" in verdict.message, verdict.message
+
+
+def test_other_exercises_still_name_the_engine(ctx):
+    ex = importlib.import_module("lessons.l1_kv_cache").exercises(ctx)["run_bytes"]
+    assert ex.check(ex.expected).message.startswith("Correct: the engine agrees")

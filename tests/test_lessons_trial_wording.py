@@ -44,3 +44,15 @@ def test_lesson3_kernel_speed_verdict_names_the_measurement_not_the_engine(ctx):
 def test_other_exercises_still_name_the_engine(ctx):
     ex = importlib.import_module("lessons.l1_kv_cache").exercises(ctx)["run_bytes"]
     assert ex.check(ex.expected).message.startswith("Correct: the engine agrees")
+
+
+# At 1280 px the sidebar shows "2. Contiguous allocation's waste" (29 characters after "2. ") whole and cut
+# "7. Continuous batching, chunked prefill" after "chunked pr" (the learner trial): 29 is the longest known to fit.
+SIDEBAR_FITS = len("Contiguous allocation's waste")
+
+
+def test_every_sidebar_label_fits_the_sidebar_at_1280px():
+    from lessons import catalog
+
+    for lesson in catalog():
+        assert len(lesson.nav_title) <= SIDEBAR_FITS, (lesson.number, lesson.nav_title, len(lesson.nav_title))

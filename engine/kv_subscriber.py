@@ -156,6 +156,11 @@ class KVEventSubscriber:
         self.capture_dropped = 0
         self.received = self.replayed = self.malformed = self.gaps = self.lost = 0
         self.errors: deque[str] = deque(maxlen=50)  # the last is ``last_error``
+        # notes, errors and applied batches in the order they happened: ("note" | "error", text) or
+        # ("batch", BatchSummary); ``num_logged`` counts all ever logged (the deque keeps the last 2,000)
+        self.log: deque[tuple[str, object]] = deque(maxlen=2000)
+        self.num_logged = 0
+        self._notes_logged = 0  # mirror notes already copied into ``log``
         self.last_batch_at: float | None = None
         self._last_seq: int | None = None   # the last batch applied (live or replayed)
         self._live_last: int | None = None  # the last batch received on the live socket
@@ -361,7 +366,8 @@ class KVEventSubscriber:
                 self.mirror.restart(seq)
                 self._restart_pending, self._flag_restart = False, True
             raw.restart, self._flag_restart = self._flag_restart, False
-            self.mirror.apply(seq, batch.ts, batch.events, replayed=replayed)
+            summary = self.mirror.apply(seq, batch.ts, batch.events, replayed=replayed)
+            self._log("batch", summary)
             self.received += 1
             self.replayed += replayed
             self.last_batch_at = raw.recv_ts
@@ -445,6 +451,28 @@ class KVEventSubscriber:
     def note(self, text: str) -> None:
         with self._lock:
             self.mirror.note(text)
+            self._log_notes()
+
+    def _log(self, kind: str, item) -> None:
+        """Under the lock: append to ``log`` (after any mirror notes not yet copied there)."""
+        if kind != "note":
+            self._log_notes()
+        self.log.append((kind, item))
+        self.num_logged += 1
+
+    def _log_notes(self) -> None:
+        new = self.mirror.num_notes - self._notes_logged
+        if self.mirror.num_notes < self._notes_logged:  # a fresh mirror
+            new = self.mirror.num_notes
+        for n in (self.mirror.notes[-new:] if new > 0 else []):
+            self._log("note", n)
+        self._notes_logged = self.mirror.num_notes
+
+    def log_since(self, n: int) -> tuple[list[tuple[str, object]], int]:
+        """The log entries after the first ``n`` ever logged (those the deque still holds), and the new total."""
+        with self._lock:
+            fresh = min(self.num_logged - n, len(self.log))
+            return (list(self.log)[-fresh:] if fresh > 0 else []), self.num_logged
 
     def _replay(self, start: int, until: int | None) -> _ReplayResult:
         """Ask the replay socket for batches from ``start`` (up to ``until - 1``, or all it has when None)
@@ -514,6 +542,7 @@ class KVEventSubscriber:
     def _error(self, text: str) -> None:
         with self._lock:
             self.errors.append(text)
+            self._log("error", text)
 
     def _close(self) -> None:
         try:

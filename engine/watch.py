@@ -160,9 +160,7 @@ def watch(args, out=None) -> int:
     stop = {"now": False}
     previous = signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
     start = time.monotonic()
-    shown = {s.rank: 0 for s in subs}     # batches printed per rank
-    errors = {s.rank: 0 for s in subs}
-    notes = {s.rank: 0 for s in subs}     # mirror notes printed per rank (``num_notes``)
+    logged = {s.rank: 0 for s in subs}    # log entries printed per rank (``KVEventSubscriber.log``)
     states = {s.rank: None for s in subs}
     print(f"watching {', '.join(args.endpoints)} (Ctrl-C to stop)", file=out, flush=True)
     try:
@@ -174,18 +172,13 @@ def watch(args, out=None) -> int:
                     states[s.rank] = v.state
                     said = {"not_publisher": "not a KV event publisher"}.get(v.state, v.state)
                     print(f"rank {s.rank}  {s.endpoint}: {said}", file=out, flush=True)
-                # notes first: a join, a gap or a restart is noted before the batch that showed it is applied
-                new_notes = v.mirror.num_notes - notes[s.rank]
-                for n in (v.mirror.notes[-new_notes:] if new_notes > 0 else []):
-                    print(f"rank {s.rank}  note: {n}", file=out, flush=True)
-                notes[s.rank] = v.mirror.num_notes
-                fresh = v.mirror.num_batches - shown[s.rank]
-                for h in (list(v.mirror.history)[-fresh:] if fresh > 0 else []):
-                    print(summary_line(s.rank, h), file=out, flush=True)
-                shown[s.rank] = v.mirror.num_batches
-                for e in v.errors[errors[s.rank]:]:
-                    print(f"rank {s.rank}  {e}", file=out, flush=True)
-                errors[s.rank] = len(v.errors)
+                # notes, errors and batches in the order they happened (a join, a gap or a restart is
+                # noted before the batch that showed it is applied)
+                entries, logged[s.rank] = s.log_since(logged[s.rank])
+                for kind, item in entries:
+                    print(summary_line(s.rank, item) if kind == "batch" else
+                          f"rank {s.rank}  note: {item}" if kind == "note" else f"rank {s.rank}  {item}",
+                          file=out, flush=True)
                 total += v.mirror.num_batches
             if args.max_batches is not None and total >= args.max_batches:
                 break

@@ -515,3 +515,20 @@ def test_a_removal_of_a_hash_never_stored_in_a_complete_watch_is_called_unknown(
     late.starts_at = 5
     late.apply(5, 0.0, [{"type": "BlockRemoved", "block_hashes": [format(77, "064x")], "medium": "GPU"}])
     assert "before the watch began" in "\n".join(state_lines(late))
+
+
+def test_watch_prints_notes_errors_and_batches_in_the_order_they_arrived():
+    msgs = [frames(s, encode_batch([stored(s + 1)])) for s in range(3)]
+    msgs += [frames(s, NESTED_1K) for s in range(3, 7)] + [frames(7, encode_batch([stored(8)]))]
+    x = XPub(msgs)
+    out = io.StringIO()
+    try:
+        assert watch_cli(watch_args(x.endpoint, max_batches=4, duration=10.0), out=out) == 0
+    finally:
+        x.close()
+    lines = out.getvalue().splitlines()
+    order = [next(i for i, line in enumerate(lines) if line.startswith(f"rank 0  skipped batch {s}:"))
+             for s in range(3, 7)]
+    b2 = next(i for i, line in enumerate(lines) if line.startswith("rank 0  #2 "))
+    b7 = next(i for i, line in enumerate(lines) if line.startswith("rank 0  #7 "))
+    assert b2 < order[0] < order[1] < order[2] < order[3] < b7, lines

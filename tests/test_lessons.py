@@ -77,7 +77,8 @@ def test_each_checker_accepts_the_engine_answer_and_rejects_a_wrong_one(ctx, les
         text = ", ".join(map(str, ex.expected)) if isinstance(ex.expected, list) else str(ex.expected)
         assert ex.check(text).correct, f"{ex.id}: the answer typed as text"
         verdict = ex.check(_wrong(ex))
-        assert not verdict.correct and "the engine says" in verdict.message.lower(), ex.id
+        # The verdict names who gave the answer: the engine, or the measurement the exercise quotes.
+        assert not verdict.correct and f"{ex.source} says".lower() in verdict.message.lower(), (ex.id, verdict.message)
 
 
 def test_answer_parsing_and_errors():

@@ -126,3 +126,56 @@ def test_a_lost_report_is_sent_again(short_cache_url):
         assert s["shown"] == (3, 3) and s["recorded"] == s["pagedSteps"] == s["contiguousSteps"] == 3, s
         assert not page.fatal
         browser.close()
+
+
+def _counter_page(pw):
+    """A blank page with the stage counter's module loaded and ``window.mount(data)`` mounting it as
+    Streamlit does (a fake component: its reports collected in ``window.sent``); returns (browser, page)."""
+    from ui.state import _stage_js
+
+    browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+    page = browser.new_page()
+    page.set_content("<html><body><div id='parent'></div><textarea></textarea></body></html>")
+    page.evaluate("""async (src) => {
+        const mod = await import(URL.createObjectURL(new Blob([src], { type: "text/javascript" })));
+        window.sent = [];
+        window.mount = (data) => { window.cleanup = mod.default({ data, parentElement: document.getElementById("parent"),
+            setStateValue: (key, value) => window.sent.push([key, value]) }); };
+    }""", _stage_js())
+    return browser, page
+
+
+def _reports(page) -> list[int]:
+    return page.evaluate("() => window.sent.filter(([k]) => k === 'presses').map(([, v]) => v.n)")
+
+
+def test_a_remount_keeps_the_presses_not_yet_handled():
+    """Streamlit unmounts the counter and mounts it again within one redraw when a run is cut short by the
+    next press (seen under load: 3 presses of a 60-press burst lost, the new counter starting from what the
+    server had handled). The presses counted before the unmount, and those between it and the next mount, are
+    kept and reported by the new mount; with no mount after it, the counter lets go of the keys."""
+    from playwright.sync_api import sync_playwright
+
+    from ui.state import TEARDOWN_MS
+
+    with sync_playwright() as pw:
+        browser, page = _counter_page(pw)
+        page.evaluate("() => window.mount({ token: 'lab', handled: 0 })")
+        for _ in range(3):
+            page.keyboard.press("PageDown")
+        assert _reports(page) == [1, 2, 3]
+        page.evaluate("() => { window.cleanup(); }")
+        page.keyboard.press("PageUp")  # between the unmount and the mount: counted, not yet sent
+        assert _reports(page) == [1, 2, 3]
+        page.evaluate("() => window.mount({ token: 'lab', handled: 1 })")  # the server had run one press
+        assert _reports(page)[-1] == 4, _reports(page)
+        assert page.evaluate("() => window.__pagedAttentionStage.log") == "FFFB"
+        page.evaluate("() => window.mount({ token: 'lab', handled: 4 })")  # a redraw, all handled: no report
+        assert _reports(page) == [1, 2, 3, 4]
+        # left for good: after TEARDOWN_MS the keys are the page's again
+        page.evaluate("() => { window.cleanup(); }")
+        page.wait_for_timeout(TEARDOWN_MS + 300)
+        assert page.evaluate("() => window.__pagedAttentionStage === undefined")
+        page.keyboard.press("PageDown")
+        assert _reports(page) == [1, 2, 3, 4]
+        browser.close()

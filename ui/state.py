@@ -209,6 +209,13 @@ export default function (component) {
   const LOG = 256;
   const w = window;
   let g = w.__pagedAttentionStage;
+  // Streamlit can unmount the counter and mount it again within one redraw (a run interrupted by the next
+  // press clears the fragment's elements it had not drawn yet): the counter, with the presses not yet
+  // handled, outlives that, and is torn down only when no mount follows (the Playground was left).
+  if (g && g.teardown) {
+    clearTimeout(g.teardown);
+    g.teardown = null;
+  }
   if (!g) {
     g = { token: null, n: 0, log: "", send: null, owner: null, root: null, acked: 0, resent: 0, retry: null,
           delay: RETRY_MS };
@@ -279,6 +286,7 @@ export default function (component) {
     }
     w.__pagedAttentionStage = g;
   }
+  const remounted = !g.owner;  // the first mount, or one after an unmount (which let go of the counter)
   const owner = {};
   g.owner = owner;
   g.send = setStateValue;
@@ -291,6 +299,8 @@ export default function (component) {
     g.n = handled;
   }
   g.acked = handled;  // what the server has run of this lab's presses: the rest are re-sent until it has
+  // presses counted while unmounted (or whose report went through the old mount's sender): reported now
+  if (remounted && g.n > g.acked) g.report();
   g.watch();
   let root = parentElement.querySelector(".paged-attention-stage");
   if (!root) {
@@ -320,13 +330,17 @@ export default function (component) {
   for (const [k, v] of Object.entries((data && data.attrs) || {})) root.dataset[k] = String(v);
   root.dataset.sent = String(g.n);
   return () => {
-    if (w.__pagedAttentionStage === g && g.owner === owner) {
+    if (w.__pagedAttentionStage !== g || g.owner !== owner) return;  // a newer mount owns the counter
+    g.owner = null;
+    g.send = null;  // presses from now on are counted and reported by the next mount
+    g.teardown = setTimeout(() => {
+      if (w.__pagedAttentionStage !== g || g.owner) return;
       clearTimeout(g.retry);
       w.removeEventListener("keydown", g.onKey, true);
       w.removeEventListener("click", g.onClick, true);
       if (g.onResize) w.removeEventListener("resize", g.onResize);
       delete w.__pagedAttentionStage;
-    }
+    }, TEARDOWN_MS);
   };
 }
 """
@@ -336,6 +350,9 @@ _stage_component = None
 # the class load test's p95 (1.3 s), so a slow answer is rarely asked twice; a second ask only redraws the stage.
 RETRY_MS = 2000
 RETRY_MAX_MS = 8000
+# An unmounted counter keeps counting this long (ms) for the mount that follows it within one redraw; with none
+# (the Playground was left), it then stops taking PageDown / PageUp / P / N and the stage's clicks.
+TEARDOWN_MS = 1000
 
 
 def _stage_js() -> str:
@@ -346,7 +363,8 @@ def _stage_js() -> str:
     return (f"const KEY = {json.dumps(STAGE_KEY)};\n"
             f"const BUTTONS = {json.dumps(', '.join('.' + c for c in kinds))};\n"
             f"const KINDS = {json.dumps(kinds)};\n"
-            f"const RETRY_MS = {RETRY_MS}, RETRY_MAX_MS = {RETRY_MAX_MS};\n" + _STAGE_JS)
+            f"const RETRY_MS = {RETRY_MS}, RETRY_MAX_MS = {RETRY_MAX_MS}, TEARDOWN_MS = {TEARDOWN_MS};\n"
+            + _STAGE_JS)
 
 
 def _stage():

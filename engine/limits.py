@@ -10,10 +10,16 @@ process, so one student's form must never take the process down for everyone. In
 - every size a form can set is capped (``ClassLimits``: ``num_blocks``, ``block_size``, ``max_model_len``,
   ``swap_space_blocks``, ``kv_budget_bytes``, ``max_num_batched_tokens``, requests per engine), checked when
   an ``EngineConfig`` is built, so before any allocation;
-- everything one session keeps is charged, before anything is allocated, to a per-session budget (its
-  share): the host memory still available (``engine.memory.available_host_memory_bytes``: free RAM or the
-  container's cgroup limit, whichever is smaller) divided by the seats (``PAL_CLASS_SEATS``, default 30),
-  or ``PAL_SESSION_MEMORY_MB`` when that is smaller. The charge (``plan_session``) is the KV pools a
+- the server's memory for sessions (``server_memory_bytes``: ``PAL_CLASS_MEMORY_MB``, else the host memory
+  available when the first session reserved (``engine.memory.available_host_memory_bytes``: free RAM or the
+  container's cgroup limit, whichever is smaller), at most seats x ``PAL_SESSION_MEMORY_MB`` when that is set)
+  is shared by the seats (``PAL_CLASS_SEATS``, default 30): one session's share is that over the seats, or
+  ``PAL_SESSION_MEMORY_MB`` when smaller (``session_budget_bytes``). A session RESERVES its share in the
+  server-wide ``ShareRegistry`` before its lab runs (every worker process of ``scripts/class_server.py``
+  reserves in one flock'd file, ``PAL_MEMORY_STATE``), holds it while it has a lab and gives it back when
+  its lab is released; the registry grants nothing beyond the total, so all sessions together, on all
+  workers, stay within it, and a session that finds no share free is refused saying how much is free and
+  how many seats are held (``NoShareFree``). The charge (``plan_session``) is the KV pools a
   Playground lab allocates (the paged pool plus its swap pool, and the contiguous baseline's region of the
   same bytes), the engines' state for the run's sequences, Streamlit's own session, and the recorded steps
   (StepRecords with their snapshots, the baseline's too) at a bound per step calibrated by measurement
@@ -34,13 +40,22 @@ Errors are ``ValueError`` naming the field, the value asked for and the limit.
 
 from __future__ import annotations
 
+import fcntl
+import json
+import logging
 import os
+import socket
+import threading
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 CLASS_SERVER_ENV = "PAL_CLASS_SERVER"
 ALLOWED_MODELS_ENV = "PAL_ALLOWED_MODELS"
 SEATS_ENV = "PAL_CLASS_SEATS"
 SESSION_MEMORY_ENV = "PAL_SESSION_MEMORY_MB"
+CLASS_MEMORY_ENV = "PAL_CLASS_MEMORY_MB"
+MEMORY_STATE_ENV = "PAL_MEMORY_STATE"
 HISTORY_STEPS_ENV = "PAL_HISTORY_STEPS"
 IDLE_MINUTES_ENV = "PAL_IDLE_MINUTES"
 CLOSED_SECONDS_ENV = "PAL_CLOSED_SECONDS"
@@ -95,7 +110,8 @@ class ClassLimits:
     count), ``history_steps`` recorded steps kept per session (fewer when a run's steps are large:
     ``plan_session``), ``idle_minutes`` before an idle session's lab is released, ``closed_seconds`` after
     its tab closed (its websocket gone) before a session's lab is released, ``seats`` sessions the memory is shared by, ``session_memory_bytes`` an explicit
-    per-session cap (None: derived from the free memory), ``allowed_models`` resolved folders besides the
+    per-session cap (None: derived from the free memory), ``class_memory_bytes`` all sessions' memory
+    together (None: ``server_memory_bytes`` measures it), ``allowed_models`` resolved folders besides the
     embedded model.
     """
 
@@ -111,6 +127,7 @@ class ClassLimits:
     closed_seconds: float = 10.0
     seats: int = 30
     session_memory_bytes: int | None = None
+    class_memory_bytes: int | None = None
     allowed_models: tuple[str, ...] = field(default_factory=tuple)
 
     # the EngineConfig fields a form sets, with their caps
@@ -146,11 +163,13 @@ def class_limits() -> ClassLimits | None:
         raise ValueError(f"{ALLOWED_MODELS_ENV}: {missing[0]!r} is not a local folder (list model folders "
                          f"separated by {os.pathsep!r})")
     memory_mb = _env_number(SESSION_MEMORY_ENV, 0, 0)
+    class_mb = _env_number(CLASS_MEMORY_ENV, 0, 0)
     return ClassLimits(history_steps=int(_env_number(HISTORY_STEPS_ENV, 500, 10)),
                        idle_minutes=_env_number(IDLE_MINUTES_ENV, 20.0, 0.1),
                        closed_seconds=_env_number(CLOSED_SECONDS_ENV, 10.0, 0),
                        seats=int(_env_number(SEATS_ENV, 30, 1)),
                        session_memory_bytes=int(memory_mb * MIB) if memory_mb else None,
+                       class_memory_bytes=int(class_mb * MIB) if class_mb else None,
                        allowed_models=allowed)
 
 
@@ -217,30 +236,49 @@ def check_request_count(held: int, adding: int = 1) -> None:
                          f"already{more}); press Reset for a fresh run")
 
 
-def session_budget_bytes(limits: ClassLimits, available: int | None = None) -> int:
-    """Bytes one session's engines may allocate: the available host memory now
-    (``engine.memory.available_host_memory_bytes`` unless given) over ``limits.seats``, or
-    ``limits.session_memory_bytes`` when set and smaller. As the class fills, the free memory and so the
-    budget shrink: a late session can never take what the others need."""
+def server_memory_bytes(limits: ClassLimits, available: int | None = None) -> int:
+    """Bytes all sessions of this class server may hold together (its budget): ``limits.class_memory_bytes``
+    (``PAL_CLASS_MEMORY_MB``; ``scripts/class_server.py`` sets it for its workers: the memory available before
+    they started less ``WORKER_BASE_BYTES`` each) when set; else the host memory available (``available``, or
+    ``engine.memory.available_host_memory_bytes`` now; ``FALLBACK_SESSION_BYTES`` a seat when it cannot be
+    read); either at most ``seats x session_memory_bytes`` when that is set. ``ShareRegistry`` measures it once, when
+    its first session reserves, and keeps it: every worker then shares one total."""
     from .memory import available_host_memory_bytes
 
-    available = available_host_memory_bytes() if available is None else available
-    share = available // limits.seats if available is not None else FALLBACK_SESSION_BYTES
+    if limits.class_memory_bytes is not None:
+        total = limits.class_memory_bytes
+    else:
+        available = available_host_memory_bytes() if available is None else available
+        total = available if available is not None else FALLBACK_SESSION_BYTES * limits.seats
+    if limits.session_memory_bytes is not None:
+        total = min(total, limits.seats * limits.session_memory_bytes)
+    return total
+
+
+def session_budget_bytes(limits: ClassLimits, available: int | None = None) -> int:
+    """Bytes one session may keep (its share): the server's memory for sessions over ``limits.seats``, or
+    ``limits.session_memory_bytes`` when set and smaller. The total is ``server_memory_bytes(limits,
+    available)`` when ``available`` is given, else the one the process's ``share_registry`` keeps (measured
+    when the first session reserved: a share does not change as the class fills; the registry, not the share,
+    keeps all sessions together within the total)."""
+    total = server_memory_bytes(limits, available) if available is not None else share_registry().total(limits)
+    share = total // limits.seats
     if limits.session_memory_bytes is not None:
         share = min(share, limits.session_memory_bytes)
     return share
 
 
-def check_session_bytes(parts: dict[str, int], limits: ClassLimits, available: int | None = None) -> None:
+def check_session_bytes(parts: dict[str, int], limits: ClassLimits, available: int | None = None,
+                        budget: int | None = None) -> None:
     """Refuse when the bytes a session would allocate (``parts``: what -> bytes, e.g. the paged pool, the
-    swap pool, the contiguous region) exceed ``session_budget_bytes``. Raises ValueError naming each part
-    with its size, the total and the budget."""
+    swap pool, the contiguous region) exceed ``budget`` (default ``session_budget_bytes``). Raises ValueError
+    naming each part with its size, the total and the budget."""
     total = sum(parts.values())
-    budget = session_budget_bytes(limits, available)
+    budget = session_budget_bytes(limits, available) if budget is None else budget
     if total > budget:
         said = ", ".join(f"{name} {nbytes / MIB:,.1f} MiB" for name, nbytes in parts.items() if nbytes)
         raise ValueError(f"these settings need {total / MIB:,.1f} MiB of KV memory ({said}) but one session on "
-                         f"this class server may use {budget / MIB:,.1f} MiB (the free memory shared by "
+                         f"this class server may use {budget / MIB:,.1f} MiB (the server's memory shared by "
                          f"{limits.seats} seats); use fewer blocks, a smaller block size or a smaller swap pool")
 
 
@@ -335,6 +373,13 @@ class SessionPlan:
     def total(self) -> int:
         return sum(self.parts.values())
 
+    @property
+    def minimum(self) -> int:
+        """The fewest bytes this run can keep: everything but the recorded steps, and ``MIN_HISTORY_STEPS`` of
+        those."""
+        steps = sum(v for k, v in self.parts.items() if k.startswith("recorded steps"))
+        return self.total - steps + MIN_HISTORY_STEPS * self.step_bytes
+
     def history_why(self) -> str:
         """Why fewer steps are kept than the server's default, in words ("" when not capped)."""
         if not self.capped:
@@ -365,8 +410,8 @@ def plan_session(kv_parts: dict, sizes: RunSizes, limits: ClassLimits, budget: i
         need = sum(fixed.values()) + MIN_HISTORY_STEPS * step
         raise ValueError(f"this run needs {need / MIB:,.1f} MiB ({said}, and {MIN_HISTORY_STEPS} recorded steps of "
                          f"{step / MIB:,.2f} MiB each: {sizes.describe()}) but one session on this class server "
-                         f"may use {budget / MIB:,.1f} MiB (its share: the free memory over {limits.seats} seats, "
-                         f"or {SESSION_MEMORY_ENV}); use fewer requests or samples, shorter max_tokens, a smaller "
+                         f"may use {budget / MIB:,.1f} MiB (its share: the server's memory over {limits.seats} "
+                         f"seats, or {SESSION_MEMORY_ENV}); use fewer requests or samples, shorter max_tokens, a smaller "
                          f"pool or a smaller swap pool")
     parts = {**fixed, f"recorded steps ({steps:,} x {step / MIB:,.2f} MiB)": steps * step}
     return SessionPlan(parts, step, steps, budget, steps < limits.history_steps, dict(kv_parts))
@@ -376,3 +421,218 @@ def history_limit() -> int | None:
     """Recorded steps one session keeps on a class server (``ClassLimits.history_steps``); None elsewhere."""
     limits = class_limits()
     return limits.history_steps if limits is not None else None
+
+
+# ------------------------------------------------------------------------------------- the shares, reserved
+LEASE_S = 300.0  # a reservation its worker has not renewed for this long (seconds) is expired
+
+
+class NoShareFree(ValueError):
+    """A session asked for a share of the class server's memory and too little is free: the message says how
+    much is free of the total, how many seats are held and when one frees."""
+
+
+def _process_start(pid: int) -> str | None:
+    """When process ``pid`` started (``/proc/<pid>/stat`` field 22, clock ticks after boot): with the pid, it
+    names one process, even after its pid is reused. None without /proc or when no such process runs."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # after "(comm)": state is field 3, starttime field 22
+
+
+def _this_worker() -> dict:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "start": _process_start(os.getpid())}
+
+
+def _worker_gone(owner: dict, me: dict) -> bool:
+    """Whether the worker process that made a reservation has ended (on this host: its pid runs no more, or
+    runs another process, started at another time). A worker on another host is never known to be gone
+    (its reservations expire by their lease)."""
+    if owner.get("host") != me["host"]:
+        return False
+    pid = owner.get("pid")
+    if not isinstance(pid, int):
+        return True
+    if pid == me["pid"]:
+        return owner.get("start") != me["start"]
+    if os.path.isdir("/proc/self"):
+        start = _process_start(pid)
+        return start is None or (owner.get("start") is not None and start != owner.get("start"))
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+class ShareRegistry:
+    """The class server's memory reservations, one per session, shared by every worker process: the charged
+    side of the per-session share. A session reserves (``reserve``) before its lab is built, holds what it
+    got while it has a lab, and gives it back (``release``) when its lab is released (idle, tab closed). The
+    reservations never add up to more than the total (``server_memory_bytes``, fixed when the first session
+    reserves): that is the guarantee that all sessions together, on all workers, stay within the server's
+    memory for sessions.
+
+    Kept in this process, or with ``path`` in that JSON file (``{"measured": bytes, "sessions": {session id:
+    {"bytes", "host", "pid", "start", "renewed"}}}``), read and written under an exclusive ``fcntl.flock`` of
+    ``<path>.lock`` by every worker given the same path (``scripts/class_server.py`` sets ``PAL_MEMORY_STATE``
+    for its workers). Thread-safe.
+
+    Stale reservations (a worker that crashed, or was killed by the OOM killer, never releases): a reservation
+    names the worker process that made it (host, pid and the process's start time, so a reused pid is not
+    mistaken for it). It is dropped, by whichever worker next reads the registry, as soon as that process no
+    longer runs on this host, and in any case when it has not been renewed for ``lease_s`` seconds (a live
+    worker's sweep renews its seated sessions' reservations every ``REAP_INTERVAL_S``; ``renew``). ``now``
+    arguments are for tests (``time.time``'s clock: the one processes share)."""
+
+    def __init__(self, path: str | None = None, lease_s: float = LEASE_S):
+        self.path, self.lease_s = path, lease_s
+        self._measured: int | None = None  # the memory available when the first session reserved (bytes)
+        self._sessions: dict[str, dict] = {}
+        self._thread_lock = threading.Lock()
+        self.me = _this_worker()
+
+    # -------------------------------------------------------------------------------------- the file
+    @contextmanager
+    def _state(self, now: float):
+        """This registry's reservations, read (from the file, under its lock) with the stale ones dropped, and
+        written back when changed."""
+        with self._thread_lock:
+            if self.path is None:
+                self._expire(now)
+                yield
+                return
+            with open(self.path + ".lock", "a") as lock_file:
+                fcntl.flock(lock_file, fcntl.LOCK_EX)  # released when the file is closed
+                before = self._read()
+                self._expire(now)
+                yield
+                after = json.dumps({"measured": self._measured, "sessions": self._sessions}, sort_keys=True)
+                if after != before:
+                    tmp = f"{self.path}.{os.getpid()}.tmp"
+                    with open(tmp, "w") as f:
+                        f.write(after)
+                    os.replace(tmp, self.path)  # readers see the old file or the new one, never half of one
+
+    def _read(self) -> str:
+        try:
+            with open(self.path) as f:
+                text = f.read()
+            data = json.loads(text)
+            sessions = data["sessions"]
+            if not isinstance(sessions, dict) or not all(isinstance(r, dict) and isinstance(r.get("bytes"), int)
+                                                         for r in sessions.values()):
+                raise ValueError("a reservation without its bytes")
+            self._sessions = sessions
+            if isinstance(data.get("measured"), int):
+                self._measured = data["measured"]
+            return text
+        except FileNotFoundError:
+            self._sessions = {}
+            return ""
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            # unreadable (a full disk, a hand edit): start empty rather than fail every page; the workers'
+            # next sweeps renew their sessions' reservations into it (``renew``)
+            logging.getLogger(__name__).error("memory reservations %s unreadable (%s): moved to %s.bad",
+                                              self.path, exc, self.path)
+            os.replace(self.path, self.path + ".bad")
+            self._sessions = {}
+            return ""
+
+    def _expire(self, now: float) -> None:
+        for sid, r in list(self._sessions.items()):
+            if now - r.get("renewed", 0) > self.lease_s or _worker_gone(r, self.me):
+                del self._sessions[sid]
+
+    def _fix_total(self, limits: ClassLimits) -> int:
+        """The total under ``limits``: ``server_memory_bytes`` of the memory available when the first session
+        reserved (measured then, and kept in the registry, so all workers and every later session agree)."""
+        if self._measured is None and limits.class_memory_bytes is None:
+            from .memory import available_host_memory_bytes
+
+            available = available_host_memory_bytes()
+            self._measured = available if available is not None else FALLBACK_SESSION_BYTES * limits.seats
+        return server_memory_bytes(limits, self._measured)
+
+    # -------------------------------------------------------------------------------------- reading
+    def total(self, limits: ClassLimits, now: float | None = None) -> int:
+        """Bytes all sessions may hold together (measured and kept when first asked)."""
+        with self._state(time.time() if now is None else now):
+            return self._fix_total(limits)
+
+    def held(self, session: str | None = None, now: float | None = None) -> int:
+        """Bytes ``session`` holds (0 if none), or with no session all reservations together."""
+        with self._state(time.time() if now is None else now):
+            if session is not None:
+                return self._sessions.get(session, {}).get("bytes", 0)
+            return sum(r["bytes"] for r in self._sessions.values())
+
+    def seats_held(self, now: float | None = None) -> int:
+        with self._state(time.time() if now is None else now):
+            return len(self._sessions)
+
+    # -------------------------------------------------------------------------------------- changing
+    def reserve(self, session: str, want: int, need: int, limits: ClassLimits, now: float | None = None) -> int:
+        """Reserve up to ``want`` bytes for ``session`` (its share), at least ``need`` (the fewest its run can
+        keep): what is granted is ``want``, or what is free if less (never less than the session held
+        already: a re-reservation only grows). Returns the bytes granted, now charged against the total.
+
+        Raises NoShareFree (a ValueError) when less than ``need`` is free, saying how much is free of the
+        total, how many seats are held and when one frees; nothing is changed then."""
+        now = time.time() if now is None else now
+        with self._state(now):
+            total = self._fix_total(limits)
+            own = self._sessions.get(session, {}).get("bytes", 0)
+            others = sum(r["bytes"] for sid, r in self._sessions.items() if sid != session)
+            free = max(0, total - others)
+            grant = max(own, min(want, free))
+            if grant < need:
+                held = len(self._sessions) - (session in self._sessions)
+                raise NoShareFree(
+                    f"this class server's memory is taken: this run needs at least {need / MIB:,.1f} MiB and "
+                    f"{free / MIB:,.1f} MiB of the {total / MIB:,.0f} MiB for sessions is free ({held} seat"
+                    f"{'s' * (held != 1)} held, each session holding its share of up to {want / MIB:,.1f} MiB "
+                    f"while it has a Playground run). A seat frees when a session is idle for "
+                    f"{limits.idle_minutes:g} minutes or {limits.closed_seconds:g} s after its tab closes: try "
+                    f"again in a minute, or ask the teacher (more memory: {CLASS_MEMORY_ENV}; seats: {SEATS_ENV})")
+            self._sessions[session] = {"bytes": int(grant), **self.me, "renewed": now}
+            return int(grant)
+
+    def release(self, session: str, now: float | None = None) -> int:
+        """Give back ``session``'s reservation; returns the bytes freed (0 if it held none)."""
+        with self._state(time.time() if now is None else now):
+            return self._sessions.pop(session, {}).get("bytes", 0)
+
+    def renew(self, sessions, now: float | None = None) -> int:
+        """Renew the reservations of ``sessions`` that this worker process made (their sessions are still
+        seated here), so that they do not expire (``lease_s``); the file is written at most every tenth of
+        the lease. Returns how many were renewed."""
+        now = time.time() if now is None else now
+        renewed = 0
+        with self._state(now):
+            for sid in sessions:
+                r = self._sessions.get(sid)
+                if r is not None and (r.get("host"), r.get("pid"), r.get("start")) == \
+                        (self.me["host"], self.me["pid"], self.me["start"]):
+                    if now - r.get("renewed", 0) > self.lease_s / 10:
+                        r["renewed"] = now
+                    renewed += 1
+        return renewed
+
+
+_registries: dict = {}
+_registries_lock = threading.Lock()
+
+
+def share_registry() -> ShareRegistry:
+    """This process's ``ShareRegistry``: on the file ``PAL_MEMORY_STATE`` when set (shared by the workers of
+    ``scripts/class_server.py``), else one kept in this process (a single-process server)."""
+    path = os.environ.get(MEMORY_STATE_ENV, "").strip() or None
+    with _registries_lock:
+        if path not in _registries:
+            _registries[path] = ShareRegistry(path)
+        return _registries[path]

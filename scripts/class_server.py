@@ -13,7 +13,10 @@ Every worker runs in class-server mode (``PAL_CLASS_SERVER=1``, ``engine.limits`
 and shares one random cookie secret (so any worker accepts the cookies another set). nginx runs in the
 foreground from a private folder (its config, pid, logs and buffers), needing no root and touching nothing in
 /etc. The Class page's classes live in a file of that folder the workers share (``PAL_CLASS_STATE``,
-``ui.class_room_state.ClassRegistry``): a presenter and their students may be on different workers. A worker
+``ui.class_room_state.ClassRegistry``): a presenter and their students may be on different workers. So do the
+sessions' memory reservations (``PAL_MEMORY_STATE``, ``engine.limits.ShareRegistry``), against one total
+measured before the workers start (``PAL_CLASS_MEMORY_MB``, ``class_memory_mb``): every session of every
+worker reserves its share there before its lab runs, so all of them together stay within it. A worker
 that dies (say the kernel's OOM killer) is started again on its port; its students get fresh sessions, the
 others go on. Stopping this script (Ctrl+C, SIGTERM) stops nginx and every worker. With ``--workers 1`` it runs one
 Streamlit on the public port without nginx.
@@ -171,6 +174,33 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 
 WORKER_BYTES = 800 * 2**20  # one worker's PyTorch, model and a class's labs (the load test: ~0.6-0.9 GB)
+WORKER_BASE_BYTES = 640 * 2**20  # one worker before any session: PyTorch and the model (measured ~0.6 GB)
+
+
+def class_memory_mb(workers: int) -> float:
+    """The memory all sessions of all workers may hold together (``PAL_CLASS_MEMORY_MB``, MiB): the operator's
+    value when set, else the memory available before the workers start less ``WORKER_BASE_BYTES`` each (a
+    worker that measured it after starting would count the others' PyTorch and model, not loaded yet, as
+    free). Raises SystemExit when that leaves nothing for sessions, or the memory cannot be read."""
+    sys.path.insert(0, str(ROOT))
+    from engine.limits import CLASS_MEMORY_ENV, _env_number
+    from engine.memory import available_host_memory_bytes
+
+    try:
+        given = _env_number(CLASS_MEMORY_ENV, 0, 1)
+    except ValueError as exc:
+        raise SystemExit(f"class server: {exc}") from None
+    if given:
+        return given
+    available = available_host_memory_bytes()
+    if available is None:
+        raise SystemExit(f"class server: the available memory cannot be read here; set {CLASS_MEMORY_ENV} (MiB "
+                         f"all sessions may hold together)")
+    left = available - workers * WORKER_BASE_BYTES
+    if left <= 0:
+        raise SystemExit(f"class server: {available / 2**20:,.0f} MiB available leaves nothing for sessions beside "
+                         f"{workers} workers of ~{WORKER_BASE_BYTES / 2**20:,.0f} MiB each; use fewer --workers")
+    return left / 2**20
 OWN_OPTIONS = ("--server.port", "--server.address")  # set per worker here: one forwarded would clash
 
 
@@ -231,12 +261,16 @@ def main(argv: list[str] | None = None) -> int:
     for address, port in [(args.address, args.port)] + [("127.0.0.1", p) for p in ports]:
         if not port_free(address, port):
             raise SystemExit(f"class server: port {port} on {address} is in use")
+    memory_mb = class_memory_mb(args.workers)
     folder = tempfile.mkdtemp(prefix="pal-class-nginx-")
     Path(folder, "nginx.conf").write_text(nginx_config(args.address, args.port, ports, folder))
     # one cookie secret for all (Streamlit takes it from the environment only, never from the command line)
     # and one file for the Class page's classes: a presenter and the students may be on different workers
+    # and one file for the sessions' memory reservations, so that all workers' sessions together stay within
+    # one total (engine.limits.ShareRegistry), measured before any worker started
     env = {**os.environ, "STREAMLIT_SERVER_COOKIE_SECRET": secrets.token_hex(16),
-           "PAL_CLASS_STATE": f"{folder}/classes.json"}
+           "PAL_CLASS_STATE": f"{folder}/classes.json", "PAL_MEMORY_STATE": f"{folder}/memory.json",
+           "PAL_CLASS_MEMORY_MB": f"{memory_mb:.1f}"}
     procs: list[subprocess.Popen] = []
 
     def on_signal(signum, _frame):

@@ -42,7 +42,8 @@ from dataclasses import dataclass
 import streamlit as st
 
 from engine import EMBEDDED_MODEL
-from engine.limits import ClassLimits, SessionPlan, check_session_bytes, class_limits, plan_session
+from engine.limits import (ClassLimits, SessionPlan, check_session_bytes, class_limits, plan_session,
+                           session_budget_bytes, share_registry)
 
 from .lab import Lab, LabSettings, fit_semantics, run_sizes
 
@@ -130,18 +131,27 @@ def session_plan(settings: LabSettings, loaded, budget: int | None = None) -> Se
     return plan_session(parts, sizes, limits, budget)
 
 
-PLAN_KEY = "class_memory_plan"  # the plan check_sizes made, for seat_lab: the share as it was before allocating
+PLAN_KEY = "class_memory_plan"  # the plan check_sizes made, for seat_lab: at the share this session reserved
 
 
 def check_sizes(settings: LabSettings, loaded) -> None:
     """On a class server, refuse settings whose lab would keep more than one session's share of the memory
     (``session_plan``: the KV pools, the engines' state, the page and the fewest recorded steps), before
-    anything is allocated; the caps of each field are checked when the engines' ``EngineConfig`` is built.
-    Outside class mode: nothing. Raises ValueError naming the parts, their sizes and the budget."""
+    anything is allocated, and reserve the share in the server-wide registry (``engine.limits.share_registry``:
+    the reservations of all sessions on all workers never add up to more than the server's memory for
+    sessions); the run is planned within what was reserved. The caps of each field are checked when the
+    engines' ``EngineConfig`` is built. Outside class mode: nothing. Raises ValueError naming the parts, their
+    sizes and the share, or (``NoShareFree``) how much is free and how many seats are held."""
     limits = class_limits()
-    if limits is not None:
-        check_session_bytes(session_bytes(settings, loaded), limits)  # the pools alone, named as before
-        st.session_state[PLAN_KEY] = session_plan(settings, loaded)
+    if limits is None:
+        return
+    share = session_budget_bytes(limits)
+    check_session_bytes(session_bytes(settings, loaded), limits, budget=share)  # the pools alone, named as before
+    plan = session_plan(settings, loaded, budget=share)
+    granted = share_registry().reserve(session_id(), share, plan.minimum, limits)
+    if granted != share:  # less was free, or more held already: the steps kept fit what is reserved
+        plan = session_plan(settings, loaded, budget=granted)
+    st.session_state[PLAN_KEY] = plan
 
 
 # ------------------------------------------------------------------------------------------ history
@@ -260,13 +270,14 @@ def touch_seat() -> None:
 
 def seat_lab(lab: Lab) -> None:
     """Register the lab this session just built (``ui.state.build_lab``), so the sweep can release it, and
-    charge its run to the session's share (``Lab.plan_memory``, at the share ``check_sizes`` found before
+    charge its run to the session's share (``Lab.plan_memory``, at the share ``check_sizes`` reserved before
     allocating): it keeps at most the recorded steps that fit."""
     if class_limits() is None:
         return
     checked = st.session_state.pop(PLAN_KEY, None)
     kv = session_bytes(lab.settings, (lab.paged.model, lab.paged.tokenizer))
-    lab.plan_memory(kv, checked.budget if checked is not None else None)
+    reserved = share_registry().held(session_id())
+    lab.plan_memory(kv, checked.budget if checked is not None else (reserved or None))
     registry = seat_registry()
     now = time.monotonic()
     with registry["lock"]:
@@ -326,6 +337,15 @@ def sweep(limits: ClassLimits, now: float | None = None, registry: dict | None =
             continue
         lab.release(why)
         released.append(sid)
+    shares = share_registry()
+    for sid, _, _ in leaving:  # its share goes back to the class (a session that came back keeps its own)
+        with registry["lock"]:
+            back = registry["seats"].get(sid)
+        if back is None or back.lab is None:
+            shares.release(sid)
+    with registry["lock"]:
+        seated = [sid for sid, seat in registry["seats"].items() if seat.lab is not None]
+    shares.renew(seated)  # a live worker's reservations never expire (engine.limits.LEASE_S)
     if released:
         free_memory()
     return released

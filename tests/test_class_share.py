@@ -1,0 +1,236 @@
+"""Issue 23 (trial findings), the class server's memory guarantee: every session reserves its share of the
+server's memory in one registry shared by all worker processes (``engine.limits.ShareRegistry``, a flock'd
+file), before its lab runs; the reservations never add up to more than the total; a released session gives
+its share back; a crashed worker's reservations are dropped (its process is gone) and any reservation not
+renewed for ``LEASE_S`` expires. Before, each worker computed its share alone from the memory free at that
+moment, and nothing was charged against a total."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+
+from engine import EMBEDDED_MODEL, limits
+from engine.limits import MIB, NoShareFree, ShareRegistry
+
+
+@pytest.fixture
+def class_env(monkeypatch, tmp_path):
+    """A class server of 3 seats and 300 MiB for sessions, its reservations in a file of its own."""
+    monkeypatch.setenv(limits.CLASS_SERVER_ENV, "1")
+    for name in (limits.ALLOWED_MODELS_ENV, limits.SESSION_MEMORY_ENV, limits.HISTORY_STEPS_ENV,
+                 limits.IDLE_MINUTES_ENV, limits.CLOSED_SECONDS_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(limits.SEATS_ENV, "3")
+    monkeypatch.setenv(limits.CLASS_MEMORY_ENV, "300")
+    monkeypatch.setenv(limits.MEMORY_STATE_ENV, str(tmp_path / "memory.json"))
+    return limits.class_limits()
+
+
+def test_two_workers_cannot_reserve_more_than_the_total_together(class_env, tmp_path):
+    path = str(tmp_path / "memory.json")
+    a, b = ShareRegistry(path), ShareRegistry(path)  # two workers' registries on one file
+    assert a.reserve("a1", 100 * MIB, 10 * MIB, class_env) == 100 * MIB
+    assert b.reserve("b1", 100 * MIB, 10 * MIB, class_env) == 100 * MIB
+    assert a.reserve("a2", 100 * MIB, 10 * MIB, class_env) == 100 * MIB
+    with pytest.raises(NoShareFree) as err:  # B sees what A holds
+        b.reserve("b2", 100 * MIB, 10 * MIB, class_env)
+    said = str(err.value)
+    assert "0.0 MiB of the 300 MiB for sessions is free (3 seats held" in said
+    assert "needs at least 10.0 MiB" in said and "PAL_CLASS_MEMORY_MB" in said
+    assert a.held() == b.held() == 300 * MIB and b.seats_held() == 3
+
+
+def test_less_than_a_share_is_granted_when_less_is_free_but_enough(class_env, tmp_path):
+    path = str(tmp_path / "memory.json")
+    a, b = ShareRegistry(path), ShareRegistry(path)
+    a.reserve("a1", 250 * MIB, 10 * MIB, class_env)
+    assert b.reserve("b1", 100 * MIB, 20 * MIB, class_env) == 50 * MIB  # what is free, above the need
+    with pytest.raises(NoShareFree, match=r"needs at least 20\.0 MiB and 0\.0 MiB"):
+        b.reserve("b2", 100 * MIB, 20 * MIB, class_env)
+    assert b.reserve("b1", 100 * MIB, 20 * MIB, class_env) == 50 * MIB  # re-reserving keeps what it held
+
+
+def test_release_frees_the_share(class_env, tmp_path):
+    path = str(tmp_path / "memory.json")
+    a, b = ShareRegistry(path), ShareRegistry(path)
+    for sid in ("a1", "a2", "a3"):
+        a.reserve(sid, 100 * MIB, 10 * MIB, class_env)
+    with pytest.raises(NoShareFree):
+        b.reserve("b1", 100 * MIB, 10 * MIB, class_env)
+    assert a.release("a2") == 100 * MIB and a.release("a2") == 0
+    assert b.reserve("b1", 100 * MIB, 10 * MIB, class_env) == 100 * MIB
+
+
+def _reserve_in_child(path: str, prefix: str, count: int, limits_, go: float, write_fd: int, crash: bool) -> None:
+    """In a forked child (another worker process): reserve ``count`` shares, write how many were granted,
+    then exit without releasing anything (``os._exit``: a crash)."""
+    granted = 0
+    try:
+        registry = ShareRegistry(path)
+        while time.time() < go:
+            pass
+        for i in range(count):
+            try:
+                registry.reserve(f"{prefix}{i}", 10 * MIB, 10 * MIB, limits_)
+                granted += 1
+            except NoShareFree:
+                pass
+        os.write(write_fd, str(granted).encode())
+    finally:
+        os._exit(0 if crash else 1)
+
+
+def test_worker_processes_racing_never_exceed_the_total_and_a_crashed_ones_shares_free(class_env, tmp_path):
+    """Two worker processes reserve at the same moment, 25 sessions each, for 30 shares (10 MiB of 300): 30
+    are granted in all. Both then die without releasing: their reservations are dropped as their processes
+    are gone, and the whole total is free again."""
+    path = str(tmp_path / "memory.json")
+    go = time.time() + 0.3
+    pids, reads = [], []
+    for prefix in ("w1-", "w2-"):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            _reserve_in_child(path, prefix, 25, class_env, go, w, crash=True)
+        os.close(w)
+        pids.append(pid)
+        reads.append(r)
+    granted = []
+    for pid, r in zip(pids, reads):
+        os.waitpid(pid, 0)
+        granted.append(int(os.read(r, 32).decode() or -1))
+        os.close(r)
+    assert sum(granted) == 30 and min(granted) > 0, granted
+    with open(path) as f:
+        on_file = json.load(f)["sessions"]
+    assert len(on_file) == 30 and sum(r["bytes"] for r in on_file.values()) == 300 * MIB  # left behind
+    parent = ShareRegistry(path)
+    assert parent.held() == 0  # both workers are gone: their reservations with them
+    assert parent.reserve("p1", 300 * MIB, 10 * MIB, class_env) == 300 * MIB
+
+
+def test_a_reservation_not_renewed_expires_after_the_lease(class_env, tmp_path):
+    """A worker this host cannot check (another host) keeps its reservations only while it renews them; a
+    reused pid (a live process that started at another time) is not the worker that reserved."""
+    path = str(tmp_path / "memory.json")
+    now = time.time()
+    other_host = {"bytes": 100 * MIB, "host": "elsewhere", "pid": 1, "start": "1", "renewed": now}
+    reused_pid = {"bytes": 100 * MIB, "host": limits._this_worker()["host"], "pid": os.getppid(),
+                  "start": "0", "renewed": now}
+    with open(path, "w") as f:
+        json.dump({"measured": None, "sessions": {"far": other_host, "reused": reused_pid}}, f)
+    registry = ShareRegistry(path)
+    assert registry.held(now=now) == 100 * MIB  # the reused pid's is dropped at once
+    assert registry.held(now=now + limits.LEASE_S - 1) == 100 * MIB
+    assert registry.held(now=now + limits.LEASE_S + 1) == 0
+    mine = ShareRegistry(path)
+    mine.reserve("s", 100 * MIB, 10 * MIB, class_env, now=now)
+    assert mine.renew(["s"], now=now + limits.LEASE_S * 0.9) == 1  # a live worker's sweep renews it
+    assert mine.held("s", now=now + limits.LEASE_S * 1.5) == 100 * MIB
+    assert mine.held("s", now=now + limits.LEASE_S * 2) == 0  # not renewed since: expired
+
+
+def test_threads_of_one_worker_and_another_worker_share_one_total(class_env, tmp_path):
+    path = str(tmp_path / "memory.json")
+    a, b = ShareRegistry(path), ShareRegistry(path)
+    got = []
+
+    def take(registry, prefix):
+        for i in range(20):
+            try:
+                got.append(registry.reserve(f"{prefix}{i}", 10 * MIB, 10 * MIB, class_env))
+            except NoShareFree:
+                pass
+
+    threads = [threading.Thread(target=take, args=(r, p)) for r, p in ((a, "a"), (a, "b"), (b, "c"), (b, "d"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 30 and a.held() == 300 * MIB
+
+
+# ------------------------------------------------------------------------------ the app's side
+@pytest.fixture(scope="module")
+def loaded():
+    from engine.model_loader import load_shared
+
+    return load_shared(EMBEDDED_MODEL)
+
+
+def test_each_session_reserves_before_its_lab_and_the_class_is_told_when_none_is_free(class_env, loaded,
+                                                                                       monkeypatch):
+    """check_sizes reserves the session's share (300 MiB over 3 seats) before anything is allocated; a
+    fourth session is refused saying what is free and how many seats are held; when a session's lab is
+    released (its tab closed), its share is free again."""
+    import streamlit as st
+
+    from ui import class_server
+    from ui.lab import Lab
+    from ui.state import preset_settings
+
+    sid = {"now": "s1"}
+    monkeypatch.setattr(class_server, "session_id", lambda: sid["now"])
+    settings = preset_settings("batch")
+    seats = {"lock": threading.Lock(), "seats": {}, "reaper": None}
+    for name in ("s1", "s2", "s3"):
+        sid["now"] = name
+        class_server.check_sizes(settings, loaded)
+        plan = st.session_state[class_server.PLAN_KEY]
+        assert plan.budget == 100 * MIB and plan.total <= 100 * MIB
+        lab = Lab.create(settings, loaded)
+        seats["seats"][name] = class_server.Seat(time.monotonic(), lab)
+    registry = limits.share_registry()
+    assert registry.held() == 300 * MIB and registry.seats_held() == 3
+    sid["now"] = "s4"
+    with pytest.raises(ValueError, match=r"0\.0 MiB of the 300 MiB for sessions is free \(3 seats held"):
+        class_server.check_sizes(settings, loaded)
+    released = class_server.sweep(class_env, time.monotonic() + 60, registry=seats, gone={"s2"})
+    assert released == []  # gone just now: kept closed_seconds
+    released = class_server.sweep(class_env, time.monotonic() + 120, registry=seats, gone={"s2"})
+    assert released == ["s2"] and registry.held("s2") == 0 and registry.held() == 200 * MIB
+    class_server.check_sizes(settings, loaded)  # s4 gets the freed share
+    assert registry.held("s4") == 100 * MIB
+
+
+# ------------------------------------------------------------------------------ the workers' total
+def _script():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "class_server_script", Path(__file__).resolve().parent.parent / "scripts" / "class_server.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_workers_total_is_measured_before_they_start(monkeypatch):
+    """Each worker measuring the free memory itself, after starting, counted the other workers' PyTorch and
+    model (not loaded yet) as free: the script measures once, before, and hands every worker one total."""
+    from engine import memory
+
+    script = _script()
+    monkeypatch.delenv(limits.CLASS_MEMORY_ENV, raising=False)
+    monkeypatch.setattr(memory, "available_host_memory_bytes", lambda: 4096 * MIB)
+    assert script.class_memory_mb(2) == (4096 * MIB - 2 * script.WORKER_BASE_BYTES) / MIB
+    with pytest.raises(SystemExit, match=r"4,096 MiB available leaves nothing for sessions beside 7 workers"):
+        script.class_memory_mb(7)
+    monkeypatch.setenv(limits.CLASS_MEMORY_ENV, "1500")
+    assert script.class_memory_mb(7) == 1500
+    monkeypatch.setenv(limits.CLASS_MEMORY_ENV, "lots")
+    with pytest.raises(SystemExit, match=r"PAL_CLASS_MEMORY_MB='lots' must be a number"):
+        script.class_memory_mb(2)
+
+
+def test_the_total_is_at_most_seats_times_a_fixed_session_share(class_env, monkeypatch):
+    monkeypatch.setenv(limits.SESSION_MEMORY_ENV, "64")
+    got = limits.class_limits()
+    assert limits.server_memory_bytes(got) == 3 * 64 * MIB  # 300 MiB given, 3 seats of 64
+    assert limits.session_budget_bytes(got, available=10**12) == 64 * MIB

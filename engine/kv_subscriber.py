@@ -12,6 +12,10 @@ batches are asked for on the replay socket (a DEALER socket sends ``last + 1``; 
 ``(topic, seq, payload)`` per buffered batch, then ``seq = -1`` with an empty payload), applied in order,
 and the gap is noted with how many came back. Without a replay endpoint the gap is noted as lost.
 
+The first batch a watch sees (live, or the first the replay socket still holds) is its join point: the
+batches numbered before it were published before the watch began. They are counted in ``before_watch``
+and said in a note, never counted as lost: ``lost`` is only what went missing while watching.
+
 Robustness (each case counted, described in ``last_error`` / the mirror's notes, and the thread keeps
 running, nothing applied is undone): a message that is not three frames or whose payload is not a batch,
 however it is built (``malformed``; ``decode_batch`` raises only MalformedBatch, and any other error while
@@ -107,11 +111,12 @@ class SubscriberView:
     replayed: int
     malformed: int
     gaps: int
-    lost: int               # batches missed that the replay socket did not return
+    lost: int               # batches missed that the replay socket did not return (after the watch began)
     last_error: str | None
     last_batch_at: float | None
     errors: list[str] = field(default_factory=list)
     detail: str | None = None  # why the state is what it is, in words (not_publisher)
+    before_watch: int = 0   # batches numbered before the first one this watch saw or replayed: not lost
 
 
 class KVEventSubscriber:
@@ -155,6 +160,9 @@ class KVEventSubscriber:
         self.capture: deque[RawBatch] = deque(maxlen=max_capture)
         self.capture_dropped = 0
         self.received = self.replayed = self.malformed = self.gaps = self.lost = 0
+        # a join point (the first batch seen, live or replayed) with a number above 0: the batches before it
+        # were published before this watch began, so they are counted here, never as lost
+        self.before_watch = 0
         self.errors: deque[str] = deque(maxlen=50)  # the last is ``last_error``
         # notes, errors and applied batches in the order they happened: ("note" | "error", text) or
         # ("batch", BatchSummary); ``num_logged`` counts all ever logged (the deque keeps the last 2,000)
@@ -203,7 +211,8 @@ class KVEventSubscriber:
                                   malformed=self.malformed, gaps=self.gaps, lost=self.lost,
                                   last_error=self.last_error, last_batch_at=self.last_batch_at,
                                   errors=list(self.errors),
-                                  detail=self._detail if self._conn == "not_publisher" else None)
+                                  detail=self._detail if self._conn == "not_publisher" else None,
+                                  before_watch=self.before_watch)
 
     def raw_batches(self) -> list[RawBatch]:
         """The raw batches kept so far (for a capture), oldest first."""
@@ -397,22 +406,24 @@ class KVEventSubscriber:
         if last is None:
             if seq > 0 and self.replay_endpoint is None:
                 with self._lock:
-                    self.lost += seq
+                    self.before_watch += seq
                     self.mirror.starts_at = seq
                 self.note(f"joined at batch {seq}: the view starts there; batches 0-{seq - 1} came before this "
-                          f"watch and there is no replay endpoint to ask for them, so blocks they stored are "
-                          f"unknown (their removals are counted as unknown, their children drawn as roots)")
+                          f"watch (not counted as lost) and there is no replay endpoint to ask for them, so blocks "
+                          f"they stored are unknown (their removals are counted as unknown, their children drawn "
+                          f"as roots)")
             elif seq > 0:
                 # joined a running publisher: fetch what it still buffers, so the view starts complete
                 r = self._replay(0, seq)
                 if not r.answered:
                     with self._lock:
-                        self.lost += seq
+                        self.before_watch += seq
                         self.mirror.starts_at = seq
                     self.note(f"joined at batch {seq}; the replay socket {self.replay_endpoint} did not answer "
-                              f"within {self._replay_timeout_ms / 1000:g} s, so batches 0-{seq - 1} are missing")
+                              f"within {self._replay_timeout_ms / 1000:g} s, so batches 0-{seq - 1}, published "
+                              f"before this watch (not counted as lost), are missing")
                     return True
-                self._count_unbuffered(0, r)
+                self._count_unbuffered(0, r, before_watch=True)
                 self.note(f"joined at batch {seq}; {plural(r.applied, 'earlier batch', 'earlier batches')} came from "
                           f"the replay socket")
             return True
@@ -430,23 +441,31 @@ class KVEventSubscriber:
         socket, from the first one not yet applied."""
         if self.replay_endpoint is None:
             return
-        start = 0 if self._last_seq is None else self._last_seq + 1
+        joining = self._last_seq is None
+        start = 0 if joining else self._last_seq + 1
         r = self._replay(start, None)
         if not r.answered:
             self.note(f"(re)connected; the replay socket {self.replay_endpoint} did not answer within "
                       f"{self._replay_timeout_ms / 1000:g} s, so batches sent before the subscription are missing")
             return
-        self._count_unbuffered(start, r)
+        self._count_unbuffered(start, r, before_watch=joining)
         if r.applied:
             self.note(f"(re)connected: {plural(r.applied, 'batch', 'batches')} from {start + r.skipped} on came from the replay "
                       f"socket")
 
-    def _count_unbuffered(self, start: int, r: _ReplayResult) -> None:
+    def _count_unbuffered(self, start: int, r: _ReplayResult, before_watch: bool = False) -> None:
+        """Count the batches the replay socket no longer held: lost, or, when the watch was joining (nothing
+        applied yet), published before it began."""
         if r.skipped:
             with self._lock:
-                self.lost += r.skipped
-            self.note(f"batches {start}-{start + r.skipped - 1} are no longer buffered by the publisher (its replay "
-                      f"buffer starts later): blocks they stored that are still cached are missing from this view")
+                if before_watch:
+                    self.before_watch += r.skipped
+                else:
+                    self.lost += r.skipped
+            when = " (published before this watch began: not counted as lost)" if before_watch else ""
+            self.note(f"batches {start}-{start + r.skipped - 1}{when} are no longer buffered by the publisher (its "
+                      f"replay buffer starts later): blocks they stored that are still cached are missing from "
+                      f"this view")
 
     def note(self, text: str) -> None:
         with self._lock:

@@ -6,7 +6,8 @@ copies, ``cache_mirror.py``); a replayed batch says so; gaps, malformed messages
 their own lines, and so does each note of the mirror (a late join, a restart, the memory cap) when it is
 written. At the end (Ctrl-C, ``--duration`` or ``--max-batches``) the cache's state per rank: blocks,
 tokens, distinct prefixes, the roots of the prefix tree and the longest chain, and the stream's counts
-(batches received and replayed, malformed, gaps, lost); with ``--tokenizer DIR`` the text of each root's
+(batches received and replayed, malformed, gaps, lost, and, for a late join, the batches published before
+the watch began, which are not lost); with ``--tokenizer DIR`` the text of each root's
 first block.
 
 ``replay --speed S`` waits, between two batches, the time the server put between them (their own ``ts``,
@@ -95,6 +96,9 @@ def stream_line(v, state: str | None = None) -> str:
     line = (f"  stream: {plural(v.received, 'batch applied', 'batches applied')} ({v.replayed:,} from the replay "
             f"socket), {v.malformed:,} malformed, {plural(v.gaps, 'gap')}, {plural(v.lost, 'batch', 'batches')} "
             f"lost")
+    if v.before_watch:  # a late join: the batches before its first one are not lost, they predate the watch
+        line += (f", {plural(v.before_watch, 'batch', 'batches')} published before the watch began (not counted "
+                 f"as lost)")
     if v.mirror.capped_out:
         line += f", {v.mirror.capped_out:,} blocks dropped from the view by its {v.mirror.max_blocks:,}-block cap"
     return line + f"; last state {state or v.state}"

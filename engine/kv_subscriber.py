@@ -48,8 +48,9 @@ never closes a subscriber's connection, so the peer is a new process, whose cach
 marked at once (``mirror.mark_stale``) and cleared when the new publisher's first batch arrives (the
 catch-up on the replay socket then asks from batch 0); that batch is flagged ``restart`` in the capture. A
 live sequence number not above the last one on a connection that never dropped is a duplicate or
-out-of-order batch: skipped and counted as malformed, the view kept. A number more than ``MAX_SEQ_JUMP``
-past the last one is skipped the same way, not counted as lost batches.
+out-of-order batch: skipped and counted in ``duplicates`` (not ``malformed``: the payload may be fine), the
+view kept. A number more than ``MAX_SEQ_JUMP`` past the last one is skipped and counted in ``jumps``, not
+counted as lost batches.
 """
 
 from __future__ import annotations
@@ -117,6 +118,8 @@ class SubscriberView:
     errors: list[str] = field(default_factory=list)
     detail: str | None = None  # why the state is what it is, in words (not_publisher)
     before_watch: int = 0   # batches numbered before the first one this watch saw or replayed: not lost
+    duplicates: int = 0     # live batches skipped for a number not above the last one (duplicate / out of order)
+    jumps: int = 0          # live batches skipped for a number more than MAX_SEQ_JUMP past the last one
 
 
 class KVEventSubscriber:
@@ -163,6 +166,9 @@ class KVEventSubscriber:
         # a join point (the first batch seen, live or replayed) with a number above 0: the batches before it
         # were published before this watch began, so they are counted here, never as lost
         self.before_watch = 0
+        # live batches skipped for their sequence number, each its own count (``malformed`` is for payloads
+        # and framing): a duplicate or out-of-order number, an impossible jump
+        self.duplicates = self.jumps = 0
         self.errors: deque[str] = deque(maxlen=50)  # the last is ``last_error``
         # notes, errors and applied batches in the order they happened: ("note" | "error", text) or
         # ("batch", BatchSummary); ``num_logged`` counts all ever logged (the deque keeps the last 2,000)
@@ -212,7 +218,8 @@ class KVEventSubscriber:
                                   last_error=self.last_error, last_batch_at=self.last_batch_at,
                                   errors=list(self.errors),
                                   detail=self._detail if self._conn == "not_publisher" else None,
-                                  before_watch=self.before_watch)
+                                  before_watch=self.before_watch, duplicates=self.duplicates,
+                                  jumps=self.jumps)
 
     def raw_batches(self) -> list[RawBatch]:
         """The raw batches kept so far (for a capture), oldest first."""
@@ -393,12 +400,12 @@ class KVEventSubscriber:
         the last live one while the connection never dropped: a real restart drops it first, see
         ``_restarted``), or an impossible jump (more than MAX_SEQ_JUMP past the last one)."""
         if self._live_last is not None and seq <= self._live_last:
-            self._malformed(f"batch {seq}: a duplicate or out-of-order batch (sequence number {seq} after "
+            self._skipped("duplicates", f"batch {seq}: a duplicate or out-of-order batch (sequence number {seq} after "
                             f"{self._live_last} on a connection that never dropped); the view is kept")
             return False
         last = self._last_seq if self._last_seq is not None else self._live_last
         if last is not None and seq - last - 1 > MAX_SEQ_JUMP:
-            self._malformed(f"batch {seq}: sequence number jumped from {last} to {seq}: not counted as lost "
+            self._skipped("jumps", f"batch {seq}: sequence number jumped from {last} to {seq}: not counted as lost "
                             f"(more than {MAX_SEQ_JUMP:,} batches at once, more than vLLM's replay buffer "
                             f"holds: not a real gap)")
             return False
@@ -554,8 +561,12 @@ class KVEventSubscriber:
         return "done", expected
 
     def _malformed(self, text: str) -> None:
+        self._skipped("malformed", text)
+
+    def _skipped(self, counter: str, text: str) -> None:
+        """Count a skipped message in ``counter`` (malformed | duplicates | jumps) and say it in the log."""
         with self._lock:
-            self.malformed += 1
+            setattr(self, counter, getattr(self, counter) + 1)
         self._error(f"skipped {text}")
 
     def _error(self, text: str) -> None:

@@ -6,7 +6,7 @@ copies, ``cache_mirror.py``); a replayed batch says so; gaps, malformed messages
 their own lines, and so does each note of the mirror (a late join, a restart, the memory cap) when it is
 written. At the end (Ctrl-C, ``--duration`` or ``--max-batches``) the cache's state per rank: blocks,
 tokens, distinct prefixes, the roots of the prefix tree and the longest chain, and the stream's counts
-(batches received and replayed, malformed, gaps, lost, and, for a late join, the batches published before
+(batches received and replayed, malformed, duplicates, impossible jumps, gaps, lost, and, for a late join, the batches published before
 the watch began, which are not lost); with ``--tokenizer DIR`` the text of each root's
 first block.
 
@@ -94,8 +94,9 @@ def stream_line(v, state: str | None = None) -> str:
     """A subscriber's counts (``kv_subscriber.SubscriberView``) in one line, for the final summary;
     ``state``: the last one seen while watching (the view's own says "stopped" once the watch ended)."""
     line = (f"  stream: {plural(v.received, 'batch applied', 'batches applied')} ({v.replayed:,} from the replay "
-            f"socket), {v.malformed:,} malformed, {plural(v.gaps, 'gap')}, {plural(v.lost, 'batch', 'batches')} "
-            f"lost")
+            f"socket), {v.malformed:,} malformed, {v.duplicates:,} duplicate or out of order, "
+            f"{plural(v.jumps, 'impossible sequence jump')}, {plural(v.gaps, 'gap')}, "
+            f"{plural(v.lost, 'batch', 'batches')} lost")
     if v.before_watch:  # a late join: the batches before its first one are not lost, they predate the watch
         line += (f", {plural(v.before_watch, 'batch', 'batches')} published before the watch began (not counted "
                  f"as lost)")

@@ -264,8 +264,9 @@ def test_watch_prints_the_join_note_live_and_the_streams_counts_at_the_end(tmp_p
     join = next(i for i, line in enumerate(lines) if "note: joined at batch 5: the view starts there" in line)
     first = next(i for i, line in enumerate(lines) if line.startswith("rank 0  #5"))
     assert join < first  # said while watching, before the first batch, not only in the final state
-    assert ("  stream: 2 batches applied (0 from the replay socket), 1 malformed, 1 gap, 1 batch lost, 5 batches "
-            "published before the watch began (not counted as lost)" in text), text
+    assert ("  stream: 2 batches applied (0 from the replay socket), 1 malformed, 0 duplicate or out of order, "
+            "0 impossible sequence jumps, 1 gap, 1 batch lost, 5 batches published before the watch began (not "
+            "counted as lost)" in text), text
     # 7. the capture keeps each batch's own time beside the receive time
     cap = read_capture(tmp_path / "c.jsonl")
     assert all(b.ts is not None and b.ts == decode_batch(b.payload).ts for b in cap.batches)
@@ -477,7 +478,8 @@ def test_an_impossible_sequence_jump_is_not_counted_as_lost_and_the_watch_goes_o
         assert send_until(pub, sub, msgs, lambda v: v.mirror.last_seq == 3)
         v = sub.view()
         assert v.lost == 0 and v.gaps == 0 and v.mirror.lost_batches == 0, (v.lost, v.gaps)
-        assert v.malformed == 1 and v.received == 4 and v.mirror.num_blocks == 4
+        assert (v.jumps, v.malformed, v.duplicates) == (1, 0, 0)  # its own count: the payload was fine
+        assert v.received == 4 and v.mirror.num_blocks == 4
         assert any(f"sequence number jumped from 2 to {2**64 - 2}: not counted as lost" in e for e in v.errors)
     finally:
         sub.stop()
@@ -493,7 +495,8 @@ def test_a_repeated_old_seq_on_the_same_connection_is_a_skipped_duplicate_not_a_
         msgs += [frames(13, encode_batch([stored(500)])), frames(16, encode_batch([stored(17)]))]
         assert send_until(pub, sub, msgs, lambda v: v.mirror.last_seq == 16)
         v = sub.view()
-        assert v.mirror.num_blocks == 17 and v.received == 17 and v.malformed == 1
+        assert v.mirror.num_blocks == 17 and v.received == 17
+        assert (v.duplicates, v.malformed, v.jumps) == (1, 0, 0)  # its own count: the payload was fine
         assert v.mirror.starts_at is None and v.lost == 0
         assert not any("joined at" in n or "restarted" in n for n in v.mirror.notes), v.mirror.notes
         assert not any("restarted" in e for e in v.errors), v.errors
@@ -547,6 +550,25 @@ def test_a_late_join_at_a_huge_seq_counts_nothing_lost():
     finally:
         x.close()
     text = out.getvalue()
-    assert ("3 batches applied (0 from the replay socket), 0 malformed, 1 gap, 1 batch lost, 1,000,000,000 batches "
-            "published before the watch began (not counted as lost)") in text, text
+    assert ("3 batches applied (0 from the replay socket), 0 malformed, 0 duplicate or out of order, 0 impossible "
+            "sequence jumps, 1 gap, 1 batch lost, 1,000,000,000 batches published before the watch began (not "
+            "counted as lost)") in text, text
     assert "joined at batch 1000000000: the view starts there" in text and "(not counted as lost)" in text
+
+
+def test_watch_counts_duplicates_and_jumps_apart_from_malformed_payloads():
+    msgs = [frames(s, encode_batch([stored(s + 1)])) for s in range(3)]
+    msgs += [frames(1, encode_batch([stored(50)])),            # a duplicate number
+             frames(2, encode_batch([stored(51)])),            # another
+             frames(10**12, encode_batch([stored(52)])),       # an impossible jump
+             frames(3, b"not msgpack at all\xc1"),             # a malformed payload
+             frames(4, encode_batch([stored(5)]))]
+    x = XPub(msgs)
+    out = io.StringIO()
+    try:
+        assert watch_cli(watch_args(x.endpoint, max_batches=4, duration=10.0), out=out) == 0
+    finally:
+        x.close()
+    text = out.getvalue()
+    assert ("4 batches applied (0 from the replay socket), 1 malformed, 2 duplicate or out of order, 1 impossible "
+            "sequence jump, 0 gaps, 0 batches lost") in text, text

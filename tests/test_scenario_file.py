@@ -358,3 +358,36 @@ def test_a_files_requests_learn_their_final_lengths_under_oracle(loaded):
     assert settings.preset == "custom"
     lab = Lab.create(settings, loaded)
     assert len(lab.pending) == 6 and all(final is not None for _, final in lab.pending)
+
+
+# ------------------------------------------------------------------------------------ max_tokens over max_model_len
+LONG_ASK = {"name": "long-ask", "settings": {"max_model_len": 64, "num_blocks": 8, "block_size": 16},
+            "requests": [{"prompt_token_ids": list(range(40, 50)), "max_tokens": 500, "ignore_eos": True},
+                         {"prompt": "ROMEO. ", "max_tokens": 20, "ignore_eos": True},
+                         {"prompt": "ROMEO. ", "max_tokens": 60, "ignore_eos": True, "arrival_step": 30}]}
+
+
+def test_max_tokens_past_max_model_len_is_said_naming_both_values(tokenize):
+    """vLLM caps such a request (its server clamps max_tokens to max_model_len minus the prompt, its V1
+    scheduler finishes it as length-capped; see ``length_notes``) and this engine follows it: the cap was
+    silent. Each such request gets a note naming max_tokens, max_model_len, its prompt and where it stops."""
+    scenario = sf.parse_scenario(LONG_ASK)
+    prompt = len(tokenize("ROMEO. "))
+    assert sf.length_notes(scenario, tokenize) == [
+        "requests.0: max_tokens 500 is more than max_model_len 64 leaves after its 10-token prompt: it stops at "
+        "54 tokens, as vLLM caps it (finish reason \"length\")",
+        f"requests.2: max_tokens 60 is more than max_model_len 64 leaves after its {prompt}-token prompt: it stops "
+        f"at {64 - prompt} tokens, as vLLM caps it (finish reason \"length\")"]
+
+
+def test_the_playground_shows_the_cap_and_the_run_stops_where_it_says(loaded, tokenize):
+    from ui.lab import Lab
+    from ui.state import scenario_settings
+
+    lab = Lab.create(scenario_settings(sf.parse_scenario(LONG_ASK), EMBEDDED_MODEL), loaded)
+    notes = [n for n in lab.notes if "as vLLM caps it" in n]
+    assert len(notes) == 2 and notes[0].startswith("requests.0: max_tokens 500 is more than max_model_len 64")
+    while lab.has_work() and lab.steps_run < 300:
+        lab.step()
+    first = lab.paged.requests[lab.order[0]]
+    assert len(first.seqs[0].output_token_ids) == 54  # where the note said it stops

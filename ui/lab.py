@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from engine import EngineConfig, LLMEngine, SamplingParams, StepRecord, limits
 from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS_V1, DEFAULT_WATERMARK, FINAL_LENGTH_POLICIES
-from engine.scenario_file import PrioritizedRequest, ScenarioFile, preset_workload, to_workload
+from engine.scenario_file import PrioritizedRequest, ScenarioFile, length_notes, preset_workload, to_workload
 from engine.scenarios import get_scenario
 from engine.workloads import WorkloadRequest, learn_final_lengths, run_workload
 
@@ -279,6 +279,8 @@ class Lab:
                         else preset_workload(settings.preset, settings.seed, tokenize, settings.model))
             # a class server's request cap, for the whole file at once (not at the arrival step it is reached)
             limits.check_request_count(len(workload.requests) - 1)
+            if settings.preset == "custom":  # a request passing max_model_len stops there, as in vLLM: said
+                lab.notes.extend(length_notes(settings.scenario, tokenize))
             for r in workload.requests:
                 lab.check(r.prompt, r.params)
             finals: list[int | None] = [None] * len(workload.requests)

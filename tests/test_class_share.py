@@ -234,3 +234,54 @@ def test_the_total_is_at_most_seats_times_a_fixed_session_share(class_env, monke
     got = limits.class_limits()
     assert limits.server_memory_bytes(got) == 3 * 64 * MIB  # 300 MiB given, 3 seats of 64
     assert limits.session_budget_bytes(got, available=10**12) == 64 * MIB
+
+
+# ------------------------------------------------------------------------------ real workers behind nginx
+@pytest.mark.slow
+@pytest.mark.skipif(__import__("shutil").which("nginx") is None and not os.path.exists("/usr/sbin/nginx"),
+                    reason="nginx is not installed (scripts/test.sh installs it as root)")
+def test_real_workers_reserve_in_one_file_and_a_killed_workers_shares_come_back(monkeypatch):
+    """scripts/class_server.py with 2 workers, 3 seats of 100 MiB: students, whichever worker serves them,
+    reserve in one file; the fourth is told no share is free; a worker killed (the OOM killer) gives its
+    shares back."""
+    import asyncio
+    import signal
+    from pathlib import Path
+
+    from bench.class_load import Student, free_port, process_tree, start_server, stop_server
+
+    monkeypatch.setenv(limits.SEATS_ENV, "3")
+    monkeypatch.setenv(limits.CLASS_MEMORY_ENV, "300")
+    for name in (limits.SESSION_MEMORY_ENV, limits.MEMORY_STATE_ENV, limits.HISTORY_STEPS_ENV):
+        monkeypatch.delenv(name, raising=False)
+    port = free_port()
+    proc = start_server(port, workers=2)
+    try:
+        workers = [p for p in process_tree(proc.pid) if b"streamlit" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        environ = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{workers[0]}/environ").read_bytes().split(b"\0")
+                       if b"=" in kv)
+        path = environ[b"PAL_MEMORY_STATE"].decode()
+        assert float(environ[b"PAL_CLASS_MEMORY_MB"]) == 300
+        url = f"http://127.0.0.1:{port}"
+
+        async def open_all(n):
+            students = [Student(i, url) for i in range(n)]
+            for s in students:  # one after another: the fourth finds the three seats held
+                await s.open_page()
+            return students
+
+        students = asyncio.run(open_all(4))
+        on_file = json.loads(Path(path).read_text())["sessions"]
+        assert len(on_file) == 3 and sum(r["bytes"] for r in on_file.values()) == 300 * MIB
+        refused = [s for s in students if any(b"this class server's memory is taken" in t for t in s.text)]
+        assert len(refused) == 1 and refused[0] is students[3]
+        assert any(b"0.0 MiB of the 300 MiB for sessions is free (3 seats held" in t for t in refused[0].text)
+        holders = {r["pid"] for r in on_file.values()}
+        assert holders <= set(workers)
+        victim = next(iter(holders))
+        os.kill(victim, signal.SIGKILL)
+        time.sleep(1)
+        left = sum(r["bytes"] for r in on_file.values() if r["pid"] != victim)
+        assert ShareRegistry(path).held() == left < 300 * MIB  # the killed worker's shares are free again
+    finally:
+        stop_server(proc)

@@ -1,7 +1,10 @@
 """The class server's Streamlit side (``engine/limits.py`` holds its numbers and its checks): the locked
 model field, the per-session memory charge before a lab is built (``session_plan``: everything the lab will
-keep, refused or its recorded steps capped), the note when old steps were dropped, and the release of idle
-and closed sessions' labs. Outside class mode (``PAL_CLASS_SERVER`` unset) every function here does what the
+keep, refused or its recorded steps capped) within the share the session reserves first in the server-wide
+registry (``check_sizes``, ``engine.limits.ShareRegistry``: all sessions of all workers together never reserve
+more than the server's memory for sessions), the note when old steps were dropped, and the release of idle
+and closed sessions' labs, which gives their shares back (``sweep``; it also renews the reservations of the
+sessions still seated, so that only a dead worker's expire). Outside class mode (``PAL_CLASS_SERVER`` unset) every function here does what the
 app did before (the model field is a free text field) or nothing.
 
 Closed tabs. When a tab closes, Streamlit keeps its session (and so its lab) for

@@ -1,6 +1,7 @@
 """The allocator protocol: what the scheduler and the engine ask of a KV allocator, whichever it is.
 
-``BlockManager`` (paging: blocks taken as tokens arrive, shared, copied on write, swapped) and
+``BlockManager`` (paging: blocks taken as tokens arrive, shared, copied on write, swapped; built from
+``BlockPool``, ``KVCacheManager`` and ``SwapSpace``) and
 ``ContiguousAllocator`` (the baseline: one reserved row per sequence in a flat region) both implement it;
 the engine and the scheduler only ever call these methods, never ask which allocator they hold.
 Units: ``block_size`` is 1 for the contiguous allocator, whose "blocks" are slots.
@@ -70,6 +71,10 @@ class KVAllocator(Protocol):
 
     def snapshot_fields(self) -> dict:
         """The allocator's fields of a ``records.Snapshot``."""
+
+    def snapshot_taken(self, snapshot) -> None:
+        """The snapshot built from the last ``snapshot_fields`` (the paged allocator records the next one
+        relative to it)."""
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing changed) while blocks are in use."""

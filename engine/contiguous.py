@@ -439,6 +439,9 @@ class ContiguousAllocator:
         return dict(num_blocks=self.capacity, block_size=1, num_free_blocks=self.free_slots, ref_counts=[],
                     fills=[], owners=[], allocator="contiguous", contiguous=self.layout())
 
+    def snapshot_taken(self, snapshot) -> None:
+        """Each snapshot is whole here (the layout is small): nothing to remember."""
+
     def drain_ops(self) -> list[tuple[str, int, int]]:
         """The forks' copies queued since the last drain, ("copy", src slot, dst slot) each, in order:
         ``KVCache.apply`` runs them (its "blocks" are slots here) before the next step computes."""

@@ -745,8 +745,7 @@ class LLMEngine:
                       running=list(map(request_id, self.scheduler.running)),
                       swapped=list(map(request_id, self.scheduler.swapped)))
         snapshot = make_snapshot(sequences=states, **bm.snapshot_fields(), **queues)
-        if hasattr(bm, "snapshot_taken"):  # the paged manager records relative to its last snapshot
-            bm.snapshot_taken(snapshot)
+        bm.snapshot_taken(snapshot)  # the paged manager records the next one relative to it
         return snapshot
 
     @staticmethod

@@ -128,8 +128,16 @@ class EventLog:
     def __init__(self) -> None:
         self.events: list[Event] = []
 
-    def emit(self, kind: EventKind, request_id: str | None, blocks=(), message: str = "", **data) -> Event:
-        event = Event(EventKind(kind), request_id, list(blocks), message, data)
+    def emit(self, kind: EventKind, request_id: str | None, blocks=(), message: str | None = None,
+             facts: dict | None = None, **data) -> Event:
+        """Log one event. Without a ``message``, its sentence is written from the typed event by
+        ``engine.narration`` (``facts``: figures the sentence names beyond ``data``, not recorded)."""
+        blocks = list(blocks)
+        if message is None:
+            from .narration import sentence  # narration reads EventKind from here
+
+            message = sentence(kind, request_id, blocks, data, facts or {})
+        event = Event(EventKind(kind), request_id, blocks, message, data)
         self.events.append(event)
         return event
 

@@ -172,10 +172,10 @@ def watch(args, out=None) -> int:
         while not stop["now"]:
             total = 0
             for s in subs:
-                v = s.view()
-                if v.state != states[s.rank]:
-                    states[s.rank] = v.state
-                    said = {"not_publisher": "not a KV event publisher"}.get(v.state, v.state)
+                state, applied = s.progress()  # never ``view()`` here: it copies the whole mirror
+                if state != states[s.rank]:
+                    states[s.rank] = state
+                    said = {"not_publisher": "not a KV event publisher"}.get(state, state)
                     print(f"rank {s.rank}  {s.endpoint}: {said}", file=out, flush=True)
                 # notes, errors and batches in the order they happened (a join, a gap or a restart is
                 # noted before the batch that showed it is applied)
@@ -184,7 +184,7 @@ def watch(args, out=None) -> int:
                     print(summary_line(s.rank, item) if kind == "batch" else
                           f"rank {s.rank}  note: {item}" if kind == "note" else f"rank {s.rank}  {item}",
                           file=out, flush=True)
-                total += v.mirror.num_batches
+                total += applied
             if args.max_batches is not None and total >= args.max_batches:
                 break
             if args.duration is not None and time.monotonic() - start >= args.duration:

@@ -572,3 +572,73 @@ def test_watch_counts_duplicates_and_jumps_apart_from_malformed_payloads():
     text = out.getvalue()
     assert ("4 batches applied (0 from the replay socket), 1 malformed, 2 duplicate or out of order, 1 impossible "
             "sequence jump, 0 gaps, 0 batches lost") in text, text
+
+
+def test_a_real_gap_larger_than_max_seq_jump_is_a_gap_and_the_watch_goes_on():
+    """A publisher that dropped more than MAX_SEQ_JUMP batches for a subscriber that fell behind (its
+    high-water mark): the batch after the jump continues from it, so the jump was real. Before, every later
+    batch was skipped as another impossible jump from the last one applied: the watch showed nothing more."""
+    from engine.kv_subscriber import MAX_SEQ_JUMP
+
+    far = 3 + MAX_SEQ_JUMP + 17
+    pub, port = raw_pub()
+    sub = KVEventSubscriber(f"tcp://127.0.0.1:{port}")
+    try:
+        subscribed(sub)
+        msgs = [frames(s, encode_batch([stored(s + 1)])) for s in range(3)]
+        msgs += [frames(far + k, encode_batch([stored(1000 + k)])) for k in range(5)]
+        assert send_until(pub, sub, msgs, lambda v: v.mirror.last_seq == far + 4), sub.view().errors
+        v = sub.view()
+        assert v.received == 8 and v.mirror.num_blocks == 8
+        assert (v.gaps, v.lost, v.jumps, v.malformed) == (1, far - 3, 0, 0)
+        assert any(f"continued from batch {far}: the jump from 2 was real" in n for n in v.mirror.notes)
+    finally:
+        sub.stop()
+        pub.close()
+
+
+@pytest.mark.slow
+def test_watch_receives_a_400000_block_run_from_the_labs_publisher_and_reports_the_cap(monkeypatch):
+    """The trial's run: 400,000 distinct blocks (400 batches of 1,000 BlockStored events, 16-token blocks)
+    from the project's publisher to ``watch``, whose mirror holds 100,000. Before, watch's poll loop copied
+    the whole mirror (0.3-0.9 s at 100,000 blocks) ten times a second under the lock the subscriber needs for
+    every batch: it applied about 6,000 blocks a second and stopped (``--duration``) with most of the run
+    unreceived. Now it reads counts only while watching and copies the mirror once, for the final state."""
+    import re
+
+    from engine.cache_mirror import MAX_BLOCKS
+    from engine.kv_publisher import KVEventPublisher
+
+    copies = {"n": 0}
+    real_copy = PrefixCacheMirror.copy
+
+    def counted(self):
+        copies["n"] += 1
+        return real_copy(self)
+    monkeypatch.setattr(PrefixCacheMirror, "copy", counted)
+    p = KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")  # a late join replays
+
+    def publish() -> None:
+        time.sleep(0.5)
+        for b in range(400):
+            p.publish([{"type": "BlockStored", "block_hashes": [format(b * 1000 + k + 1, "064x")],
+                        "parent_block_hash": None, "token_ids": [k % 500] * 16, "block_size": 16,
+                        "lora_id": None, "medium": "GPU"} for k in range(1000)])
+    t = threading.Thread(target=publish, daemon=True)
+    t.start()
+    out = io.StringIO()
+    try:
+        args = watch_args(p.endpoint, replay_endpoint=[p.replay_endpoint], max_batches=400, duration=120.0)
+        assert watch_cli(args, out=out) == 0
+    finally:
+        t.join(timeout=60)
+        p.close()
+    text = out.getvalue()
+    assert MAX_BLOCKS == 100_000
+    assert re.search(r"  stream: 400 batches applied \(\d+ from the replay socket\), 0 malformed, 0 duplicate or "
+                     r"out of order, 0 impossible sequence jumps, 0 gaps, 0 batches lost, 300,000 blocks dropped "
+                     r"from the view by its 100,000-block cap", text), text[-2000:]
+    assert "rank 0: 100,000 cached blocks (100,000 distinct)" in text and "stored 400,000" in text
+    assert "rank 0  note: batch 100: the view holds at most 100,000 distinct blocks (its memory cap)" in text
+    assert sum(line.startswith("rank 0  #") for line in text.splitlines()) == 400  # every batch printed
+    assert copies["n"] <= 1, copies  # the final state only, never while watching

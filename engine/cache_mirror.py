@@ -278,6 +278,28 @@ class PrefixCacheMirror:
         return clone
 
 
+def hash_labels(hashes, min_len: int = 12) -> dict[str, str]:
+    """How to print each of ``hashes`` (hex strings, ``kv_events.hash_key``) so that distinct hashes read
+    distinctly: a 16-digit one (vLLM's default int hash, 64 bits) in full, since a prefix of a small int
+    is all zeros (hashes 1 and 2 both read "000000000000"); a longer one (a bytes hash's hex) by its first
+    ``min_len`` digits, or as many more as it takes to differ from every other hash given. Returns
+    {hash: label}."""
+    ordered = sorted(set(hashes))
+    labels: dict[str, str] = {}
+    for i, h in enumerate(ordered):
+        if len(h) <= 16:
+            labels[h] = h
+            continue
+        need = min_len
+        for j in (i - 1, i + 1):  # in sorted order the longest common prefix is with a neighbour
+            if 0 <= j < len(ordered):
+                other = ordered[j]
+                same = next((k for k, (a, b) in enumerate(zip(h, other)) if a != b), min(len(h), len(other)))
+                need = max(need, same + 1)
+        labels[h] = h[:need]
+    return labels
+
+
 def by_content(batches: list[list[dict]]) -> list[list[tuple[str, tuple[int, ...]]]]:
     """Each batch of decoded events as ``[(what, prefix tokens)]``, what = "stored" | "removed" |
     "cleared", one entry per block: the content key that lets two publishers with different hash

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from .cache_mirror import BatchSummary, PrefixCacheMirror
+from .cache_mirror import BatchSummary, PrefixCacheMirror, hash_labels
 from .capture import CaptureReplay, CaptureWriter, new_header, read_capture, replay_gap
 from .config import check_endpoint
 from .kv_subscriber import KVEventSubscriber
@@ -71,11 +71,13 @@ def state_lines(mirror: PrefixCacheMirror, decode=None, max_roots: int = 8) -> l
              f"{mirror.num_tokens:,} tokens, {len(roots)} prefix roots, longest chain "
              f"{max(depth.values(), default=0)} blocks; stored {mirror.total_stored:,}, removed "
              f"{mirror.total_removed:,} over {mirror.num_batches:,} batches"]
-    for h in sorted(roots, key=lambda r: mirror.blocks[r].stored_seq)[:max_roots]:
+    shown = sorted(roots, key=lambda r: mirror.blocks[r].stored_seq)[:max_roots]
+    label = hash_labels(shown)  # distinct hashes print distinctly (a small int hash's prefix is all zeros)
+    for h in shown:
         b = mirror.blocks[h]
         subtree = _subtree_size(h, kids)
         text = f"  {decode(b.token_ids)!r}" if decode else ""
-        lines.append(f"  root {h[:12]} stored in batch {b.stored_seq}: a tree of {subtree} block{'s' * (subtree != 1)}"
+        lines.append(f"  root {label[h]} stored in batch {b.stored_seq}: a tree of {subtree} block{'s' * (subtree != 1)}"
                      f"{text}")
     if len(roots) > max_roots:
         lines.append(f"  ... {len(roots) - max_roots} more roots")

@@ -642,3 +642,21 @@ def test_watch_receives_a_400000_block_run_from_the_labs_publisher_and_reports_t
     assert "rank 0  note: batch 100: the view holds at most 100,000 distinct blocks (its memory cap)" in text
     assert sum(line.startswith("rank 0  #") for line in text.splitlines()) == 400  # every batch printed
     assert copies["n"] <= 1, copies  # the final state only, never while watching
+
+
+def test_roots_with_small_int_hashes_print_distinctly():
+    """vLLM's default hashes are 64-bit ints, printed as 16 hex digits; a 12-digit prefix of hashes 1 and 2
+    was "000000000000" for both."""
+    from engine.cache_mirror import hash_labels
+    from engine.watch import state_lines
+
+    m = PrefixCacheMirror()
+    for seq, h in enumerate((1, 2, 3, 2**40, 2**40 + 1)):
+        m.apply(seq, 0.0, decode_batch(encode_batch([stored(h)])).events)  # the wire's int hashes, decoded
+    roots = [line.split()[1] for line in state_lines(m) if line.startswith("  root ")]
+    assert roots == ["0000000000000001", "0000000000000002", "0000000000000003", "0000010000000000",
+                     "0000010000000001"]
+    # a bytes hash (hex of a digest): 12 digits, more where two shown would read the same
+    a, b, c = "ab" * 6 + "0" * 52, "ab" * 6 + "1" + "0" * 51, "cd" * 32
+    labels = hash_labels([a, b, c])
+    assert labels == {a: "ab" * 6 + "0", b: "ab" * 6 + "1", c: "cd" * 6}

@@ -65,6 +65,11 @@ class Exercise:
             table, names a victim).
         source: who gave ``expected``, named in the verdict ("the engine says ..."); a measurement taken
             elsewhere (e.g. lesson 3's kernel timings from an H200) names itself instead.
+        answer_phrases: the answer as a sentence would give it away in words (e.g. "the cache keeps both",
+            "barely matters"), at least two words each, matched case-insensitively with Markdown emphasis and
+            line breaks ignored. No page a learner may read before the lesson (the README, docs/*.md) may
+            contain one (tests/test_lessons_answer_leaks.py); a question whose answer the numeric leak check
+            cannot see (a choice, a small number) must have some.
     """
 
     id: str
@@ -79,6 +84,7 @@ class Exercise:
     slips: list[Slip] = field(default_factory=list)
     tags: frozenset = frozenset()
     source: str = "the engine"
+    answer_phrases: tuple = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -88,6 +94,14 @@ class Exercise:
         self.tags = frozenset(self.tags)
         if not self.tags <= set(TAGS):
             raise ValueError(f"exercise {self.id!r}: tags {sorted(self.tags - set(TAGS))} are not among {TAGS}")
+        if isinstance(self.answer_phrases, str):
+            raise ValueError(f"exercise {self.id!r}: answer_phrases is one string {self.answer_phrases!r}; "
+                             "give a list of phrases")
+        self.answer_phrases = tuple(self.answer_phrases)
+        for phrase in self.answer_phrases:
+            if not isinstance(phrase, str) or len(phrase.split()) < 2:
+                raise ValueError(f"exercise {self.id!r}: answer phrase {phrase!r} is not a phrase of two or more "
+                                 "words (one word would match any text)")
         for slip in self.slips:
             if self._matches(self.parse(slip.answer)):
                 raise ValueError(f"exercise {self.id!r}: slip {slip.name!r} gives the engine's own answer "

@@ -236,6 +236,7 @@ def exercises(ctx) -> dict[str, Exercise]:
                          f"config. ({g2.num_kv_heads} KV heads, one per query head: {kib2 / kib3:g}x "
                          f"{llama3.name}'s {kib3:g} KiB.)"),
             slips=[Slip(f"option-{i}", o, rounding_msgs[o]) for i, o in enumerate(options) if o != closest],
+            answer_phrases=[closest, f"1 MiB is {ratio:g} times the exact", f"1 MiB is {ratio:g} times that"],
         ),
         "run_bytes": Exercise(
             "run_bytes",

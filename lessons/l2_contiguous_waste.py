@@ -257,6 +257,8 @@ def exercises(ctx) -> dict[str, Exercise]:
                          f"slots, at most {B - 1} per request."),
             slips=[Slip(f"band-{i}", label, band_msgs[label])
                    for i, (*_, label) in enumerate(PAGED_BANDS) if label != band],
+            answer_phrases=[f"paged wastes {band}", f"paging wastes {band}", f"{run.paged_pct:.1f}% empty",
+                            f"{run.paged_pct:.1f}% wasted", f"{run.paged_pct:.1f}% of the allocated"],
         ),
         "pow2_fit": Exercise(
             "pow2_fit",
@@ -304,6 +306,9 @@ def exercises(ctx) -> dict[str, Exercise]:
                         "Enough slots are free in total, but a reservation is one unbroken range, and no single "
                         "gap is large enough." if refusal else
                         "One gap is large enough for the whole reservation, so it can start.")],
+            answer_phrases=(["cannot start now", "no single gap is large enough",
+                             f"largest gap {max(g[1] for g in gaps):,} < {need:,}"] if refusal else
+                            ["can start now", "one gap is large enough"]),
         ),
         "place_first_fit": Exercise(
             "place_first_fit",

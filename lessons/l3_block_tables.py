@@ -369,7 +369,10 @@ def exercises(ctx) -> dict[str, Exercise]:
                          f"The engine said: *{new_block.message}*"),
             slips=[Slip("last-slot", pos - 1, f"Position {pos - 1} is the last slot of the third block: it still fits."),
                    Slip("counted-from-1", pos + 1, "Positions count from 0, so the first slot of the fourth block "
-                        f"is position 3 × {B}.")]),
+                        f"is position 3 × {B}.")],
+            answer_phrases=[f"token {pos} starts logical block", f"a fourth block at token {pos}",
+                            f"4th at token {pos}", "takes one more when the last is full",
+                            "only when the last block is full", "only when the last one is full"]),
         "free_list_table": Exercise(
             "free_list_table",
             f"**Be the block manager.** {new} arrives with a prompt of {BUSY['new']} tokens. Write its block "
@@ -410,17 +413,22 @@ def exercises(ctx) -> dict[str, Exercise]:
                         "block."),
                    Slip("counted-from-1", table[logical - 1],
                         f"You counted the table's entries from 1. Entry 0 is the first one, so logical block "
-                        f"{logical} is the entry after {table[logical - 1]}.")]),
+                        f"{logical} is the entry after {table[logical - 1]}.")],
+            answer_phrases=[f"token {WHERE_T} lives in physical block {phys}", f"token {WHERE_T} is in block {phys}",
+                            f"entry {logical} is physical block {phys}"]),
         "where_slot": Exercise(
             "where_slot", "And which **slot** of the pool holds it?", "number",
             bm.slot(new, WHERE_T),
             explanation=(f"offset {WHERE_T} % {BB} = {offset}; slot {table[logical]} × {BB} + "
-                         f"{offset} = {bm.slot(new, WHERE_T)}, as the engine's slot mapping says."),
+                         f"{offset} = {bm.slot(new, WHERE_T)}: token {WHERE_T} is in slot {bm.slot(new, WHERE_T)}, as "
+                         "the engine's slot mapping says."),
             slips=[Slip("position", WHERE_T,
                         f"{WHERE_T} is the token's position in the request; its slot in the pool goes through the "
                         "block table."),
                    Slip("no-offset", phys * BB,
-                        f"That is the first slot of block {phys}; add the offset {WHERE_T} % {BB} inside it.")]),
+                        f"That is the first slot of block {phys}; add the offset {WHERE_T} % {BB} inside it.")],
+            answer_phrases=[f"token {WHERE_T} is in slot {bm.slot(new, WHERE_T)}",
+                            f"token {WHERE_T} lives in slot {bm.slot(new, WHERE_T)}"]),
         "trade_pick": Exercise(
             "trade_pick",
             f"A pool holds {PICK['pool_slots']:,} token slots, and every request is exactly {PICK['tokens']} tokens "
@@ -428,7 +436,9 @@ def exercises(ctx) -> dict[str, Exercise]:
             "most requests hold their tokens at once?", "choice", pick_answer, options=pick_options,
             explanation=f"The engine's block manager filled the pool at each size: {summary}.",
             tags={"transfer"},
-            slips=[Slip(f"option-{o}", o, pick_msgs[o]) for o in pick_options if o != pick_answer]),
+            slips=[Slip(f"option-{o}", o, pick_msgs[o]) for o in pick_options if o != pick_answer],
+            answer_phrases=[pick_answer, f"{pick_answer} of requests"] if pick_answer == tie else
+                           [f"blocks of {pick_answer} fit the most", f"b = {pick_answer} fits the most"]),
         "trade_256": Exercise(
             "trade_256", f"One request of {TRADE_TOKENS} tokens, blocks of {TRADE_ASK}: what percentage of the "
             "request's allocation is empty? (Within 3 points.)", "number", rA["empty %"], tolerance=3.0, unit="%",
@@ -455,7 +465,11 @@ def exercises(ctx) -> dict[str, Exercise]:
                          "many tokens, row by row through the table, whatever the block size."),
             source=f"the {k.gpu} measurement ({k.date})",
             slips=[Slip(f"band-{i}", label, k_msgs[label]) for i, (*_, label) in enumerate(KERNEL_BANDS)
-                   if label != k_answer]),
+                   if label != k_answer],
+            # Worded verdicts of the measurement (docs/benchmarks.md once said "block size barely matters").
+            answer_phrases=[k_answer] + (["barely matters", "not a speed one", "does not change the kernel's speed",
+                                          "block size does not matter to the kernel"]
+                                         if k_answer == KERNEL_BANDS[1][2] else [])),
     }
 
 

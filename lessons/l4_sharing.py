@@ -246,11 +246,15 @@ def _practice_exercises() -> dict[str, Exercise]:
             "logical block. What decides whether B must copy too?", "choice", why_answer, options=why,
             explanation=("Copy-on-write looks at the reference count at the moment of the write, not at who forked "
                          "whom or at what happened before. Use the counts after A's write to predict B's."),
-            slips=[Slip(name, w, why_messages[w]) for name, w in zip(WHY_SLIPS, why) if w != why_answer]),
+            slips=[Slip(name, w, why_messages[w]) for name, w in zip(WHY_SLIPS, why) if w != why_answer],
+            answer_phrases=["reference count at the moment", "count at the moment of the write",
+                            "count at the time of the write", "count at the moment B writes"]),
         "p_b_copy": Exercise(
             "p_b_copy", "Does B copy a block before it writes?", "choice", b_answer, options=list(b_options.values()),
             explanation=f"The engine said: *{b_write.message}*. {_table_text(main[3])}",
-            slips=[s for k, s in b_slips.items() if b_options[k] != b_answer]),
+            slips=[s for k, s in b_slips.items() if b_options[k] != b_answer],
+            answer_phrases=[b_answer] + ([f"B writes into block {shared_block} in place", "B writes in place",
+                                          "B does not copy", "B did not copy"] if b_write.kind == "append" else [])),
     }
 
 
@@ -291,7 +295,9 @@ def _variation_exercises() -> dict[str, Exercise]:
                         "to its own physical block, taken from the free list one after the other."),
                    Slip("order", v1_new[::-1],
                         "The free list hands out blocks in order, and A writes first, so A gets the first free "
-                        "block.")]),
+                        "block.")],
+            answer_phrases=["nobody writes into a full block", "only a partly filled last block",
+                            "partly filled last block is copied", "a full block is never copied"]),
         "v2_counts": Exercise(
             "v2_counts", f"**Variation 2.** A has {V2[0]} tokens; B and then C are forked from A; then A, B and C "
             f"each write one token, in that order. Write what the block manager's counters say afterwards: the "
@@ -322,7 +328,12 @@ def _variation_exercises() -> dict[str, Exercise]:
                         f"{a_first_table[-1]} by block {a_table[-1]}."),
                    Slip("none", [],
                         f"Block {a_table[-1]} is A's private copy (count 1): releasing A brings it to 0, so it "
-                        "is free again.")]),
+                        "is free again.")],
+            answer_phrases=[f"{len(freed)} free again [{', '.join(map(str, freed))}]",
+                            f"block{'s' if len(freed) > 1 else ''} {' and '.join(map(str, freed))} "
+                            f"become{'' if len(freed) > 1 else 's'} free",
+                            f"frees block{'s' if len(freed) > 1 else ''} {' and '.join(map(str, freed))}"]
+                           if freed else ["none of A's blocks becomes free"]),
     }
 
 

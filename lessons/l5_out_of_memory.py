@@ -236,7 +236,9 @@ def _pool_exercises(ctx, rec_run, ids, B, prompt_len, max_len) -> dict[str, Exer
                         "written, and the new block is needed, at the next step."),
                    Slip("tokens-that-fit", position - prompt_len,
                         f"That is how many new tokens still fit in the prompt's blocks ({position - prompt_len}); "
-                        "the question asks for the step number, and step 1 is the prefill.")]),
+                        "the question asks for the step number, and step 1 is the prefill.")],
+            answer_phrases=[f"runs out at step {step}", f"step {step} writes token {position}",
+                            f"preempted at step {step}"]),
     }
 
 
@@ -322,13 +324,16 @@ def _victim_exercises(ctx, rec_run, ids) -> dict[str, Exercise]:
             explanation=(f"{fp['victim']}: of the running requests it was admitted last, so the others, which have "
                          "waited longer, keep going (first come, first served). In the engine's run, "
                          f"{_preempted(fp)}, and its blocks go to the requests that need one."),
-            slips=victim_slips),
+            slips=victim_slips,
+            answer_phrases=[f"{fp['victim']} is preempted", "it was admitted last", "the most recently admitted",
+                            "preemption of the last admitted", "the last admitted is preempted"]),
         "m_order": Exercise(
             "m_order", f"The same pool and the same five requests, but they arrive in the opposite order: "
             f"{', '.join(order)}. Which request is preempted first?", "choice", other_answer,
             options=other_options, tags={"transfer", "allocator"},
             explanation=_story(other, op) + " The rule did not change; the order of arrival it reads did.",
-            slips=other_slips),
+            slips=other_slips,
+            answer_phrases=[f"{other_answer} is preempted", f"{other_answer} is preempted first"]),
     }
 
 
@@ -437,7 +442,9 @@ def _outcome_exercises(ctx, rec_run, swap_run, roomy, ids) -> dict[str, Exercise
                           "The engine ran it: nobody was preempted.")
                          + f" That is this engine's choice; in vLLM V0 {V0_SWAP_ERROR}. vLLM V1 has no swap: it only "
                          "recomputes."),
-            slips=[Slip(k, o, fallback_messages[k]) for k, o in FALLBACK_OPTIONS.items() if o != fallback_answer]),
+            slips=[Slip(k, o, fallback_messages[k]) for k, o in FALLBACK_OPTIONS.items() if o != fallback_answer],
+            answer_phrases=[fallback_answer] + (["falling back to recompute", "falls back to recompute",
+                                                 "swap pool full"] if "recompute" in fallback_answer else [])),
         "m_same": Exercise(
             "m_same", "Is every request's reply (greedy decoding) the same as in a run with a roomy pool where "
             "nobody is preempted?", "choice", same_answer, options=SAME_OPTIONS,
@@ -448,7 +455,10 @@ def _outcome_exercises(ctx, rec_run, swap_run, roomy, ids) -> dict[str, Exercise
                          "sampling a draw can land so close to the boundary between two tokens that float rounding "
                          f"decides; measured on this engine, {bi['bi_long']}. vLLM on GPUs is not batch-invariant "
                          "either: the batch changes the order of its floating-point sums."),
-            slips=[Slip(name, o, same_messages[o]) for name, o in zip(SAME_SLIPS, SAME_OPTIONS) if o != same_answer]),
+            slips=[Slip(name, o, same_messages[o]) for name, o in zip(SAME_SLIPS, SAME_OPTIONS) if o != same_answer],
+            answer_phrases=[same_answer] + (["every request's tokens are identical", "recompute gives the same tokens",
+                                             "preemption changes when a request runs, not what it computes",
+                                             "same tokens after preemption"] if same else [])),
     }
 
 

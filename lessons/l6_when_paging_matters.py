@@ -178,7 +178,9 @@ def _quiz(ctx) -> dict[str, Exercise]:
                          f"{per_slot['paged']:,.0f} vs {per_slot['contiguous']:,.0f} bytes per slot. Paging stores the "
                          "same numbers; it only stops wasting slots."),
             slips=_tf_slip(a["bytes"], "Choosing that treats paging as compression. A block is only a different "
-                                       "place for the same keys and values, stored in the same number format.")),
+                                       "place for the same keys and values, stored in the same number format."),
+            answer_phrases=_if(a["bytes"] == "true", ["paging stores the same numbers", "paging does not compress",
+                                                      "same bytes per token in a block"])),
         "q_outputs": Exercise(
             "q_outputs", "*With greedy decoding, the paged engine generates exactly the same tokens as the "
             "contiguous baseline, although attention reads keys and values from scattered blocks.*", "choice",
@@ -188,7 +190,9 @@ def _quiz(ctx) -> dict[str, Exercise]:
                          "further: every step's logits match transformers' own generate."),
             slips=_tf_slip(a["outputs"], "Choosing that assumes the layout changes the arithmetic. The kernel "
                                          "follows the block table to the very same keys and values, so attention "
-                                         "computes the same result.")),
+                                         "computes the same result."),
+            answer_phrases=_if(a["outputs"] == "true", ["generated tokens are identical",
+                                                        "paging does not change the outputs"])),
         "q_cpu": Exercise(
             "q_cpu", "*Paging moves the KV cache to CPU memory.*", "choice", a["cpu"], options=TF,
             explanation=(f"In lesson 5's tight run with recompute, the engine made {swaps} swaps to the CPU: every "
@@ -197,7 +201,10 @@ def _quiz(ctx) -> dict[str, Exercise]:
                          "Swapping is a separate policy that paging makes easy, not paging itself."),
             slips=_tf_slip(a["cpu"], "Choosing that mixes paging up with **swapping** (or offloading): paging "
                                      "keeps the cache in the GPU's pool; the name comes from the operating "
-                                     "system's page tables, not from paging out to disk.")),
+                                     "system's page tables, not from paging out to disk."),
+            answer_phrases=_if(a["cpu"] == "false", ["swapping is a separate policy", "not paging itself",
+                                                     "paging does not move the KV cache to CPU",
+                                                     "paging keeps the cache in the GPU"])),
         "q_no_queue": Exercise(
             "q_no_queue", "*With paging, a server never has to queue or preempt a request.*", "choice",
             a["no_queue"], options=TF,
@@ -205,7 +212,10 @@ def _quiz(ctx) -> dict[str, Exercise]:
                          f"{', '.join(waiters) or 'nobody'} waiting at the door at times, in the engine's own run. "
                          "Paging uses memory better; it does not make memory endless."),
             slips=_tf_slip(a["no_queue"], "Choosing that confuses using memory well with having enough of it: "
-                                          "when the pool is full, a request must wait or someone is preempted.")),
+                                          "when the pool is full, a request must wait or someone is preempted."),
+            answer_phrases=_if(a["no_queue"] == "false", ["it does not make memory endless",
+                                                          "must still queue or preempt", "still has to queue or preempt",
+                                                          "paging does not remove queueing"])),
         "q_chunked": Exercise(
             "q_chunked", "*Paging is contiguous allocation in smaller chunks: a request's blocks sit next to each "
             "other in the pool, in order.*", "choice", a["chunked"], options=TF,
@@ -214,7 +224,10 @@ def _quiz(ctx) -> dict[str, Exercise]:
                          "order. The block table is what makes that possible, and it is why no gaps form."),
             slips=_tf_slip(a["chunked"], "Choosing that misses the block table: it maps each logical block to "
                                          "**any** physical block, so a request's blocks can be scattered across "
-                                         "the pool.")),
+                                         "the pool."),
+            answer_phrases=_if(a["chunked"] == "false", ["any free block in the free list's order",
+                                                         "paging is not chunked contiguous",
+                                                         "not contiguous allocation in smaller chunks"])),
         "q_short": Exercise(
             "q_short", "*Paging saves memory even when every request is short, as long as their lengths vary.*",
             "choice", a["short"], options=TF,
@@ -222,7 +235,9 @@ def _quiz(ctx) -> dict[str, Exercise]:
                          f"{SHORT['max_len']}): contiguous allocation leaves {short['contig_pct']:.1f}% of its "
                          f"reservations empty, paging {short['paged_pct']:.1f}%. What matters is that lengths vary."),
             slips=_tf_slip(a["short"], "Choosing that ties paging to long contexts. The waste it removes comes "
-                                       "from reserving for the maximum while lengths vary, at any length.")),
+                                       "from reserving for the maximum while lengths vary, at any length."),
+            answer_phrases=_if(a["short"] == "true", ["what matters is that lengths vary",
+                                                      "helps even at short contexts"])),
         "q_batch1": Exercise(
             "q_batch1", "*For a single request that always runs to the maximum length, paging saves almost no "
             "memory.*", "choice", a["batch1"], options=TF,
@@ -231,8 +246,15 @@ def _quiz(ctx) -> dict[str, Exercise]:
                          "paging pays off with many requests of varying length."),
             slips=_tf_slip(a["batch1"], "Choosing that assumes paging saves memory by itself. It saves what a "
                                         "reservation would leave empty; a request that fills its whole "
-                                        "reservation leaves nothing to save.")),
+                                        "reservation leaves nothing to save."),
+            answer_phrases=_if(a["batch1"] == "true", ["there is nothing to win", "saves almost no memory for a single",
+                                                       "matters little at batch size 1"])),
     }
+
+
+def _if(holds: bool, phrases: list[str]) -> list[str]:
+    """An exercise's answer phrases, when the engine's answer is the one they word (else none)."""
+    return phrases if holds else []
 
 
 def _transfer() -> dict[str, Exercise]:
@@ -255,7 +277,9 @@ def _transfer() -> dict[str, Exercise]:
             "does paging free the largest share of the memory a contiguous server would hold?", "choice",
             options[best], options=list(options.values()), tags={"transfer"},
             explanation=(f"The engine's two allocators held each workload (lengths drawn at random): {rows}."),
-            slips=[Slip(k, options[k], why[k]) for k in options if k != best]),
+            slips=[Slip(k, options[k], why[k]) for k in options if k != best],
+            answer_phrases=[options[best]] + _if(best == "varied", ["widely varying lengths leave the most",
+                                                                    "where lengths vary most"])),
         "q_table": Exercise(
             "q_table", f"Act as the allocator. A pool of {TABLE['num_blocks']} blocks of {TABLE['block_size']} was "
             f"full with four requests; {' and then '.join(TABLE['freed'])} finished, and the free list, front "

@@ -344,7 +344,10 @@ def exercises(ctx) -> dict[str, Exercise]:
                          f"{last32} with {BUDGET}. "
                          + ("Running requests are served first, and a decoding request needs one token per step, "
                             "so here the budget only decides how fast the prompts behind them are computed."
-                            if last16 == last32 else ""))),
+                            if last16 == last32 else "")),
+            answer_phrases=[f"{r1} writes its last token {r1_when}", f"{r1} finishes {r1_when}"]
+                           + (["the budget only decides how fast the prompts", "finishes at the same step"]
+                              if last16 == last32 else [])),
     }
 
 

@@ -397,7 +397,12 @@ def exercises(ctx) -> dict[str, Exercise]:
         slips=[Slip(k, dup_options[k], dup_messages[k]) for k in order if k != dup_answer],
         explanation=(f"Hash {dup_hash} is now carried by blocks {holders.get(dup_hash)}. Block tables are "
                      "append-only (vLLM's design notes say so, and keep such duplicates): two physical blocks "
-                     "hold the same content until one of them is evicted."))
+                     "hold the same content until one of them is evicted."),
+        # A sentence that says how many copies the cache keeps settles the question, rightly or (like the
+        # README's old "stores its full blocks once") wrongly.
+        answer_phrases=[dup_options[dup_answer]] + (["the cache keeps both", "keeps such duplicates",
+                                                     "duplicates are kept", "stores its full blocks once",
+                                                     "stored only once"] if dup_answer == "two" else []))
 
     # 4. eviction: B and C finish, D (nothing in common) takes 4 blocks from the free queue
     before = st["C"]
@@ -474,7 +479,10 @@ def exercises(ctx) -> dict[str, Exercise]:
                     "their own work the preempted requests got back, nothing about sharing between requests.")],
         explanation=(f"vLLM counts re-admissions after a preemption apart (its `PrefixCacheStats`; vLLM issue "
                      f"#25780), and so does this engine: {_pct(s['hit_rate_pct'])} honest, against "
-                     f"{_pct(s['mixed_rate_pct'])} with the re-admissions mixed in."))
+                     f"{_pct(s['mixed_rate_pct'])} with the re-admissions mixed in."),
+        answer_phrases=[honest_options["honest"], f"{_pct(s['hit_rate_pct'])} honest",
+                        "counts re-admissions after a preemption apart", "leaves them out of its hit rate",
+                        "leaves re-admissions out"])
 
     # 7. transfer: the same requests in a roomy pool at three block sizes
     sw = sweep(ctx)

@@ -108,8 +108,8 @@ def _cases_at(B: int, ids: list[int], vocab_size: int) -> list[Case]:
                      CaseRequest("third", k_blocks, max_tokens=4, arrival_step=7)]),
         Case(f"identical-prompts-one-step-{s}", "4 identical prompts added before the same step",
              B, 40, [CaseRequest(f"same{i}", system + tails[0], max_tokens=6) for i in range(4)]),
-        Case(f"preemption-{s}", "a pool too small for 4 growing requests: recompute preemption of the last "
-             "admitted, and re-admission hitting its own freed blocks",
+        Case(f"preemption-{s}", "a pool too small for 4 growing requests: recompute preemption, and "
+             "re-admission hitting its own freed blocks",
              B, 9, [CaseRequest(f"p{i}", ids[40 * i: 40 * i + B + 5], max_tokens=2 * B) for i in range(4)],
              max_model_len=4 * B),
         Case(f"parallel-n4-{s}", "n = 4 at temperature 0: four child requests over the prefix cache",

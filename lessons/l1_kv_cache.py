@@ -32,7 +32,8 @@ RECAP = [
     "next step, so a finished request never stores its last token.",
     "Decode steps are memory-bandwidth bound, so throughput grows with the batch, and the batch is set by how "
     "many caches fit beside the weights: {{ h100_requests }} requests of {{ context }} tokens of Llama-2-7B "
-    "on an 80 GB H100.",
+    "on an H100 sold as {{ h100_memory }} (the {{ h100_reported_gib }} GiB the card reports would hold "
+    "{{ h100_reported_requests }}).",
 ]
 
 
@@ -128,17 +129,38 @@ def _h100():
     return gpu, params, kv_math.gpu_fit(gpu.memory_bytes, params * g2.dtype_bytes, g2.bytes_per_token, CONTEXT)
 
 
+def memory_convention(gpu: kv_math.Gpu) -> str:
+    """How the lesson reads a GPU's memory, said wherever a fit is: the vendor's GB, 10^9 bytes each
+    (``kv_math.GB``, which ``Gpu.memory_bytes`` uses), e.g. "80 GB = 80 × 10^9 bytes"."""
+    if gpu.memory_bytes != int(gpu.memory_gb * 10**9):
+        raise ValueError(f"{gpu.name}: memory_bytes {gpu.memory_bytes:,} is not {gpu.memory_gb:g} × 10^9 bytes")
+    return f"{gpu.memory_gb:g} GB = {gpu.memory_gb:g} × 10^9 bytes"
+
+
+def _h100_reported():
+    """What the same H100 reports (the total memory in the start-up log lesson 9 quotes, vLLM PR #10511),
+    in GiB, and how many requests that would hold."""
+    from lessons.l9_planning_memory import PROFILE
+
+    _, g2, _, _ = _models()
+    _, params, _ = _h100()
+    gib = PROFILE["total_gpu_memory"]
+    return gib, kv_math.gpu_fit(round(gib * 2**30), params * g2.dtype_bytes, g2.bytes_per_token, CONTEXT).requests
+
+
 def facts(ctx) -> dict:
     g = _tiny(ctx)
     run = _run(ctx)
     llama2, g2, _, g3 = _models()
-    _, _, fit = _h100()
+    gpu, _, fit = _h100()
+    reported_gib, reported = _h100_reported()
     return {"tiny_layers": g.num_layers, "tiny_kv_heads": g.num_kv_heads, "tiny_head_dim": g.head_dim,
             "tiny_dtype": g.dtype, "tiny_dtype_bytes": g.dtype_bytes, "tiny_bytes_per_token": g.bytes_per_token,
             "run_prompt": run.records[0].scheduled[0].num_tokens,
             "run_new": len(run.outputs[run.request_ids[0]].output_token_ids),
             "llama2_kib": f"{g2.bytes_per_token / 1024:g}", "llama3_kib": f"{g3.bytes_per_token / 1024:g}",
-            "h100_requests": fit.requests, "context": f"{CONTEXT:,}",
+            "h100_requests": fit.requests, "context": f"{CONTEXT:,}", "h100_memory": memory_convention(gpu),
+            "h100_reported_gib": f"{reported_gib:g}", "h100_reported_requests": reported,
             "dtype_sizes": _dtype_sizes(llama2.config)}
 
 
@@ -186,12 +208,9 @@ def exercises(ctx) -> dict[str, Exercise]:
     no_weights = kv_math.gpu_fit(gpu.memory_bytes, 0, g2.bytes_per_token, CONTEXT).requests
     one_mib = kv_math.gpu_fit(gpu.memory_bytes, weights, 2**20, CONTEXT).requests
     gib = kv_math.gpu_fit(int(gpu.memory_gb * 2**30), weights, g2.bytes_per_token, CONTEXT).requests
-    # What the card reports: the total memory in the H100 start-up log lesson 9 quotes (vLLM PR #10511). The
-    # question names the vendor's GB (10^9 bytes); reading it as GiB is a slip of its own, named first.
-    from lessons.l9_planning_memory import PROFILE
-
-    reported_gib = PROFILE["total_gpu_memory"]
-    reported = kv_math.gpu_fit(round(reported_gib * 2**30), weights, g2.bytes_per_token, CONTEXT).requests
+    # What the card reports. The question names the vendor's GB (10^9 bytes); reading it as GiB is a slip of
+    # its own, named first.
+    reported_gib, reported = _h100_reported()
 
     # the scheduler: who runs in the first batch
     admit_model = kv_math.model_presets()[ADMIT["model"]]
@@ -261,7 +280,7 @@ def exercises(ctx) -> dict[str, Exercise]:
         "h100_fit": Exercise(
             "h100_fit",
             f"An **{gpu.name}** serves {llama2.name} in {llama2.dtype}. Take its memory as the vendor states "
-            f"it, {gpu.memory_gb:g} GB = {gpu.memory_gb:g} × 10^9 bytes (not GiB). The server may use "
+            f"it, {memory_convention(gpu)} (not GiB). The server may use "
             f"{kv_math.VLLM_GPU_MEMORY_UTILIZATION:.0%} of the memory (vLLM's default), the weights take "
             f"{params:,} parameters × {g2.dtype_bytes} bytes, and the rest holds KV cache. How many requests of "
             f"**{CONTEXT:,} tokens** fit at once? (Within 5% counts.)",
@@ -269,8 +288,10 @@ def exercises(ctx) -> dict[str, Exercise]:
             explanation=(f"{gpu.memory_gb:g} GB × {kv_math.VLLM_GPU_MEMORY_UTILIZATION:g} = {fit.usable_bytes / 1e9:,.1f} "
                          f"GB usable; weights {fit.weight_bytes / 1e9:,.1f} GB; KV cache {fit.kv_bytes / 1e9:,.1f} GB "
                          f"= {fit.tokens:,} tokens of {g2.bytes_per_token:,} bytes; ÷ {CONTEXT:,} = "
-                         f"**{fit.requests} requests**. That is all, on an 80 GB GPU: the cache, not the weights, "
-                         "limits the batch. Real servers fit a little fewer (activations, CUDA context)."),
+                         f"**{fit.requests} requests**. That is all, on a GPU sold as {memory_convention(gpu)}: the "
+                         "cache, not the weights, limits the batch. Real servers fit a little fewer (activations, "
+                         f"CUDA context). The card itself reports {reported_gib:g} GiB, which would hold "
+                         f"{reported}."),
             tags={"transfer"},
             slips=[
                 Slip("gib", gib,

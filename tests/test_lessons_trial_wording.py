@@ -4,6 +4,7 @@ next begins, and lesson 1's KV-bytes question asks what the request stores."""
 from __future__ import annotations
 
 import importlib
+import math
 import re
 
 import pytest
@@ -56,3 +57,29 @@ def test_every_sidebar_label_fits_the_sidebar_at_1280px():
 
     for lesson in catalog():
         assert len(lesson.nav_title) <= SIDEBAR_FITS, (lesson.number, lesson.nav_title, len(lesson.nav_title))
+
+
+# ------------------------------------------------- item 2: the H100 recap says which GB it means, and agrees
+def test_lesson1_recap_states_the_memory_convention_and_its_number_follows_from_it(ctx):
+    """The recap's "N requests ... on an H100 sold as 80 GB = 80 × 10^9 bytes" is recomputed here from the
+    convention the sentence states (and the GiB the card reports from the GiB it names), with the model's
+    weights and bytes per token; the question and the reveal state the same convention."""
+    from lessons import kv_math
+    from lessons.recap import takeaways
+
+    l1 = importlib.import_module("lessons.l1_kv_cache")
+    line = next(t for t in takeaways(l1, l1.facts(ctx)) if "H100" in t)
+    m = re.search(r"(\d+) requests of ([\d,]+) tokens of Llama-2-7B on an H100 sold as (\d+) GB = \3 × 10\^9 bytes "
+                  r"\(the ([\d.]+) GiB the card reports would hold (\d+)\)", line)
+    assert m, line
+    requests, context, gb, gib, gib_requests = (int(m[1]), int(m[2].replace(",", "")), int(m[3]), float(m[4]),
+                                                int(m[5]))
+    llama2 = kv_math.model_presets()["llama-2-7b"]
+    g = kv_math.geometry(llama2.config, llama2.dtype)
+    weights = kv_math.parameter_count(llama2) * g.dtype_bytes
+    assert requests == kv_math.gpu_fit(gb * 10**9, weights, g.bytes_per_token, context).requests
+    assert gib_requests == kv_math.gpu_fit(round(gib * 2**30), weights, g.bytes_per_token, context).requests
+    assert requests != gib_requests  # the convention matters here, which is why it is said
+    ex = l1.exercises(ctx)["h100_fit"]
+    said = f"{gb} GB = {gb} × 10^9 bytes"
+    assert said in ex.question and said in ex.explanation and ex.expected == requests

@@ -19,15 +19,18 @@ vLLM on GPUs is not batch-invariant by default either (its kernels reduce in an 
 batch); vLLM 0.32 has an opt-in batch-invariant mode (``VLLM_BATCH_INVARIANT=1``, ``vllm/envs.py``). The
 lessons say where "the same tokens" holds: greedy decoding on this CPU float32 engine.
 
-Measured (``lessons/data/batch_invariance.json``, one thread): the logits of a request differed by up to
-2.8e-05 between the batch and the run alone, and none of the 116 seeded or greedy replies of 64 tokens
-changed. A seeded flip needs a draw within such a difference of a boundary, so it is rare and depends on
-the machine, the thread count and the workload; the lessons quote whatever the file holds.
+Measured (``lessons/data/batch_invariance.json``, one thread): the logits of a request (raw scores,
+log-probability units) differed by up to 2.8e-05 between the batch and the run alone, and none of the 116
+seeded or greedy replies of 64 tokens changed. That logit difference moves a cumulative probability (0 to
+1) by at most e^(2 x 2.8e-05) - 1 = 5.5e-05 (``cdf_shift_bound``); a seeded flip needs a draw that close to
+a boundary, so it is rare and depends on the machine, the thread count and the workload; the lessons quote
+whatever the file holds, each figure named with its own quantity.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -180,23 +183,47 @@ def load(path: Path = DATA) -> Measurement:
         raise ValueError(f"{path}: not a batch-invariance measurement ({exc})") from exc
 
 
+def cdf_shift_bound(max_logit_diff: float, temperature: float) -> float:
+    """How far a cumulative probability can move when every logit moves by at most ``max_logit_diff``.
+
+    Units: logits are the model's raw scores (natural-log units, divided by ``temperature`` before the
+    softmax); the result is a probability (0 to 1). Each logit over T moves by at most d = max_logit_diff / T
+    and the softmax's normaliser by at most d too, so every token's probability changes by a factor within
+    e^(±2d), and a cumulative probability C (at most 1) by at most (e^(2d) - 1) x C <= e^(2d) - 1.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature {temperature!r}: the bound is for sampling (a temperature above 0)")
+    return math.expm1(2 * max_logit_diff / temperature)
+
+
 def facts(m: Measurement | None = None) -> dict:
-    """The figures and sentences the lessons quote, from the measurement (``load()``)."""
+    """The figures and sentences the lessons quote, from the measurement (``load()``). Two quantities are
+    kept apart and each is named with its unit where it is said: the **logit** difference (raw scores,
+    log-probability units) between a batch and a run alone, and the **cumulative probability** (0 to 1) a
+    seeded draw is compared with: how far it can move (``cdf_shift_bound``), or, for a reply that changed, how
+    close the draw lay to a boundary."""
     m = m or load()
     n, k, tokens = m.requests, m.seeded_differed, m.max_tokens
     logit = f"{m.max_logit_diff:.1e}"
+    shift = f"{cdf_shift_bound(m.max_logit_diff, m.temperature):.1e}"
+    logit_clause = (f"the logits (the model's raw scores, in log-probability units) of a step differed by up to "
+                    f"{logit} between one batch and a run alone")
     if m.flips:
-        long = (f"{k} of {n} seeded samples of {tokens} tokens came out different in one batch than run alone, "
-                f"each where its random draw fell within {m.max_draw_distance:.1e} of the boundary between two "
-                "tokens' cumulative probabilities")
+        long = (f"{k} of {n} seeded samples of {tokens} tokens came out different in one batch than run alone; "
+                f"{logit_clause}; and at each reply that changed, the random draw lay within "
+                f"{m.max_draw_distance:.1e} (a cumulative probability, on a scale of 0 to 1) of the boundary "
+                "between two tokens, close enough for that difference to move the boundary past it")
         short = f"{k} of {n} seeded samples differed between a batch and a run alone"
     else:
-        long = (f"the logits of {n} seeded samples of {tokens} tokens differed by up to {logit} between one batch "
-                "and a run alone; none of these replies changed, but a draw that falls within such a difference "
-                "of the boundary between two tokens' cumulative probabilities can pick the other token")
-        short = f"a seeded sample's logits differed by up to {logit} between a batch and a run alone"
+        long = (f"in {n} seeded samples of {tokens} tokens, {logit_clause}; that moves the cumulative "
+                f"probabilities a draw is compared with (on a scale of 0 to 1) by at most {shift}. None of these "
+                "replies changed, but a draw that lands closer than that to the boundary between two tokens "
+                "could pick the other one")
+        short = (f"a seeded sample's logits (its raw scores) differed by up to {logit} between a batch and a run "
+                 "alone")
     return {"bi_seeded": f"{k} of {n}", "bi_greedy": f"{m.greedy_differed} of {n}", "bi_tokens": tokens,
-            "bi_logit": logit, "bi_distance": f"{m.max_draw_distance:.1e}" if m.flips else "(none)",
+            "bi_logit": logit, "bi_cdf_shift": shift,
+            "bi_distance": f"{m.max_draw_distance:.1e}" if m.flips else "(none)",
             "bi_long": long, "bi_short": short,
             "bi_source": f"`lessons/batch_invariance.py`, run on {m.machine} with torch {m.torch_version}, "
                          f"{m.threads} thread{'s' * (m.threads != 1)}"}

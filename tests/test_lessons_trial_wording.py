@@ -83,3 +83,48 @@ def test_lesson1_recap_states_the_memory_convention_and_its_number_follows_from_
     ex = l1.exercises(ctx)["h100_fit"]
     said = f"{gb} GB = {gb} × 10^9 bytes"
     assert said in ex.question and said in ex.explanation and ex.expected == requests
+
+
+# ------------------------------- item 3: the batch-invariance figures, each named with its own quantity
+def _clause_with(text: str, figure: str) -> str:
+    clauses = [c for c in re.split(r"[;.](?!\d)", text) if figure in c]
+    assert len(clauses) == 1, (figure, text)
+    return clauses[0]
+
+
+def _check_quantities(f: dict, distance: str | None) -> None:
+    logit = _clause_with(f["bi_long"], f["bi_logit"])
+    assert "logits" in logit and "raw scores" in logit and "log-probability" in logit, logit
+    assert "cumulative" not in logit and "probability," not in logit, logit
+    other = _clause_with(f["bi_long"], distance or f["bi_cdf_shift"])
+    assert "cumulative probabilit" in other and "0 to 1" in other and "logit" not in other, other
+    short = _clause_with(f["bi_short"], f["bi_logit"]) if f["bi_logit"] in f["bi_short"] else f["bi_short"]
+    assert "cumulative" not in short and ("raw scores" in short or f["bi_logit"] not in f["bi_short"]), short
+
+
+def test_batch_invariance_names_the_logit_difference_and_the_probability_apart():
+    from dataclasses import replace
+
+    from lessons import batch_invariance as bi
+
+    m = bi.load()
+    _check_quantities(bi.facts(m), None)
+    assert bi.facts(m)["bi_cdf_shift"] == f"{math.expm1(2 * m.max_logit_diff / m.temperature):.1e}"
+    flipped = replace(m, seeded_differed=2, flips=[bi.Flip(3, 10, 1, 2, 2.4e-7), bi.Flip(5, 4, 1, 2, 1.1e-7)])
+    _check_quantities(bi.facts(flipped), "2.4e-07")
+
+
+def test_the_cumulative_probability_bound_holds():
+    """Logits moved by at most d move any cumulative probability of the sorted softmax by at most the bound."""
+    from lessons import batch_invariance as bi
+
+    g = torch.Generator().manual_seed(0)
+    for d, t in ((2.8e-5, 1.0), (1e-2, 0.7), (0.3, 1.0)):
+        logits = torch.randn(500, generator=g, dtype=torch.float64) * 3
+        moved = logits + (torch.rand(500, generator=g, dtype=torch.float64) * 2 - 1) * d
+        order = torch.argsort(logits, descending=True)  # the same order on both sides: one boundary each
+        c1 = torch.cumsum(torch.softmax(logits / t, 0)[order], 0)
+        c2 = torch.cumsum(torch.softmax(moved / t, 0)[order], 0)
+        assert float((c1 - c2).abs().max()) <= bi.cdf_shift_bound(d, t)
+    with pytest.raises(ValueError, match="temperature 0"):
+        bi.cdf_shift_bound(1e-5, 0)

@@ -128,3 +128,36 @@ def test_the_cumulative_probability_bound_holds():
         assert float((c1 - c2).abs().max()) <= bi.cdf_shift_bound(d, t)
     with pytest.raises(ValueError, match="temperature 0"):
         bi.cdf_shift_bound(1e-5, 0)
+
+
+# ------------------------------------ item 4: what the text says is "below" is the very next thing shown
+# "Below, ..." opening a sentence, or a picture-like thing "below" ("the pool below", "the lines below").
+_ANNOUNCES_BELOW = (re.compile(r"(?:^|[.!?:]\s+)Below\b"),
+                    re.compile(r"\b(?:pool|picture|table|calculator|figure|chart|region|drawing|lines|strip)\s+below\b",
+                               re.IGNORECASE))
+
+
+def _announces_below(text: str) -> bool:
+    return any(p.search(" ".join(text.split())) for p in _ANNOUNCES_BELOW)
+
+
+def test_a_picture_announced_below_is_the_next_part_the_page_renders():
+    """The page renders a lesson part by part (``split_body``) and stops at each unanswered question; a text
+    that says a picture, table or calculator is below must be followed by that widget, not by a question
+    whose reveal draws it later (lesson 2's gaps, lesson 3's pool)."""
+    from lessons import catalog
+    from lessons.text import split_body
+
+    for lesson in catalog():
+        parts = split_body(lesson.body)
+        for i, (kind, value) in enumerate(parts):
+            if kind == "text" and _announces_below(value):
+                following = parts[i + 1] if i + 1 < len(parts) else ("end", "")
+                assert following[0] == "widget", \
+                    f"lesson {lesson.number}: text announcing something below is followed by {following}: {value.strip()[-160:]!r}"
+
+
+def test_the_below_check_sees_the_trial_cases():
+    assert _announces_below("can hold all of it. Below, five requests filled a region")
+    assert _announces_below("{{ v0_order }} The pool below follows this engine's queue.")
+    assert not _announces_below("a request gets one token below `max_num_seqs`")

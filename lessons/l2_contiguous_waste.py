@@ -171,9 +171,15 @@ def _before_first_fit() -> ContiguousAllocator:
 
 def first_fit_run() -> tuple[ContiguousAllocator, int]:
     """``_before_first_fit``, then a new request reserves ``FIRST_FIT["need"]`` slots. Returns (the region
-    after that, its event not drained; where the reservation starts). Raises RuntimeError if no gap fits."""
+    after that, its event not drained; where the reservation starts). Raises RuntimeError if no gap fits.
+
+    One convention for every request in the region, the new one too: each holds as many tokens as it
+    reserved (the worst case, as in ``fragmentation``). This section is about where reservations lie, so
+    the strip's used, reserved and unused figures all count whole reservations (0 slots reserved but not yet
+    used), not one token of the new request against the full reservations of the others."""
     region = _before_first_fit()
-    return region, region.allocate(f"R{len(FRAG_SIZES) + 1}", 1, reservation=FIRST_FIT["need"])
+    need = FIRST_FIT["need"]
+    return region, region.allocate(f"R{len(FRAG_SIZES) + 1}", need, reservation=need)
 
 
 def _pct(x: float) -> str:
@@ -362,7 +368,8 @@ def reveal_place_first_fit(ctx) -> None:
     st.plotly_chart(contiguous_region_figure(region.layout(), [f"R{i + 1}" for i in range(len(FRAG_SIZES) + 1)]),
                     width="stretch", key="l2_first_fit_fig")
     st.caption(f"The region after the new request R{len(FRAG_SIZES) + 1} took slots {start:,} to "
-               f"{start + FIRST_FIT['need'] - 1:,}: {_slots(region)}.")
+               f"{start + FIRST_FIT['need'] - 1:,}: {_slots(region)}. Every reservation is drawn full, the new "
+               "one's too: the picture is about where reservations lie, not what fills them.")
 
 
 # ----------------------------------------------------------------------------------------------- widget

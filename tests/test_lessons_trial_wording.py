@@ -161,3 +161,32 @@ def test_the_below_check_sees_the_trial_cases():
     assert _announces_below("can hold all of it. Below, five requests filled a region")
     assert _announces_below("{{ v0_order }} The pool below follows this engine's queue.")
     assert not _announces_below("a request gets one token below `max_num_seqs`")
+
+
+# ------------------------------ item 5: lesson 2's first-fit strip counts every request one way, and agrees
+def _strip_figures(layout: dict, order: list[str]) -> tuple[int, int, float, int]:
+    from viz import contiguous_region_figure
+
+    fig = contiguous_region_figure(layout, order)
+    m = re.search(r"([\d,]+) used / ([\d,]+) reserved \(([\d.]+)% unused\)", fig.layout.title.text)
+    assert m, fig.layout.title.text
+    legend = next(t.name for t in fig.data if t.name and t.name.startswith("reserved, not yet used"))
+    pending = int(re.search(r"([\d,]+) slots", legend)[1].replace(",", ""))
+    return int(m[1].replace(",", "")), int(m[2].replace(",", "")), float(m[3]), pending
+
+
+@pytest.mark.parametrize("which", ["first_fit_run", "fragmentation"])
+def test_lesson2_region_strips_use_one_convention_and_their_figures_recompute_from_the_layout(which):
+    l2 = importlib.import_module("lessons.l2_contiguous_waste")
+    region = getattr(l2, which)()[0]
+    layout = region.layout()
+    regions = layout["regions"]
+    # one convention for every request: each holds what it reserved (none counted by one token, the rest full)
+    assert {r["used"] == r["length"] for r in regions} == {True}, regions
+    used, reserved, unused_pct, pending = _strip_figures(layout, [r["seq_id"] for r in regions])
+    assert used == sum(r["used"] for r in regions) and reserved == sum(r["length"] for r in regions)
+    assert pending == reserved - used
+    assert unused_pct == round(100 * pending / reserved, 1)
+    if which == "first_fit_run":
+        new = regions[-1]
+        assert new["seq_id"] == f"R{len(l2.FRAG_SIZES) + 1}" and new["length"] == l2.FIRST_FIT["need"]

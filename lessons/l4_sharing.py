@@ -88,9 +88,12 @@ def chat_example() -> dict:
         bm.allocate(f"chat{i}", c["system"] + c["own"], system + [10_000 + 100 * i + j for j in range(c["own"])])
     shared = bm.block_tables["chat0"][: c["system"] // B]
     before = bm.ref_counts[shared[0]]
+    table, held = bm.table_of("chat0")  # what the block manager holds for the chat before it ends
+    private = [b for b in table if bm.ref_counts[b] == 1]
     freed = bm.free("chat0")
     return {"shared": shared, "freed": freed, "freed_shared": sorted(set(freed) & set(shared)),
-            "count_before": before, "count_after": bm.ref_counts[shared[0]], "private_freed": len(freed)}
+            "count_before": before, "count_after": bm.ref_counts[shared[0]], "private_freed": len(freed),
+            "own_tokens": held - c["system"], "private_blocks": len(private)}
 
 
 def serving_example() -> dict:
@@ -156,6 +159,7 @@ def facts(ctx) -> dict:
             "a_table": str(main[0].tables["A"]),
             "practice_blocks": main[-1].bm.num_used_blocks, "copies_blocks": 2 * len(main[0].tables["A"]),
             "chat_blocks": len(chat["shared"]), "chats": CHAT["chats"], "chat_system": f"{CHAT['system']:,}",
+            "chat_own": chat["own_tokens"], "chat_private": chat["private_blocks"],
             "chat_block_size": CHAT["block_size"], "serve_prompt": SERVE["system"], "serve_block_size": SERVE["block_size"],
             "serve_shared": serve["shared"], "serve_partial": ordinal(serve["partial"]),
             "ps_prompt": par["prompt"], "ps_n": par["n"], "ps_block_size": run.block_size,
@@ -355,8 +359,8 @@ def _engine_exercises(ctx) -> dict[str, Exercise]:
             "chat_free", f"One of the {CHAT['chats']} conversations ends. How many of the {len(chat['shared'])} "
             "shared system-prompt blocks become free?", "number", len(chat["freed_shared"]), unit="blocks",
             explanation=(f"None: their counts drop from {chat['count_before']} to {chat['count_after']}. Only the "
-                         f"chat's private blocks are freed: its own {CHAT['own']} tokens after the system prompt "
-                         f"filled {chat['private_freed']} blocks of {CHAT['block_size']}.")
+                         f"chat's private blocks are freed: its own {chat['own_tokens']} tokens after the system "
+                         f"prompt filled {chat['private_freed']} blocks of {CHAT['block_size']}.")
             if not chat["freed_shared"] else "",
             slips=[Slip("shared-freed", len(chat["shared"]),
                         f"A shared block is freed only when its count reaches zero; here it drops from "

@@ -190,3 +190,29 @@ def test_lesson2_region_strips_use_one_convention_and_their_figures_recompute_fr
     if which == "first_fit_run":
         new = regions[-1]
         assert new["seq_id"] == f"R{len(l2.FRAG_SIZES) + 1}" and new["length"] == l2.FIRST_FIT["need"]
+
+
+# ------------------------ item 6: lesson 4's chat question cites only figures the learner was shown
+def test_lesson4_chat_question_cites_only_figures_stated_above_it(ctx):
+    """The reveal and the slips of "how many shared blocks become free" speak of the chat's own tokens and
+    private blocks: the text above the question states them, and they are the block manager's."""
+    from lessons import catalog
+    from lessons.text import fill, split_body
+
+    l4 = importlib.import_module("lessons.l4_sharing")
+    lesson = next(l for l in catalog() if l.slug == "l4_sharing")
+    facts, ex = l4.facts(ctx), l4.exercises(ctx)["chat_free"]
+    above = ""
+    for kind, value in split_body(lesson.body):
+        if kind == "exercise" and value == "chat_free":
+            break
+        if kind == "text":
+            above += fill(value, facts)
+    above = " ".join(above.split())
+    chat = l4.chat_example()
+    assert chat["own_tokens"] == l4.CHAT["own"] and chat["private_blocks"] == chat["private_freed"]
+    assert f"{chat['own_tokens']} tokens of its own" in above and f"{chat['private_blocks']} private blocks" in above
+    cited = ex.explanation + " " + " ".join(s.message for s in ex.slips)
+    for figure in re.findall(r"(\d[\d,]*) tokens", cited):
+        assert re.search(rf"(?<![\d,]){re.escape(figure)} tokens", above + " " + ex.question), \
+            f"the chat question's reveal or slips cite {figure} tokens, which the lesson never states above it"

@@ -2,7 +2,7 @@
 
 ``viz.block_table.selection_phases`` rebuilds the moment of the copies (each live beam on its own table, before
 beam selection) from the step's snapshot and events; here it is checked against the real block manager just
-before ``LLMEngine._beam_continue`` runs (wrapped, its behaviour unchanged), on every beam step of the
+before ``Scheduler._beam_continue`` runs (wrapped, its behaviour unchanged), on every beam step of the
 "beam-search" preset. Then the presenter's key step: every block the key sentence names is drawn in the phase
 the sentence describes, and the beam-selection sentence's blocks in the selection's phase."""
 
@@ -30,7 +30,7 @@ def beam_run(model_path):
     engine = LLMEngine(EngineConfig(device="cpu", semantics="paper", **sc.engine_defaults), loaded=loaded)
     tokenize = lambda t: engine.tokenizer(t, add_special_tokens=False)["input_ids"]  # noqa: E731
     seen: dict[int, dict] = {}
-    real = engine._beam_continue
+    real = engine.scheduler._beam_continue
 
     def spy(req, live, cands, out):
         bm = engine.block_manager
@@ -43,7 +43,7 @@ def beam_run(model_path):
             state["tokens"][s.seq_id] = list(s.token_ids)
         return real(req, live, cands, out)
 
-    engine._beam_continue = spy
+    engine.scheduler._beam_continue = spy
     records = []
     run_workload(engine, sc.make(0, tokenize), on_step=records.append)
     return records, seen
@@ -152,7 +152,10 @@ def test_phases_figure_opens_on_the_copies_with_a_labelled_button_per_phase(beam
 def test_the_playground_and_the_stage_draw_the_key_step_in_two_phases(present):
     """The Playground's pool and block-table picture, and the presenter view's, at the beam-search preset's
     key step (``?scenario=beam-search&step=2``): each opens on the copies (5 blocks in use, every block the
-    copy-on-write sentence names drawn) with a button per phase."""
+    copy-on-write sentence names drawn). One phase choice (the lab's, ``Lab.phase_of``) drives every figure
+    (no buttons of their own, which switched one figure only: issue 23's second trial): the Playground shows
+    it as a control with a button per phase, the presenter's Step button says the next press shows the
+    selection."""
     import json
     from pathlib import Path
 
@@ -168,10 +171,13 @@ def test_the_playground_and_the_stage_draw_the_key_step_in_two_phases(present):
     charts = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
     tables = next(c for c in charts if "block tables" in c["layout"]["title"]["text"].lower())
     pool = next(c for c in charts if "blocks in use" in c["layout"]["title"]["text"] and c is not tables)
-    phased = [c for c in charts if c["layout"].get("updatemenus")]
-    assert len(phased) == (2 if present else 3)  # the pool, the tables (and the Playground's slot view)
-    for fig in phased:
-        assert [b["label"] for b in fig["layout"]["updatemenus"][0]["buttons"]] == ["1 copies", "2 selection"]
+    assert not any(c["layout"].get("updatemenus") for c in charts)
+    if present:
+        assert at.button(key="stage_step").label == "Selection"
+    else:
+        control = at.get("button_group")[0]  # st.segmented_control: one button per phase, the copies chosen
+        assert list(control.options) == ["1 the copies", "2 after beam selection"], control.options
+        assert control.value == 0
     assert "5/64 blocks in use" in pool["layout"]["title"]["text"]
     shown = {c[2] for t in tables["data"] if t.get("meta", {}).get("role") == "arrows" and t.get("visible") is not False
              for c in t["customdata"] if c is not None}

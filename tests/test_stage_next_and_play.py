@@ -84,8 +84,11 @@ def test_next_event_still_stops_at_an_event_after_looking_back(loaded):
 
 def test_play_rate_is_the_rate_at_which_the_page_shows_steps(loaded):
     """At 8 steps per second, a page that takes 0.15 s per redraw: each tick runs the steps it owes and the
-    page draws the last of them. The rate said is the steps drawn over the seconds to the last drawing (6.7),
-    not the steps run (8.x: the issue's "7.9 measured" while the page showed 6.8)."""
+    page draws the last of them. The rate said is the steps the screen advanced (the step number last drawn
+    less the one before Play) over the seconds to that drawing: what a viewer counts on the step counter. Not
+    the drawings per second (6.7: issue 23's second trial saw "3.5 measured" while the counter advanced 8.5
+    steps a second), and not the steps run up to now (the issue's first trial: "7.9 measured" while the page
+    showed 6.8)."""
     lab = one_request_lab(loaded, max_tokens=40)
     lab.set_play_speed(8)
     assert lab.press("play") == "play"
@@ -98,12 +101,12 @@ def test_play_rate_is_the_rate_at_which_the_page_shows_steps(loaded):
         lab.play_drawn(step, now=now)
         lab.play_drawn(step, now=now + 0.01)  # a redraw of the same step (a press that moved nothing): once
         drawn.append((now, step))
-    assert lab.play_rate() == pytest.approx(len(drawn) / (drawn[-1][0] - t0))
-    assert lab.play_rate() == pytest.approx(1 / 0.15)
+    assert lab.play_rate() == pytest.approx(drawn[-1][1] / (drawn[-1][0] - t0))
+    assert lab.play_rate() > 7.5 > 1 / 0.15 == pytest.approx(len(drawn) / (drawn[-1][0] - t0))
     ran = lab.play_clock[1]
-    assert ran > len(drawn)  # the pace was kept by running steps that were never drawn
+    assert ran > len(drawn)  # the pace was kept by running steps that were not drawn on their own
     assert lab.play_pace(now=now) == pytest.approx(ran / (now - t0))
-    assert lab.play_pace(now=now) > 7.5 > lab.play_rate()
+    assert lab.play_pace(now=now) >= lab.play_rate()  # the screen lags the steps run by one drawing
 
 
 def test_play_rate_waits_a_second_and_restarts_with_play(loaded):

@@ -6,8 +6,9 @@ at the size asked for, and the physical column's header inside the figure.
 Crossings are counted on the arrows as drawn: each arrow's 4 points (the spline passes through them) as a
 polyline; two arrows cross when their polylines properly intersect (touching at a shared end, two arrows into
 one block, is not a crossing). Measured at the key step of each preset (the first ``Next event``) at 1280x720
-(18 px type) and 1920x1080 (27 px): beam-search 7 / 7 (the old layout, blocks sorted by id in 2-3 columns: 9),
-batch 1 / 1 (old: 18), swap 0 / 0 (old: 20), shared-prefix 115 / 348 (old: 89, but 4 of 8 sequences drawn;
+(18 px type) and 1920x1080 (27 px): beam-search 6 / 6 (7 / 7 before ``_fewer_crossings``; the old layout,
+blocks sorted by id in 2-3 columns: 9), batch 1 / 1 (old: 18), swap 0 / 0 (old: 20), shared-prefix 115 / 347
+(old: 89, but 4 of 8 sequences drawn;
 the new picture draws 6 and 8, and every arrow into the shared prefix from a lower row must pass the arrows of
 the rows above it: those crossings are forced by the sharing, whatever the order)."""
 
@@ -46,12 +47,13 @@ def presenter_figure(record, order, w: int, h: int, reorder=None):
     if reorder is None:
         return bt.block_table_figure(record, order, compact=True, font_px=size["font"], height_px=size["pool"],
                                      width_px=w // 2 - 40, captions=False)
-    real = bt._order_physical
+    real, search = bt._order_physical, bt._fewer_crossings
     bt._order_physical = lambda rows, arrows: sorted({a["physical"] for a in arrows})
+    bt._fewer_crossings = lambda pic, g: False  # the old layout had no search either
     try:
         return presenter_figure(record, order, w, h)
     finally:
-        bt._order_physical = real
+        bt._order_physical, bt._fewer_crossings = real, search
 
 
 def arrows(fig) -> list[tuple[tuple, list]]:

@@ -225,11 +225,15 @@ class Lab:
     play_clock: tuple[float, int] = (0.0, 0)  # (when Play started, monotonic s; steps Play has run since)
     # (steps the page has drawn since Play started, the last one's step number, when it was drawn): ``play_rate``
     play_shown: tuple[int, int | None, float] = (0, None, 0.0)
+    play_base: int = 0  # the latest step number when Play started: ``play_rate`` counts the steps shown past it
+    # the phase shown of a beam step (its engine step number, 0-based phase): ``phase_of``, ``set_phase``
+    phase: tuple[int, int] | None = None
     presses: int = 0  # stage presses counted in the browser (``take_presses``) handled so far
     ignored: int = 0  # presses that did nothing (nothing left to run, already at the first step, ...)
     ignored_why: str = ""  # why the last ignored press did nothing
     notices: int = 0  # what presses did that the page says once (``notice``: the last), e.g. no event left
     notice: str = ""
+    next_said: tuple[int | None, str] | None = None  # (step on screen, what) of the last Next event that found none
     failure: str | None = None  # a step that raised: the engines may be half-stepped, so nothing more runs
     # names this lab to the browser's press counter: a total counted for another lab is never run here
     token: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
@@ -450,8 +454,9 @@ class Lab:
         through the recorded steps while looking back, else run one step; Back shows the previous step; Play
         toggles ``playing``. Atomic like ``step``.
 
-        Returns what it did: "stepped", "forward", "back", "play", "pause" or "ignored" (then ``ignored``
-        counts it and ``ignored_why`` says why)."""
+        On a beam step (``phases``) Step / Forward first shows its selection and Back its copies again: then
+        it returns "phase". Returns what it did: "stepped", "forward", "back", "phase", "play", "pause" or
+        "ignored" (then ``ignored`` counts it and ``ignored_why`` says why)."""
         with self._lock:
             return self._press(kind)
 
@@ -470,13 +475,22 @@ class Lab:
             return "play"
         if kind in ("next", "end"):
             return self._run_until(kind)
+        shown = self.history[self.cursor] if total else None  # cursor -1: the latest
         if kind == "back":
+            if shown is not None and self.phase_of(shown[0]) > 0:  # a beam step: its copies again
+                self.phase = (shown[0].step, self.phase_of(shown[0]) - 1)
+                return "phase"
             if total < 2 or self.cursor == 0:
                 return self._ignore("Back: already at the first step" if total else "Back: nothing has run yet")
             self.cursor = max(0, (self.cursor if self.cursor >= 0 else total - 1) - 1)
+            before = self.history[self.cursor][0]  # lands on its last phase, as a slide deck on its last build
+            self.phase = (before.step, self.phases(before) - 1)
             return "back"
         if kind != "forward":
             return self._ignore(f"unknown press {kind!r}")
+        if shown is not None and self.phase_of(shown[0]) < self.phases(shown[0]) - 1:  # the next phase first
+            self.phase = (shown[0].step, self.phase_of(shown[0]) + 1)
+            return "phase"
         if 0 <= self.cursor < total - 1:  # looking back: show the next recorded step (nothing re-runs)
             self.cursor += 1
             if self.cursor == total - 1:
@@ -492,6 +506,38 @@ class Lab:
         self.cursor = -1
         return "stepped"
 
+    # ------------------------------------------------------------------------ a beam step's two phases
+    @staticmethod
+    def phases(record: StepRecord) -> int:
+        """How many moments the stage shows of paged step ``record``: 2 for a beam-search step that selected
+        beams (``viz.block_table.selection_phases``: 0 the copies, 1 the selection), else 1.
+
+        One phase choice drives every view of the step (the pool, the slot view, the block tables, the
+        numbers and titles beside them): the lab's ``phase``, moved by the stage's presses (Step / PageDown /
+        a clicker shows a beam step's selection before the next step; Back / PageUp its copies again before
+        the step before, which it shows in its last phase, as a slide deck shows a slide's last build) and by
+        the Playground's phase control (``set_phase``). A step newly shown (run, Next event, Play, the slider)
+        opens on phase 0, the moment its key sentence says (the copy-on-write)."""
+        from viz.block_table import selection_events
+
+        return 2 if selection_events(record.events, record.snapshot)[1] else 1
+
+    def phase_of(self, record: StepRecord) -> int:
+        """The phase shown of paged step ``record`` (0 unless a press or ``set_phase`` chose another on it)."""
+        chosen = self.phase
+        if chosen is None or chosen[0] != record.step:
+            return 0
+        return min(chosen[1], self.phases(record) - 1)
+
+    def set_phase(self, record: StepRecord, phase: int) -> None:
+        """Show phase ``phase`` (0-based) of paged step ``record`` (the Playground's phase control). Raises
+        ValueError for a phase the step does not have."""
+        n = self.phases(record)
+        if isinstance(phase, bool) or not isinstance(phase, int) or not 0 <= phase < n:
+            raise ValueError(f"phase must be 0..{n - 1} for step {record.step}, got {phase!r}")
+        with self._lock:
+            self.phase = (record.step, phase)
+
     def _try_step(self) -> bool:
         """``_step`` for a press or a Play tick: a failure is kept in ``failure`` (and logged with its
         traceback) for the page to say, instead of an exception in the middle of the stage."""
@@ -502,9 +548,11 @@ class Lab:
             return False
         return True
 
-    def _ignore(self, why: str) -> str:
+    def _ignore(self, why: str, said_on: int | None = None) -> str:
         self.ignored += 1
         self.ignored_why = why
+        if said_on is not None:  # a Next event that found none: said on the stage too (``next_said``)
+            self.next_said = (said_on, why)
         return "ignored"
 
     def take_presses(self, token, total, log) -> int:
@@ -572,6 +620,7 @@ class Lab:
     def _start_play_clock(self) -> None:
         self.play_clock = (time.monotonic(), 0)
         self.play_shown = (0, None, 0.0)
+        self.play_base = self.history[-1][0].step if self.history else 0
 
     def play_pace(self, now: float | None = None) -> float | None:
         """Steps per second Play has run since it started (what ``play_tick`` keeps at ``play_speed``; None
@@ -591,17 +640,19 @@ class Lab:
                 self.play_shown = (shown + 1, step, time.monotonic() if now is None else now)
 
     def play_rate(self) -> float | None:
-        """The rate the page says it measured while playing: steps shown per second, i.e. the distinct steps
-        the page drew since Play started (``play_drawn``) over the seconds from Play's start to the last
-        drawing. None before a second has passed. A tick that comes late runs the steps it owes
-        (``play_tick``) and the page draws the last of them only, so when the page draws slower than the
-        speed this is below ``play_pace`` (issue 23: at 8 steps/s the page showed 6.8 steps a second while
-        it said the 7.9 steps run)."""
+        """The rate the page says it measured while playing: the steps it advanced on screen per second since
+        Play started, i.e. (the step number last drawn - the latest step when Play started: ``play_base``) over
+        the seconds from Play's start to that drawing (``play_drawn``). What a viewer counts on the step
+        counter, however many steps each drawing advances: a tick that comes late runs the steps it owes
+        (``play_tick``) and the page draws the last of them, so counting drawings instead said 3.5 while the
+        counter advanced 8.5 steps a second (issue 23). None before a second has passed or a step was drawn."""
         with self._lock:
             started = self.play_clock[0]
-            shown, _, at = self.play_shown
+            shown, last, at = self.play_shown
             elapsed = at - started
-            return shown / elapsed if self.playing and shown and elapsed >= 1.0 else None
+            if not self.playing or not shown or last is None or elapsed < 1.0:
+                return None
+            return max(0, last - self.play_base) / elapsed
 
     @staticmethod
     def key_events(record: StepRecord) -> list[str]:
@@ -630,10 +681,15 @@ class Lab:
                 return "next"
             if not self.has_work() or self.failure is not None:
                 return self._ignore(f"Next event: no copy-on-write, prefix-cache hit, preemption or swap after "
-                                    f"step {self._shown_step():,}, and the run has finished")
+                                    f"step {self._shown_step():,}, and the run has finished",
+                                    said_on=self._shown_step())
         if self.failure is not None:
             return self._ignore("the engines stopped after an error; press Reset")
         if not self.has_work():
+            if kind == "next" and total:  # what N was asked: no event is left (not only that nothing runs)
+                return self._ignore(f"Next event: no copy-on-write, prefix-cache hit, preemption or swap is left "
+                                    f"after step {self._shown_step():,}: the run has finished (Reset runs it "
+                                    f"again)", said_on=self._shown_step())
             return self._ignore("all requests have finished (Reset runs them again)" if total
                                 else "nothing to run; add a request first")
         shown = self._shown_step()  # the step on screen (None: nothing yet), kept while searching on
@@ -673,6 +729,14 @@ class Lab:
     def _say(self, what: str) -> None:
         self.notices += 1
         self.notice = what
+        self.next_said = (self._shown_step(), what)
+
+    def said_on(self, record: StepRecord) -> str | None:
+        """What the last Next event that found no event said (``next_said``), while the step it was said on
+        (``record``) is still on screen; else None. The stage shows it beside the step (a toast is easily
+        missed: at a finished run's end N showed only the last step's sentence, issue 23)."""
+        said = self.next_said
+        return said[1] if said is not None and said[0] == record.step else None
 
     def step_budget(self) -> int | None:
         """The paged engine's token budget per step in vLLM V1 (``max_num_batched_tokens``, tokens); None in

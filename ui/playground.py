@@ -28,7 +28,7 @@ from ui.state import (applied_settings, build_lab, default_settings, get_lab, ov
 from viz import (block_pool_figure, block_table_rows, contiguous_region_figure, paged_slots_figure,
                  swap_pool_figure, timeline_figure)
 from viz.block_table import block_table_figure
-from viz.presenter import phased
+from viz.presenter import phase_moment, phased
 from viz.colors import colour_key, request_color, request_id_of
 from viz.steps import (SEMANTICS_SHORT, latest_sequences, sharing_counts, step_label, step_sentences,
                         step_tokens_figure)
@@ -385,9 +385,12 @@ def controls(lab, present: bool = False) -> None:
     c[0].button("Back", key="stage_back", on_click=_press, args=("back",), width="stretch", disabled=total < 2,
                 help="Show the previous step (PageUp). Recorded, not re-run.")
     replaying = 0 <= index < total - 1
-    c[1].button("Forward" if replaying else "Step", key="stage_step", on_click=_press, args=("forward",),
-                type="primary", width="stretch",
-                help=f"Run one engine step, or while looking back, show the next recorded step ({STAGE_KEYS_HELP}).")
+    # a beam step in its first phase: the next press shows its selection (``Lab.phases``), said on the button
+    selection_next = total > 0 and lab.phase_of(history[index][0]) < lab.phases(history[index][0]) - 1
+    c[1].button("Selection" if selection_next else "Forward" if replaying else "Step", key="stage_step",
+                on_click=_press, args=("forward",), type="primary", width="stretch",
+                help=f"Run one engine step, or while looking back, show the next recorded step; on a beam-search "
+                     f"step, first show its beam selection ({STAGE_KEYS_HELP}).")
     c[2].button("Next event", key="stage_next", on_click=_press, args=("next",), width="stretch",
                 help=f"Run to the next copy-on-write, prefix-cache hit, preemption or swap (N); while looking "
                      f"back, show the next recorded one. At most {MAX_RUN_STEPS:,} steps per press.")
@@ -447,7 +450,8 @@ def said_ignored(lab) -> None:
         seen = (lab.token, 0)
     if lab.ignored > seen[1]:
         n = lab.ignored - seen[1]
-        st.toast(f"{n} press{'es' * (n != 1)} ignored: {lab.ignored_why}.", icon=":material/block:")
+        st.toast(f"{n} press{'es' * (n != 1)} ignored: {lab.ignored_why}.", icon=":material/block:",
+                 duration="long" if lab.ignored_why.startswith("Next event") else "short")
     st.session_state["ignored_seen"] = (lab.token, lab.ignored)
     # what a press did that is not on screen (``Lab.notice``: "Next event" found no event left), said once
     told = st.session_state.get("notices_seen")
@@ -503,16 +507,48 @@ def views(lab, present: bool = False) -> None:
     st.caption(f"step {paged.step} of {latest} ({step_label(paged)}; {SEMANTICS_SHORT[paged.semantics]}); "
                f"{'replaying recorded steps' if index < total - 1 else 'latest'}"
                + ("" if has_work else "; all requests finished"))
+    if said := lab.said_on(paged):  # what Next event found (none left), while its step is on screen
+        st.caption(f"**{said}.**")
     if said := presenter.playing_line(lab):  # in the fragment: Play's timer redraws it with the rate
         st.caption(said)
     class_server.history_note(lab)  # a class server keeps the last steps only: say when older ones were dropped
-    metrics_row(lab, paged, contiguous)
+    previous = history[index - 1][0] if index > 0 else None
+    phase = phase_control(lab, paged)  # a beam step: which of its two moments every view below shows
+    moment = phase_moment(paged, previous, phase)
+    metrics_row(lab, paged, contiguous, moment)
     st.caption(sharing_line(lab, history, index))
-    pools(lab, paged, contiguous)
+    pools(lab, paged, contiguous, phase, moment)
     step_in_words(paged, contiguous, lab.step_budget())
-    tables_and_text(lab, paged, [p for p, _ in history[: index + 1]])
+    tables_and_text(lab, paged, [p for p, _ in history[: index + 1]], phase)
     timeline(lab, history, index, paged, contiguous)
     lab.play_drawn(paged.step)  # Play's measured rate counts the steps the page drew (``Lab.play_rate``)
+
+
+PHASE_LABELS = {0: "1 the copies", 1: "2 after beam selection"}
+
+
+def _phase_chosen(lab, record) -> None:
+    """The phase control moved (its callback): the lab shows that phase of ``record`` (``Lab.set_phase``)."""
+    value = st.session_state.get("stage_phase")
+    if value in PHASE_LABELS and value < lab.phases(record):
+        lab.set_phase(record, value)
+
+
+def phase_control(lab, record) -> int:
+    """A beam step's phase (``Lab.phase_of``: 0 the copies, 1 after beam selection), shown and chosen here,
+    one choice for the pool, the slot view, the block tables and the numbers; Step / PageDown and Back /
+    PageUp move it too. Nothing is drawn for a step with one phase. Returns the phase to draw."""
+    phase = lab.phase_of(record)
+    if lab.phases(record) < 2:
+        return phase
+    st.session_state["stage_phase"] = phase  # set before the widget exists in this run: it shows the lab's
+    st.segmented_control("This beam step", list(PHASE_LABELS), format_func=PHASE_LABELS.get, key="stage_phase",
+                         on_change=_phase_chosen, args=(lab, record),
+                         help="A beam-search step in its two moments: the copies (each beam wrote its token, "
+                              "copying a shared block first), then the beam selection (the kept beams fork, the "
+                              "pruned ones free their blocks). Step / PageDown shows the selection, Back / "
+                              "PageUp the copies again.")
+    return phase
 
 
 def advance_play(lab) -> None:
@@ -555,12 +591,13 @@ def _slack(snap) -> str:
     return f"{metrics.slack_pct(snap):.1f}%" if metrics.slots_allocated(snap) else "-"
 
 
-def metrics_row(lab, paged, contiguous) -> None:
-    """The numbers of the step shown, each read from its record through ``engine.metrics``."""
-    snap = paged.snapshot
+def metrics_row(lab, paged, contiguous, moment: dict | None = None) -> None:
+    """The numbers of the step shown, each read from its record through ``engine.metrics``; of a beam step,
+    those of the phase shown (``moment``: ``viz.presenter.phase_moment``), as the pictures below."""
+    snap = moment["snapshot"] if moment else paged.snapshot
     # two labelled groups, so each label stays short enough to read at 1280 px (seven long labels were cut)
     left, right = st.columns([4, 3])
-    left.caption("**Paged** block pool")
+    left.caption("**Paged** block pool" + (f" ({moment['label']})" if moment and moment["label"] else ""))
     if contiguous is not None:
         right.caption(f"**Contiguous** baseline, {POLICY_LABELS[lab.settings.contiguous_policy]}")
     m = list(left.columns(4)) + list(right.columns(3))
@@ -599,8 +636,9 @@ def metrics_row(lab, paged, contiguous) -> None:
                          f"{POLICY_RESERVES[lab.settings.contiguous_policy]}")
 
 
-def pools(lab, paged, contiguous) -> None:
-    """The paged block pool (left) and both memories slot by slot (right), with the colour key."""
+def pools(lab, paged, contiguous, phase: int = 0, moment: dict | None = None) -> None:
+    """The paged block pool (left) and both memories slot by slot (right), with the colour key; a beam step in
+    phase ``phase`` (``phase_control``), titled with that moment's blocks in use (``moment``)."""
     snap = paged.snapshot
     order = lab.order
     decode = shared_model(lab.settings.model)[1].decode
@@ -612,20 +650,20 @@ def pools(lab, paged, contiguous) -> None:
         slot_mode = st.toggle("Slot view (one cell per token slot)", value=False, disabled=snap.num_blocks > 128,
                               key="slot_mode")
         # the title names the step and the semantics, so a downloaded image says what it shows
-        title = (f"step {paged.step}, {SEMANTICS_SHORT[paged.semantics]}: {snap.num_used_blocks}/{snap.num_blocks} "
+        said = f" ({moment['label']})" if moment and moment["label"] else ""
+        title = (f"step {paged.step}{said}, {SEMANTICS_SHORT[paged.semantics]}: USED/{snap.num_blocks} "
                  f"blocks in use<br><sub>{step_label(paged)}</sub>")
-        st.plotly_chart(phased(paged, None, lambda s, events: block_pool_figure(  # a beam step: two phases
+        st.plotly_chart(phased(paged, None, lambda s, events: block_pool_figure(  # a beam step: the phase shown
             s, order, decode=decode, highlight=sorted({b for e in events if e.kind != "append" for b in e.blocks}),
             selected=None if selected == "none" else selected, slot_mode=slot_mode,
-            title=title.replace(f"{snap.num_used_blocks}/", f"{s.num_blocks - s.num_free_blocks}/", 1)), font=14,
-            where="bottom"),
+            title=title.replace("USED", str(s.num_blocks - s.num_free_blocks), 1)), phase=phase),
                         width="stretch", key="pool")
         if snap.num_swap_blocks:
             st.plotly_chart(swap_pool_figure(snap, order), width="stretch", key="swap")
             st.caption(f"swapped out: {', '.join(snap.swapped) or 'none'}")
     with right:
         st.subheader("Same memory, slot by slot")
-        st.plotly_chart(phased(paged, None, lambda s, events: paged_slots_figure(s, order), font=14, where="bottom"),
+        st.plotly_chart(phased(paged, None, lambda s, events: paged_slots_figure(s, order), phase=phase),
                         width="stretch", key="paged_slots")
         if contiguous is not None:
             st.plotly_chart(contiguous_region_figure(contiguous.snapshot.contiguous, order,
@@ -664,7 +702,7 @@ def step_in_words(paged, contiguous, budget: int | None = None) -> None:
     st.markdown("\n".join(f"- {html.escape(x)}" for x in lines) or "nothing changed")
 
 
-def tables_and_text(lab, record, records: list) -> None:
+def tables_and_text(lab, record, records: list, phase: int = 0) -> None:
     """Block tables as a picture (each logical block's arrow to its physical block, this step's new blocks and
     copy-on-write, the picked token's slot), the same tables as rows below (folded), and each sequence's text
     tinted by logical block. ``record``: the paged StepRecord shown (its snapshot and events); ``records``:
@@ -676,11 +714,11 @@ def tables_and_text(lab, record, records: list) -> None:
     if snap.sequences:  # a row per sequence (``block_table_rows``)
         picture = st.container()  # the picture first, the pick's widgets under it (they are read before it is drawn)
         token = token_locator(snap, snap.block_size)
-        # a beam step in its two phases (the copies, then the selection: ``viz.presenter.phased``)
+        # a beam step in the phase shown (the copies, or the selection: ``viz.presenter.phased``)
         figure = phased(record, records[-2] if len(records) > 1 else None, lambda s, events: block_table_figure(
             s, lab.order, selected=None if selected == "none" else selected, events=events, decode=decode,
             token=token if token and any(q.seq_id == token[0] and q.block_table for q in s.sequences) else None,
-            title=f"Block tables after step {record.step}: logical -> physical"), font=14, where="bottom")
+            title=f"Block tables after step {record.step}: logical -> physical"), phase=phase)
         picture.plotly_chart(figure, width="stretch", key="block_tables")
         # drawn only while open (a lazy expander): a table to serialise on every step otherwise
         rows_panel = st.expander("Block tables as rows (logical -> physical)", key="block_rows_open",

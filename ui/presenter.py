@@ -7,7 +7,17 @@ on one screen at 1280x720 and at 1920x1080 (a browser test checks each preset's 
 1. the step in one or two sentences, the moment first (a copy-on-write, a preemption, a hit: grouped, e.g.
    "7 sequences found the same 5 cached blocks"; ``viz.steps.step_sentences(key_first=True)``);
 2. the paged block pool and the block-table picture side by side;
-3. the contiguous baseline's strip with its three kinds of waste, and the few numbers that tell the story.
+3. the contiguous baseline's strip with its three kinds of waste, and beside it "step N of M" first, then the
+   few numbers that tell the story (``column_lines``).
+
+A beam-search step has two moments (``viz.block_table.selection_phases``: the copies, then the beam
+selection). The view draws one of them, the lab's (``Lab.phase_of``), in every figure and number at once:
+the pool's title, the block tables and the numbers are always of the same moment. The stage's presses move
+it (Step / PageDown / a clicker first shows the selection, Back / PageUp the copies again), as a slide deck
+steps through a slide's builds, so a speaker with a clicker sees what a mouse user sees; the Step button
+says "Selection" while the next press shows it. The figures' heights are sized from the text on screen
+(``viz.presenter.presenter_sizes`` with the sentences and the numbers column), so a long sentence never
+pushes "step N of M" out of a 1280x720 window.
 
 Every figure goes through ``viz.presenter.projector_style`` (type at least 18 px). The numbers are read
 through ``engine.metrics`` like the Playground's. Nothing here steps an engine: the stage's presses
@@ -23,9 +33,8 @@ import streamlit as st
 from engine import metrics
 from ui.lab import POLICY_LABELS
 from viz import block_pool_figure, contiguous_region_figure
-from viz.block_table import selection_events
 from ui.state import viewport
-from viz.presenter import one_line_cells, phased, presenter_sizes, projector_style
+from viz.presenter import one_line_cells, phase_moment, phased, presenter_sizes, projector_style
 from viz.steps import SEMANTICS_SHORT, step_label, step_sentences
 
 PRESENT_PARAM = "present"  # ?present=1 opens the Playground in the presenter view
@@ -96,11 +105,13 @@ def style_page() -> None:
     st.markdown(CSS.format(words=round(font * 1.15), numbers=round(font * 1.05), font=font), unsafe_allow_html=True)
 
 
-def numbers(lab, paged, contiguous) -> list[str]:
-    """The few numbers that tell the story, a line per side, each read through ``engine.metrics``."""
-    snap = paged.snapshot
+def numbers(lab, paged, contiguous, moment: dict | None = None) -> list[str]:
+    """The few numbers that tell the story, a line per side, each read through ``engine.metrics``. ``moment``:
+    the phase of a beam step on screen (``viz.presenter.phase_moment``): the paged numbers are that moment's,
+    the one the pool and the block tables beside them show, and say which it is."""
+    snap = moment["snapshot"] if moment else paged.snapshot
     used = snap.num_blocks - snap.num_free_blocks
-    after = " (after beam selection)" if selection_events(paged.events, snap)[1] else ""  # the picture's phase 2
+    after = f" ({moment['label']})" if moment and moment["label"] else ""
     line = (f"**Paged**{after}: {used}/{snap.num_blocks} blocks in use, "
             f"{metrics.slack_pct(snap):.0f}% slack" if metrics.slots_allocated(snap) else
             f"**Paged**{after}: {used}/{snap.num_blocks} blocks in use")
@@ -140,12 +151,13 @@ def words_markdown(sentences: list[str]) -> str:
     return "\n".join("- " + html.escape(x).replace("-&gt;", "\u2192") for x in sentences)
 
 
-def stage_tables_figure(paged, previous, order: list[str], size: dict, decode, width: int):
+def stage_tables_figure(paged, previous, order: list[str], size: dict, decode, width: int, phase: int | None = None):
     """The block-table picture of ``paged`` (``viz.block_table``) at the projector's type: laid out for the
     pool row's height and ``width`` px, every text ``size["font"]`` px, the title on one line; the
-    copy-on-write's caption is left out (the sentences above say it). A beam step is drawn in its two phases
-    (``selection_phases``: 1/2 the copies, 2/2 the beam selection; buttons switch), opening on the copies,
-    the moment its key sentence says. ``previous``: the record before (the pruned beams' tokens)."""
+    copy-on-write's caption is left out (the sentences above say it). A beam step is drawn in phase ``phase``
+    (``selection_phases``: 0 the copies, 1 the beam selection; the stage's one phase choice, ``Lab.phase_of``);
+    None: both, with a button each (``phases_figure``). ``previous``: the record before (the pruned beams'
+    tokens)."""
     from viz.block_table import block_table_figure
 
     def one(source, events=None):
@@ -153,20 +165,24 @@ def stage_tables_figure(paged, previous, order: list[str], size: dict, decode, w
                                  font_px=size["font"], height_px=size["pool"], width_px=width, captions=False)
         return projector_style(fig, height=size["pool"], min_font=size["font"], scale=1.0)
 
-    return phased(paged, previous, one, size["font"])
+    return phased(paged, previous, one, size["font"], phase=phase)
 
 
-def block_table_picture(lab, paged, size: dict, decode, previous=None):
+def block_table_picture(lab, paged, size: dict, decode, previous=None, phase: int | None = None):
     """``stage_tables_figure`` in the right half of this window."""
     width = (viewport() or {"w": 1280})["w"] // 2 - 40  # the picture's column: half the window, less padding
-    return stage_tables_figure(paged, previous, lab.order, size, decode, width)
+    return stage_tables_figure(paged, previous, lab.order, size, decode, width, phase)
 
 
-def stage_pool_figure(paged, previous, order: list[str], size: dict, decode, width: float):
-    """The paged pool at the projector's type, ``width`` px wide; a beam step in its two phases (as
-    ``stage_tables_figure``), each titled with its own blocks in use and outlining what it changed."""
-    def one(snap, events, label=""):
+def stage_pool_figure(paged, previous, order: list[str], size: dict, decode, width: float, phase: int | None = None):
+    """The paged pool at the projector's type, ``width`` px wide; a beam step in phase ``phase`` (as
+    ``stage_tables_figure``), titled with that moment's blocks in use and which phase it is
+    (``phase_moment``'s label), outlining what it changed."""
+    def one(snap, events):
         changed = sorted({b for e in events if e.kind != "append" for b in e.blocks})
+        label = ""
+        if phase is not None and (said := phase_moment(paged, previous, phase)["label"]):
+            label = f" ({said})"
         title = f"paged pool{label}: {snap.num_blocks - snap.num_free_blocks}/{snap.num_blocks} blocks in use"
         fig = projector_style(block_pool_figure(snap, order, decode=decode, highlight=changed, title=title),
                               height=size["pool"], min_font=size["font"])
@@ -174,23 +190,50 @@ def stage_pool_figure(paged, previous, order: list[str], size: dict, decode, wid
         one_line_cells(fig, (size["pool"] - fig.layout.margin.t - 10) / rows, size["font"], col_px=width / cols)
         return fig
 
-    return phased(paged, previous, one, size["font"])
+    return phased(paged, previous, one, size["font"], phase=phase)
+
+
+def step_line(paged, last_step: int, has_work: bool) -> str:
+    """The step on screen: "step N of M · its kind · the semantics"."""
+    return (f"step {paged.step} of {last_step} · {step_label(paged)} · {SEMANTICS_SHORT[paged.semantics]}"
+            + ("" if has_work else " · all requests finished"))
+
+
+def column_lines(lab, paged, contiguous, moment: dict, last_step: int, has_work: bool) -> list[tuple[str, str]]:
+    """The column beside the contiguous strip, top to bottom, as (kind, text): "step N of M" first, so it stays
+    on screen whatever follows; what Next event found (``Lab.said_on``); the numbers (``numbers``); while
+    Play runs, its rate; the lab's notes."""
+    out = [("caption", step_line(paged, last_step, has_work))]
+    if said := lab.said_on(paged):
+        out.append(("caption", f"**{said}.**"))
+    out += [("numbers", line) for line in numbers(lab, paged, contiguous, moment)]
+    if said := playing_line(lab):
+        out.append(("caption", said))
+    out += [("caption", note) for note in lab.notes]  # e.g. a request the baseline cannot admit at all
+    return out
 
 
 def views(lab, history: list, index: int, has_work: bool, decode) -> None:
-    """The presenter's screen for recorded step ``index`` of ``history`` (see the module docstring)."""
+    """The presenter's screen for recorded step ``index`` of ``history`` (see the module docstring). A beam
+    step is drawn in the lab's phase (``Lab.phase_of``): the pool, the block tables, the numbers and the
+    titles all of one moment, moved by the stage's presses (a clicker's PageDown shows the selection)."""
     paged, contiguous = history[index]
-    size = sizes()
-    with st.container(key="present_words"):
-        st.markdown(words_markdown(few_sentences(paged, contiguous, lab.step_budget())))
     previous = history[index - 1][0] if index > 0 else None
+    phase = lab.phase_of(paged)
+    moment = phase_moment(paged, previous, phase)
+    sentences = few_sentences(paged, contiguous, lab.step_budget())
+    column = column_lines(lab, paged, contiguous, moment, history[-1][0].step, has_work)
+    vp = viewport() or {}
+    size = presenter_sizes(vp.get("h"), vp.get("w"), sentences, [text for _, text in column])
+    with st.container(key="present_words"):
+        st.markdown(words_markdown(sentences))
     left, right = st.columns([1, 1])
     with left, st.container(key="present_pool"):
-        width = (viewport() or {"w": 1280})["w"] / 2 - 60  # the pool's column: half the window, less padding
-        st.plotly_chart(stage_pool_figure(paged, previous, lab.order, size, decode, width), width="stretch",
+        width = vp.get("w", 1280) / 2 - 60  # the pool's column: half the window, less padding
+        st.plotly_chart(stage_pool_figure(paged, previous, lab.order, size, decode, width, phase), width="stretch",
                         key="present_pool_fig", config={"displayModeBar": False})
     with right, st.container(key="present_tables"):
-        st.plotly_chart(block_table_picture(lab, paged, size, decode, previous), width="stretch",
+        st.plotly_chart(block_table_picture(lab, paged, size, decode, previous, phase), width="stretch",
                         key="present_tables_fig", config={"displayModeBar": False})
     low_left, low_right = st.columns([3, 2])
     with low_left, st.container(key="present_contiguous"):
@@ -205,13 +248,12 @@ def views(lab, history: list, index: int, has_work: bool, decode) -> None:
         else:
             st.info(" ".join(lab.notes) or "No contiguous baseline for these settings.")
     with low_right, st.container(key="present_numbers"):
-        st.markdown("  \n".join(numbers(lab, paged, contiguous)))
-        if playing_line(lab):
-            st.caption(playing_line(lab))
-        for note in lab.notes:  # e.g. a request the baseline cannot admit at all
-            st.caption(note)
-        st.caption(f"step {paged.step} of {history[-1][0].step} · {step_label(paged)} · {SEMANTICS_SHORT[paged.semantics]}"
-                   + ("" if has_work else " · all requests finished"))
+        numbers_now = [text for kind, text in column if kind == "numbers"]
+        for kind, text in column:
+            if kind == "caption":
+                st.caption(text)
+            elif text is numbers_now[0]:
+                st.markdown("  \n".join(numbers_now))
 
 
 def playing_line(lab) -> str | None:

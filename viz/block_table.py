@@ -252,6 +252,102 @@ def _nest_rows(pic: dict, g: dict) -> bool:
     return True
 
 
+SEARCH_ARROWS = 16  # ``_fewer_crossings`` searches pictures of at most this many arrows (2-10 ms); larger ones
+# keep the barycentre order (shared-prefix's 8 rows x 8 blocks would take ~100 ms a step)
+
+
+def _arrow_polylines(pic: dict, g: dict, phys_xy: dict | None = None) -> list[list[tuple[float, float]]]:
+    """Each arrow as drawn (``_arrow_path``'s 4 points, the spline passes through them), with the physical
+    blocks at ``phys_xy`` (default ``g``'s)."""
+    phys_xy = phys_xy or g["phys_xy"]
+    last_shown = {r["seq_id"]: max((i for i in range(len(r["table"])) if i in g["x_of"]), default=-1)
+                  for r in pic["rows"]}
+    return [list(zip(*_arrow_path(g["x_of"][a["logical"]], g["row_y"][a["seq_id"]], g["box_h"],
+                                  *phys_xy[a["physical"]], g["row_px"], g["run_from"],
+                                  a["logical"] == last_shown[a["seq_id"]])))
+            for a in pic["arrows"]]
+
+
+def _orient(a, b, c) -> int:
+    v = (b[0] - a[0]) * (c[1] - a[1]) - (b[1] - a[1]) * (c[0] - a[0])
+    return 0 if abs(v) < 1e-9 else 1 if v > 0 else -1
+
+
+def _polylines_cross(p, q) -> bool:
+    """Whether two polylines properly intersect (touching at a shared end, two arrows into one block, is not
+    a crossing). The x axis is in logical-block widths and y in px: orientation tests do not need one scale."""
+    for k in range(len(p) - 1):
+        for m in range(len(q) - 1):
+            a, b, c, d = p[k], p[k + 1], q[m], q[m + 1]
+            if _orient(a, b, c) * _orient(a, b, d) < 0 and _orient(c, d, a) * _orient(c, d, b) < 0:
+                return True
+    return False
+
+
+def crossings(pic: dict, g: dict, phys_xy: dict | None = None) -> int:
+    """How many pairs of arrows cross as drawn (``_arrow_polylines``)."""
+    lines = _arrow_polylines(pic, g, phys_xy)
+    return sum(_polylines_cross(lines[i], lines[j]) for i in range(len(lines)) for j in range(i + 1, len(lines)))
+
+
+def _fewer_crossings(pic: dict, g: dict) -> bool:
+    """Swap neighbouring physical blocks while that makes fewer arrows cross as drawn, until no swap helps.
+    The barycentre order (``_order_physical``) and ``_nest_rows`` are a good start, but they count neither the
+    arrows' real routes nor a copy-on-write's dotted arrow to its source: a beam step's copies (four beams on
+    one shared block, three copies of another) drew 9 crossings where no order of the column draws fewer than
+    8. A swap changes only the arrows into its two blocks, so only their crossings are counted again. Only
+    for pictures of at most ``SEARCH_ARROWS`` arrows. Returns whether the order changed."""
+    if len(pic["arrows"]) > SEARCH_ARROWS or len(pic["physical"]) < 2:
+        return False
+    order = [p["block"] for p in pic["physical"]]
+    places = [g["phys_xy"][b] for b in order]
+    into: dict[int, list[int]] = {}
+    for k, a in enumerate(pic["arrows"]):
+        into.setdefault(a["physical"], []).append(k)
+    # every arrow's polyline at every place (an arrow's route depends only on where its block sits), its
+    # bounding box, and each pair's answer, computed once
+    lines = [_arrow_polylines(pic, g, {b: xy for b in order}) for xy in places]
+    boxes = [[(min(x for x, _ in ln), max(x for x, _ in ln), min(y for _, y in ln), max(y for _, y in ln))
+              for ln in at] for at in lines]
+    memo: dict[tuple, bool] = {}
+
+    def cross(k: int, pk: int, m: int, pm: int) -> bool:
+        key = (k, pk, m, pm) if k < m else (m, pm, k, pk)
+        if key not in memo:
+            a, b = boxes[pk][k], boxes[pm][m]
+            memo[key] = (a[0] <= b[1] and b[0] <= a[1] and a[2] <= b[3] and b[2] <= a[3]
+                         and _polylines_cross(lines[pk][k], lines[pm][m]))
+        return memo[key]
+
+    def crossing_of(blocks: tuple[int, int], place: dict) -> int:
+        """Crossings of the arrows into ``blocks`` (with each other and with the rest), blocks at ``place``."""
+        at = [place[pic["arrows"][k]["physical"]] for k in range(len(pic["arrows"]))]
+        mine = [k for b in blocks for k in into.get(b, ())]
+        others = [k for k in range(len(at)) if k not in mine]
+        return (sum(cross(i, at[i], j, at[j]) for i in mine for j in others)
+                + sum(cross(mine[i], at[mine[i]], mine[j], at[mine[j]]) for i in range(len(mine))
+                      for j in range(i + 1, len(mine))))
+
+    start, improved = list(order), True
+    for _ in range(len(order)):  # passes: each moves a block at most one place per swap that helps
+        if not improved:
+            break
+        improved = False
+        for j in range(len(order) - 1):
+            pair = (order[j], order[j + 1])
+            if not (into.get(pair[0]) or into.get(pair[1])):
+                continue
+            place = {b: i for i, b in enumerate(order)}
+            if crossing_of(pair, {**place, pair[0]: j + 1, pair[1]: j}) < crossing_of(pair, place):
+                order[j], order[j + 1] = order[j + 1], order[j]
+                improved = True
+    if order == start:
+        return False
+    where = {p["block"]: p for p in pic["physical"]}
+    pic["physical"] = [where[b] for b in order]
+    return True
+
+
 def _arrows(rows, shown: set[int], events, B: int) -> tuple[list[dict], list[dict]]:
     """One arrow per (sequence, logical block drawn) to its physical block; for each copy-on-write of the
     step, the arrow it replaced (to ``src``; the table's own arrow now goes to ``dst``)."""
@@ -564,6 +660,8 @@ def block_table_figure(source, request_order: list[str] | None = None, selected:
     g = _geometry(pic, compact, font_px, plot_px)
     if _nest_rows(pic, g):
         g = _geometry(pic, compact, font_px, plot_px)  # same slots, the rows' own blocks swapped among them
+    if _fewer_crossings(pic, g):
+        g = _geometry(pic, compact, font_px, plot_px)  # same slots, blocks moved where fewer arrows cross
     faded = {r["seq_id"] for r in pic["rows"] if selected and request_id_of(r["seq_id"]) != selected}
     data = _arrow_traces(pic, g, faded) + _box_traces(pic, g, faded, decode) + _outline_traces(pic, g, selected)
     step = getattr(source, "step", None)

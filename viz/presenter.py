@@ -86,22 +86,64 @@ def smallest_font(fig: go.Figure) -> float:
     return min(sizes)
 
 
-# The presenter view's vertical budget (px): the controls row, the step's sentences and the gaps between
-# rows take about CHROME_PX; the rest is shared by the pool row (POOL_SHARE) and the contiguous strip.
+# The presenter view's vertical budget (px). Without the text on screen (``presenter_sizes(h)``): the controls
+# row, two one-line sentences and the gaps between rows take about CHROME_PX, the rest is shared by the pool
+# row (POOL_SHARE) and the contiguous strip. With the text (``presenter_sizes(h, w, words, numbers)``): the
+# rows are measured from the lines the text wraps to at the window's width.
 CHROME_PX = 250
 POOL_SHARE = 0.62
 BASE_VIEWPORT_H = 720  # the smallest screen the view is laid out for (1280x720)
+POOL_MIN_PX, STRIP_MIN_PX = 150, 110  # the figures never shrink below these (then the page scrolls)
+# Measured in Chromium at 1280x720 and 1920x1080 (tests/test_browser_stage_trial.py): the page's padding and
+# the gaps between its rows, the controls row, and the text columns' widths less their padding and bullets.
+PAGE_PAD_PX, ROW_GAP_PX, SIDE_PAD_PX = 18, 16, 48
+TEXT_EM = 0.52  # a character's mean width in Source Sans (Streamlit's font), in font sizes: a little wide
 
 
-def presenter_sizes(viewport_h: int | None) -> dict:
+def _controls_px(font: int) -> int:
+    """The controls row's height (px) at ``font`` px type: a button's two padded lines at most."""
+    return round(font * 2.4 + 20)
+
+
+def text_lines(texts, width_px: float, font_px: float, indent_px: float = 0.0) -> int:
+    """How many lines ``texts`` (each its own paragraph or list item; Markdown's ``**`` not counted) wrap to
+    in a column ``width_px`` wide at ``font_px`` type (a character ``TEXT_EM`` of the font wide, words kept
+    whole, ``indent_px`` for a bullet)."""
+    import textwrap
+
+    chars = max(8, int((width_px - indent_px) / (TEXT_EM * font_px)))
+    return sum(max(1, len(textwrap.wrap(str(t).replace("**", ""), chars, break_on_hyphens=False))) for t in texts)
+
+
+def presenter_sizes(viewport_h: int | None, viewport_w: int | None = None, words=None, numbers=None) -> dict:
     """Figure heights and the smallest font (px) for a window ``viewport_h`` CSS px high (None: 720).
 
-    At 720 px: pool row 291, strip 151, type 18; at 1080 px: 514, 268, 27 (type grows with the screen, so
-    it reads the same from the back of the room). Windows under 720 px get the 720 layout (scrolls)."""
+    Without ``words``: at 720 px pool row 291, strip 151, type 18; at 1080 px: 514, 268, 27 (type grows with
+    the screen, so it reads the same from the back of the room), the text above assumed to take two lines.
+    With ``words`` (the step's sentences, a list item each) and ``numbers`` (the lines of the column beside
+    the strip, first the "step N of M" caption), in a window ``viewport_w`` wide (None: 1280): the sentences'
+    height is counted from the lines they wrap to, and the pool row and the strip share what is left, the
+    strip at least as high as the numbers column, so its first line ("step N of M") and the rest stay in the
+    window (issue 23: a four-line sentence during Play pushed it off a 1280x720 screen). Also returned:
+    ``chrome`` (px above the pool row) and ``numbers_px`` (the numbers column's height). Windows under 720 px
+    get the 720 layout (scrolls); the figures never shrink below ``POOL_MIN_PX`` / ``STRIP_MIN_PX``."""
     h = max(BASE_VIEWPORT_H, viewport_h or BASE_VIEWPORT_H)
-    room = h - CHROME_PX
-    return {"pool": max(290, int(room * POOL_SHARE)), "strip": max(150, int(room * (1 - POOL_SHARE) * 0.85)),
-            "font": round(PROJECTOR_FONT * min(h / BASE_VIEWPORT_H, 2.0))}
+    font = round(PROJECTOR_FONT * min(h / BASE_VIEWPORT_H, 2.0))
+    if words is None:
+        room = h - CHROME_PX
+        return {"pool": max(290, int(room * POOL_SHARE)), "strip": max(150, int(room * (1 - POOL_SHARE) * 0.85)),
+                "font": font}
+    w = max(640, viewport_w or 1280)
+    words_font, numbers_font = round(font * 1.15), round(font * 1.05)
+    words_px = text_lines(words, w - SIDE_PAD_PX, words_font, indent_px=words_font * 1.6) * words_font * 1.3
+    chrome = PAGE_PAD_PX + _controls_px(font) + ROW_GAP_PX + words_px + ROW_GAP_PX + ROW_GAP_PX
+    # the numbers column: two fifths of the width; its lines at their font, each caption a line of its own
+    column = w * 2 / 5 - SIDE_PAD_PX / 2
+    numbers_px = text_lines(numbers or (), column, numbers_font) * numbers_font * 1.55
+    room = h - chrome - ROW_GAP_PX - PAGE_PAD_PX  # the pool row and the lower row, with the gap between them
+    strip = max(STRIP_MIN_PX, int(room * (1 - POOL_SHARE) * 0.85), int(numbers_px) + 4)
+    pool = max(POOL_MIN_PX, min(int(room * POOL_SHARE), int(room - strip)))
+    return {"pool": pool, "strip": strip, "font": font, "chrome": round(chrome), "numbers_px": round(numbers_px)}
 
 
 def phases_figure(phases: list[tuple[str, go.Figure]], font: int = PROJECTOR_FONT, where: str = "top") -> go.Figure:
@@ -132,13 +174,14 @@ def phases_figure(phases: list[tuple[str, go.Figure]], font: int = PROJECTOR_FON
     buttons = []
     for k, (label, f) in enumerate(phases):
         lay = f.layout
+        # each phase's whole title and axes, not a few of their fields: a range of None with no autorange
+        # undid the pool's ``autorange: reversed`` (phase 2 drew the grid upside down) and a bare title text
+        # lost the title's font
         buttons.append({"label": label, "method": "update",
                         "args": [{"visible": [v == k for v in visible]},
-                                 {"title.text": lay.title.text, "annotations": lay.annotations or [],
-                                  "shapes": lay.shapes or [], "xaxis.range": lay.xaxis.range,
-                                  "yaxis.range": lay.yaxis.range, "xaxis.tickvals": lay.xaxis.tickvals,
-                                  "xaxis.ticktext": lay.xaxis.ticktext, "yaxis.tickvals": lay.yaxis.tickvals,
-                                  "yaxis.ticktext": lay.yaxis.ticktext}]})
+                                 {"title": lay.title.to_plotly_json(), "annotations": lay.annotations or [],
+                                  "shapes": lay.shapes or [], "xaxis": lay.xaxis.to_plotly_json(),
+                                  "yaxis": lay.yaxis.to_plotly_json()}]})
     top, bottom = first.layout.margin.t or 0, first.layout.margin.b or 0
     height = first.layout.height or 450
     plot_h = max(1, height - top - bottom)
@@ -154,14 +197,33 @@ def phases_figure(phases: list[tuple[str, go.Figure]], font: int = PROJECTOR_FON
     return fig
 
 
-def phased(record, previous, draw, font: int = PROJECTOR_FONT, where: str = "top") -> go.Figure:
-    """``draw(snapshot, events)`` for a step, or for a beam step one figure per phase of
-    ``viz.block_table.selection_phases`` (the copies, then the selection) joined by ``phases_figure``.
-    ``previous``: the record before (the pruned beams' tokens, for the hover; may be None); ``where``: the
-    buttons' place (``phases_figure``)."""
+def phased(record, previous, draw, font: int = PROJECTOR_FONT, where: str = "top", phase: int | None = None) -> go.Figure:
+    """``draw(snapshot, events)`` for a step; for a beam step, of one of its phases
+    (``viz.block_table.selection_phases``: 0 the copies, 1 the selection). ``phase``: that phase (the stage's
+    one phase choice, ``ui.lab.Lab.phase_of``: every view of the step draws the same moment); None: every phase,
+    joined by ``phases_figure`` (a button each, ``where`` they go). ``previous``: the record before (the pruned
+    beams' tokens, for the hover; may be None). Raises ValueError for a phase the step does not have."""
+    from .block_table import selection_phases
+
+    phases = selection_phases(record, previous)
+    if phase is not None and not 0 <= phase < max(1, len(phases)):
+        raise ValueError(f"phase must be 0..{max(1, len(phases)) - 1} for step {record.step}, got {phase!r}")
+    if not phases:
+        return draw(record.snapshot, record.events)
+    if phase is not None:
+        return draw(phases[phase]["snapshot"], phases[phase]["events"])
+    return phases_figure([(p["label"], draw(p["snapshot"], p["events"])) for p in phases], font, where)
+
+
+def phase_moment(record, previous, phase: int) -> dict:
+    """The snapshot and events of phase ``phase`` of ``record`` (``selection_phases``; a step without phases:
+    its own, phase 0), with ``label`` ("" for a step without phases, else e.g. "1/2 the copies"): what the
+    numbers and titles beside the step's pictures read, so they are of the moment the pictures show."""
     from .block_table import selection_phases
 
     phases = selection_phases(record, previous)
     if not phases:
-        return draw(record.snapshot, record.events)
-    return phases_figure([(p["label"], draw(p["snapshot"], p["events"])) for p in phases], font, where)
+        return {"snapshot": record.snapshot, "events": record.events, "label": ""}
+    p = phases[phase]
+    return {"snapshot": p["snapshot"], "events": p["events"],
+            "label": f"{phase + 1}/{len(phases)} " + ("the copies" if p["phase"] == "copies" else "after beam selection")}

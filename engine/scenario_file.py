@@ -246,7 +246,7 @@ def check_class_request_count(scenario: ScenarioFile, kind: str) -> None:
                if kind == "link" else "remove some requests from the file")
     raise ValueError(f"this scenario {kind} has {count:,} requests{children}, more than the {got.max_requests} one "
                      f"run may hold on this class server; {instead}, or run it on a machine of your own "
-                     f"(the app outside class mode, or python -m engine, has no such cap)")
+                     f"(the app started there with streamlit run app.py, outside class mode, has no such cap)")
 
 
 def length_notes(scenario: ScenarioFile, tokenize: Callable[[str], list[int]]) -> list[str]:

@@ -37,7 +37,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .cache_mirror import PrefixCacheMirror
-from .kv_events import MalformedBatch, decode_batch
+from .kv_events import MAX_TS, MalformedBatch, decode_batch, ts_problem
 
 FORMAT = "paged-attention-lab.kv-capture"
 VERSION = 1
@@ -192,8 +192,9 @@ def _batch(n: int, obj: dict) -> CaptureBatch:
     except ValueError:
         raise ValueError(f"line {n}: batch payload is not base64") from None
     ts = obj.get("ts")
-    if ts is not None and (not isinstance(ts, (int, float)) or isinstance(ts, bool) or not math.isfinite(ts)):
-        raise ValueError(f"line {n}: batch field 'ts' is {ts!r}, expected the publisher's time in seconds")
+    if ts is not None and ts_problem(ts):
+        raise ValueError(f"line {n}: batch field 'ts' is {ts!r}, expected the publisher's time in seconds (0 to "
+                         f"{MAX_TS:,.0f})")
     return CaptureBatch(rank=obj["rank"], seq=obj["seq"], t=float(obj["t"]), payload=payload,
                         replayed=bool(obj.get("replayed", False)), ts=None if ts is None else float(ts),
                         restart=obj.get("restart") is True, line=n)

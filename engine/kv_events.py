@@ -31,6 +31,7 @@ hash as its full hex.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,12 +75,26 @@ class KVEventBatch(EventBatch):
 
 
 EVENT_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
+# A batch's ``ts`` is the publisher's ``time.time()``: seconds since the epoch. Anything outside 0 .. the end of
+# year 9999 (the last second ``datetime`` can show) is not a time: NaN, an infinity, 1e300.
+MAX_TS = 253_402_300_799.0
 _ENCODER = msgspec.msgpack.Encoder()
 _MASK64 = (1 << 64) - 1
 
 
 class MalformedBatch(ValueError):
     """A payload that is not a KV event batch in vLLM's schema; the message names what is wrong."""
+
+
+def ts_problem(ts) -> str | None:
+    """None if ``ts`` is a publisher's time (a number of seconds since the epoch, 0 to ``MAX_TS``), else what is
+    wrong with it, naming the value."""
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool):
+        return f"ts is {_short(ts)}, expected a number of seconds"
+    if not (isinstance(ts, int) or math.isfinite(ts)) or not 0 <= ts <= MAX_TS:  # NaN fails the comparison
+        return (f"ts is {ts!r}, not a time: expected seconds since the epoch from 0 to {MAX_TS:,.0f} (the end of "
+                f"year 9999)")
+    return None
 
 
 # --- hashes ------------------------------------------------------------------------------------------------
@@ -153,8 +168,8 @@ _ARRAY_FIELDS = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids
 def decode_batch(payload: bytes, max_events: int | None = None) -> DecodedBatch:
     """Decode one payload (vLLM 0.32's map-tagged events or the older array-tagged ones).
 
-    Raises MalformedBatch naming the first thing wrong (not msgpack, not a [ts, events, rank] array, an
-    unknown event type, a missing field, a bad hash, a BlockStored whose tokens are not whole blocks, or
+    Raises MalformedBatch naming the first thing wrong (not msgpack, not a [ts, events, rank] array, a ``ts``
+    that is not a time (NaN, infinite, negative or past ``MAX_TS``), an unknown event type, a missing field, a bad hash, a BlockStored whose tokens are not whole blocks, or
     more than ``max_events`` events, arrays or maps nested deeper than Python's recursion limit: msgspec's
     decoder recurses per level, so a 1 KB payload of 1,000 nested one-element arrays would raise
     RecursionError). Never raises anything else, whatever the bytes: a publisher cannot stop a subscriber."""
@@ -174,8 +189,9 @@ def _decode(payload: bytes, max_events: int | None) -> DecodedBatch:
         raise MalformedBatch(f"expected an array [ts, events, data_parallel_rank], got {_short(raw)}")
     ts, events = raw[0], raw[1]
     rank = raw[2] if len(raw) > 2 else None
-    if not isinstance(ts, (int, float)) or isinstance(ts, bool):
-        raise MalformedBatch(f"ts is {_short(ts)}, expected a number of seconds")
+    problem = ts_problem(ts)
+    if problem:
+        raise MalformedBatch(problem)
     if not isinstance(events, list):
         raise MalformedBatch(f"events is {_short(events)}, expected an array")
     if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool)):

@@ -8,6 +8,7 @@ than a few KB."""
 from __future__ import annotations
 
 import io
+import re
 import socket
 import threading
 import time
@@ -604,8 +605,6 @@ def test_watch_receives_a_400000_block_run_from_the_labs_publisher_and_reports_t
     the whole mirror (0.3-0.9 s at 100,000 blocks) ten times a second under the lock the subscriber needs for
     every batch: it applied about 6,000 blocks a second and stopped (``--duration``) with most of the run
     unreceived. Now it reads counts only while watching and copies the mirror once, for the final state."""
-    import re
-
     from engine.cache_mirror import MAX_BLOCKS
     from engine.kv_publisher import KVEventPublisher
 
@@ -660,3 +659,39 @@ def test_roots_with_small_int_hashes_print_distinctly():
     a, b, c = "ab" * 6 + "0" * 52, "ab" * 6 + "1" + "0" * 51, "cd" * 32
     labels = hash_labels([a, b, c])
     assert labels == {a: "ab" * 6 + "0", b: "ab" * 6 + "1", c: "cd" * 6}
+
+
+@pytest.mark.parametrize("ts, shown", [(float("nan"), "nan"), (float("inf"), "inf"), (float("-inf"), "-inf"),
+                                       (1e300, "1e+300"), (-1.0, "-1.0"), (2**63, str(2**63))])
+def test_a_batch_whose_ts_is_not_a_time_is_malformed(ts, shown):
+    with pytest.raises(MalformedBatch, match=re.escape(f"ts is {shown}, not a time")):
+        decode_batch(msgspec.msgpack.encode([ts, [], 0]))
+    assert decode_batch(encode_batch([stored(1)], ts=1_700_000_000.5)).ts == 1_700_000_000.5  # a real one
+
+
+def test_a_live_batch_with_a_nan_ts_is_counted_malformed_named_and_the_watch_goes_on():
+    pub, port = raw_pub()
+    sub = KVEventSubscriber(f"tcp://127.0.0.1:{port}")
+    try:
+        subscribed(sub)
+        msgs = [frames(0, encode_batch([stored(1)])), frames(1, encode_batch([stored(2)], ts=float("nan"))),
+                frames(2, encode_batch([stored(3)], ts=float("inf"))), frames(3, encode_batch([stored(4)]))]
+        assert send_until(pub, sub, msgs, lambda v: v.mirror.last_seq == 3)
+        v = sub.view()
+        assert v.malformed == 2 and v.received == 2 and v.mirror.prefixes() == {(1, 2), (4, 5)}
+        assert any(e.startswith("skipped batch 1: ts is nan, not a time") for e in v.errors), v.errors
+        assert any(e.startswith("skipped batch 2: ts is inf, not a time") for e in v.errors), v.errors
+        assert all(h.ts == h.ts and abs(h.ts) < 1e12 for h in v.mirror.history)
+    finally:
+        sub.stop()
+        pub.close()
+
+
+@pytest.mark.parametrize("ts", ["1e300", "NaN", "-5"])
+def test_a_capture_line_whose_ts_is_not_a_time_is_refused_by_line(ts):
+    import base64
+
+    good = base64.b64encode(encode_batch([stored(1)])).decode()
+    text = HEADER + f'{{"kind": "batch", "rank": 0, "seq": 0, "t": 0, "ts": {ts}, "payload": "{good}"}}\n'
+    with pytest.raises(ValueError, match=r"line 2: batch field 'ts' is .*expected the publisher's time in seconds"):
+        read_capture(text.encode())

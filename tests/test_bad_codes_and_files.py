@@ -168,3 +168,24 @@ def test_a_huge_integer_outside_the_requests_is_named_too():
     with pytest.raises(ValueError, match=r"^settings\.num_blocks: must be <= 65536, got an integer of 41 digits$"):
         sf.parse_text('{"name": "x", "settings": {"num_blocks": %s}}' % ("1" * 41))
     assert sf.parse_text('{"name": "x", "seed": %s}' % ("1" * 18)).seed == int("1" * 18)  # ordinary sizes read
+
+
+def test_the_page_says_why_a_link_over_the_class_cap_is_not_opened(monkeypatch):
+    """What the student reads: the link's count, the cap, and what to do; no "press Reset"."""
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+
+    from engine import limits
+
+    monkeypatch.setenv(limits.CLASS_SERVER_ENV, "1")
+    many = {"version": 1, "name": "many", "requests": [{"prompt": "a", "arrival_step": i} for i in range(65)]}
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=180)
+    at.query_params["scenario"] = sf.encode_link(sf.parse_scenario(many))
+    at.run()
+    assert not at.exception
+    said = [e.value for e in at.error]
+    assert any("cannot be opened: this scenario link has 65 requests, more than the 64 one run may hold on this "
+               "class server; open a link with fewer requests" in e for e in said), said
+    assert not any("Reset" in e for e in said)
+    assert at.session_state["lab"].paged is not None  # the default run is shown instead

@@ -411,8 +411,8 @@ def plan_session(kv_parts: dict, sizes: RunSizes, limits: ClassLimits, budget: i
         raise ValueError(f"this run needs {need / MIB:,.1f} MiB ({said}, and {MIN_HISTORY_STEPS} recorded steps of "
                          f"{step / MIB:,.2f} MiB each: {sizes.describe()}) but one session on this class server "
                          f"may use {budget / MIB:,.1f} MiB (its share: the server's memory over {limits.seats} "
-                         f"seats, or {SESSION_MEMORY_ENV}); use fewer requests or samples, shorter max_tokens, a smaller "
-                         f"pool or a smaller swap pool")
+                         f"seats, or {SESSION_MEMORY_ENV}); use fewer requests or samples, shorter max_tokens, a "
+                         f"smaller pool or a smaller swap pool")
     parts = {**fixed, f"recorded steps ({steps:,} x {step / MIB:,.2f} MiB)": steps * step}
     return SessionPlan(parts, step, steps, budget, steps < limits.history_steps, dict(kv_parts))
 

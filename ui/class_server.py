@@ -4,8 +4,8 @@ keep, refused or its recorded steps capped) within the share the session reserve
 registry (``check_sizes``, ``engine.limits.ShareRegistry``: all sessions of all workers together never reserve
 more than the server's memory for sessions), the note when old steps were dropped, and the release of idle
 and closed sessions' labs, which gives their shares back (``sweep``; it also renews the reservations of the
-sessions still seated, so that only a dead worker's expire). Outside class mode (``PAL_CLASS_SERVER`` unset) every function here does what the
-app did before (the model field is a free text field) or nothing.
+sessions still seated, so that only a dead worker's expire). Outside class mode (``PAL_CLASS_SERVER`` unset)
+every function here does what the app did before (the model field is a free text field) or nothing.
 
 Closed tabs. When a tab closes, Streamlit keeps its session (and so its lab) for
 ``server.disconnectedSessionTTL`` (120 s) in case the browser reconnects, and drops it only when a later

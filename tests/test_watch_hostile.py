@@ -56,6 +56,24 @@ def subscribed(sub: KVEventSubscriber) -> None:
     time.sleep(0.2)  # the subscription travels to the publisher after the handshake
 
 
+@pytest.fixture
+def watched():
+    """``watched(**kw)`` -> (pub, sub): a raw PUB on a free 127.0.0.1 port and a KVEventSubscriber (``kw``: its
+    options) connected and subscribed to it; both closed after the test."""
+    made: list[tuple[zmq.Socket, KVEventSubscriber]] = []
+
+    def make(**kw) -> tuple[zmq.Socket, KVEventSubscriber]:
+        pub, port = raw_pub()
+        sub = KVEventSubscriber(f"tcp://127.0.0.1:{port}", **kw)
+        made.append((pub, sub))
+        subscribed(sub)
+        return pub, sub
+    yield make
+    for pub, sub in made:
+        sub.stop()
+        pub.close()
+
+
 def send_until(pub: zmq.Socket, sub: KVEventSubscriber, messages, done, timeout_s: float = 5.0) -> bool:
     """Send ``messages`` (a list of frame tuples) once, then wait for ``done(view)``."""
     for m in messages:
@@ -72,23 +90,17 @@ def test_a_deeply_nested_payload_is_a_malformed_batch():
             decode_batch(payload)
 
 
-def test_a_deeply_nested_payload_is_skipped_and_the_watch_goes_on():
-    pub, port = raw_pub()
-    sub = KVEventSubscriber(f"tcp://127.0.0.1:{port}")
-    try:
-        subscribed(sub)
-        assert send_until(pub, sub, [frames(0, encode_batch([stored(1)])), frames(1, NESTED_1K),
-                                     frames(2, encode_batch([stored(2)]))], lambda v: v.received == 2)
-        v = sub.view()
-        assert v.malformed == 1 and v.gaps == 0 and v.state == "live"
-        assert any(e.startswith("skipped batch 1: nested too deep") for e in v.errors), v.errors
-        assert sub._thread.is_alive()
-    finally:
-        sub.stop()
-        pub.close()
+def test_a_deeply_nested_payload_is_skipped_and_the_watch_goes_on(watched):
+    pub, sub = watched()
+    assert send_until(pub, sub, [frames(0, encode_batch([stored(1)])), frames(1, NESTED_1K),
+                                 frames(2, encode_batch([stored(2)]))], lambda v: v.received == 2)
+    v = sub.view()
+    assert v.malformed == 1 and v.gaps == 0 and v.state == "live"
+    assert any(e.startswith("skipped batch 1: nested too deep") for e in v.errors), v.errors
+    assert sub._thread.is_alive()
 
 
-def test_any_error_while_handling_one_message_is_counted_not_fatal(monkeypatch):
+def test_any_error_while_handling_one_message_is_counted_not_fatal(watched, monkeypatch):
     import engine.kv_subscriber as ks
 
     real = ks.decode_batch
@@ -100,17 +112,11 @@ def test_any_error_while_handling_one_message_is_counted_not_fatal(monkeypatch):
             raise KeyError("something no decoder should raise")
         return real(payload, max_events=max_events)
     monkeypatch.setattr(ks, "decode_batch", flaky)
-    pub, port = raw_pub()
-    sub = KVEventSubscriber(f"tcp://127.0.0.1:{port}")
-    try:
-        subscribed(sub)
-        assert send_until(pub, sub, [frames(0, encode_batch([stored(1)])), frames(1, encode_batch([stored(2)]))],
-                          lambda v: v.received == 1 and v.malformed == 1)
-        assert "could not be handled (KeyError" in sub.view().last_error
-        assert sub._thread.is_alive()
-    finally:
-        sub.stop()
-        pub.close()
+    pub, sub = watched()
+    assert send_until(pub, sub, [frames(0, encode_batch([stored(1)])), frames(1, encode_batch([stored(2)]))],
+                      lambda v: v.received == 1 and v.malformed == 1)
+    assert "could not be handled (KeyError" in sub.view().last_error
+    assert sub._thread.is_alive()
 
 
 # --- 2. replay of a hostile capture -----------------------------------------------------------------------
@@ -143,26 +149,20 @@ def test_replay_of_a_deeply_nested_capture_names_the_line(tmp_path, capsys):
 # --- 3. a message over the size limit ---------------------------------------------------------------------
 
 
-def test_a_message_over_the_size_limit_is_said_and_the_watch_reconnects():
-    pub, port = raw_pub()
-    sub = KVEventSubscriber(f"tcp://127.0.0.1:{port}", max_message_bytes=1000)
-    try:
-        subscribed(sub)
-        pub.send_multipart(frames(0, encode_batch([stored(1)])))
-        pub.send_multipart(frames(1, b"\x00" * 5000))  # over the limit: refused unread, the connection dropped
-        assert sub.wait_for(lambda v: v.malformed == 1, 5), sub.view()
-        v = sub.view()
-        assert "over the size limit of 1,000 bytes" in v.last_error and "reconnected" in v.last_error
-        assert v.state != "disconnected"  # the server did not go away
-        subscribed(sub)
-        assert send_until(pub, sub, [frames(seq, encode_batch([stored(100 + seq)])) for seq in range(2, 40)],
-                          lambda v: v.received == 39), sub.view()
-        v = sub.view()
-        assert v.mirror.num_blocks == 39 and v.gaps == 1 and v.lost == 1 and v.malformed == 1
-        assert v.state == "live"
-    finally:
-        sub.stop()
-        pub.close()
+def test_a_message_over_the_size_limit_is_said_and_the_watch_reconnects(watched):
+    pub, sub = watched(max_message_bytes=1000)
+    pub.send_multipart(frames(0, encode_batch([stored(1)])))
+    pub.send_multipart(frames(1, b"\x00" * 5000))  # over the limit: refused unread, the connection dropped
+    assert sub.wait_for(lambda v: v.malformed == 1, 5), sub.view()
+    v = sub.view()
+    assert "over the size limit of 1,000 bytes" in v.last_error and "reconnected" in v.last_error
+    assert v.state != "disconnected"  # the server did not go away
+    subscribed(sub)
+    assert send_until(pub, sub, [frames(seq, encode_batch([stored(100 + seq)])) for seq in range(2, 40)],
+                      lambda v: v.received == 39), sub.view()
+    v = sub.view()
+    assert v.mirror.num_blocks == 39 and v.gaps == 1 and v.lost == 1 and v.malformed == 1
+    assert v.state == "live"
 
 
 # --- 4. a server restart ----------------------------------------------------------------------------------
@@ -206,22 +206,16 @@ def test_a_restart_marks_the_old_cache_at_once_and_the_first_new_batch_clears_it
 # --- 5. a late join without a replay endpoint -------------------------------------------------------------
 
 
-def test_a_late_join_without_replay_says_where_the_view_starts():
-    pub, port = raw_pub()
-    sub = KVEventSubscriber(f"tcp://127.0.0.1:{port}")
-    try:
-        subscribed(sub)
-        assert send_until(pub, sub, [frames(40, encode_batch([stored(1)]))], lambda v: v.received == 1)
-        v = sub.view()
-        assert v.mirror.starts_at == 40 and v.lost == 0 and v.before_watch == 40  # a join point, not a loss
-        assert any(n.startswith("joined at batch 40: the view starts there") and "unknown" in n
-                   for n in v.mirror.notes), v.mirror.notes
-        from viz.server import mirror_warnings
+def test_a_late_join_without_replay_says_where_the_view_starts(watched):
+    pub, sub = watched()
+    assert send_until(pub, sub, [frames(40, encode_batch([stored(1)]))], lambda v: v.received == 1)
+    v = sub.view()
+    assert v.mirror.starts_at == 40 and v.lost == 0 and v.before_watch == 40  # a join point, not a loss
+    assert any(n.startswith("joined at batch 40: the view starts there") and "unknown" in n
+               for n in v.mirror.notes), v.mirror.notes
+    from viz.server import mirror_warnings
 
-        assert any("starts at batch 40" in w and "unknown" in w for w in mirror_warnings(v.mirror))
-    finally:
-        sub.stop()
-        pub.close()
+    assert any("starts at batch 40" in w and "unknown" in w for w in mirror_warnings(v.mirror))
 
 
 class XPub:
@@ -404,18 +398,12 @@ def test_the_mirrors_bookkeeping_stays_bounded_under_churn():
     assert len(m.blocks) == 0 and m.capped_out == 0 and len(m._order) <= 2 * 50 + 1024 + 1
 
 
-def test_the_subscriber_passes_the_cap_to_its_mirror():
-    pub, port = raw_pub()
-    sub = KVEventSubscriber(f"tcp://127.0.0.1:{port}", max_blocks=3)
-    try:
-        subscribed(sub)
-        assert send_until(pub, sub, [frames(0, encode_batch([stored(i + 1) for i in range(5)]))],
-                          lambda v: v.received == 1)
-        v = sub.view()
-        assert len(v.mirror.blocks) == 3 and v.mirror.capped_out == 2
-    finally:
-        sub.stop()
-        pub.close()
+def test_the_subscriber_passes_the_cap_to_its_mirror(watched):
+    pub, sub = watched(max_blocks=3)
+    assert send_until(pub, sub, [frames(0, encode_batch([stored(i + 1) for i in range(5)]))],
+                      lambda v: v.received == 1)
+    v = sub.view()
+    assert len(v.mirror.blocks) == 3 and v.mirror.capped_out == 2
 
 
 # --- 10. out-of-range flags -------------------------------------------------------------------------------
@@ -469,42 +457,30 @@ def test_a_restart_with_a_replay_endpoint_catches_up_from_the_new_publishers_fir
 # --- trial after issue 23: impossible jumps, duplicates, removals of unknown blocks ----------------------
 
 
-def test_an_impossible_sequence_jump_is_not_counted_as_lost_and_the_watch_goes_on():
-    pub, port = raw_pub()
-    sub = KVEventSubscriber(f"tcp://127.0.0.1:{port}")
-    try:
-        subscribed(sub)
-        msgs = [frames(s, encode_batch([stored(s + 1)])) for s in range(3)]
-        msgs += [frames(2**64 - 2, encode_batch([stored(99)])), frames(3, encode_batch([stored(4)]))]
-        assert send_until(pub, sub, msgs, lambda v: v.mirror.last_seq == 3)
-        v = sub.view()
-        assert v.lost == 0 and v.gaps == 0 and v.mirror.lost_batches == 0, (v.lost, v.gaps)
-        assert (v.jumps, v.malformed, v.duplicates) == (1, 0, 0)  # its own count: the payload was fine
-        assert v.received == 4 and v.mirror.num_blocks == 4
-        assert any(f"sequence number jumped from 2 to {2**64 - 2}: not counted as lost" in e for e in v.errors)
-    finally:
-        sub.stop()
-        pub.close()
+def test_an_impossible_sequence_jump_is_not_counted_as_lost_and_the_watch_goes_on(watched):
+    pub, sub = watched()
+    msgs = [frames(s, encode_batch([stored(s + 1)])) for s in range(3)]
+    msgs += [frames(2**64 - 2, encode_batch([stored(99)])), frames(3, encode_batch([stored(4)]))]
+    assert send_until(pub, sub, msgs, lambda v: v.mirror.last_seq == 3)
+    v = sub.view()
+    assert v.lost == 0 and v.gaps == 0 and v.mirror.lost_batches == 0, (v.lost, v.gaps)
+    assert (v.jumps, v.malformed, v.duplicates) == (1, 0, 0)  # its own count: the payload was fine
+    assert v.received == 4 and v.mirror.num_blocks == 4
+    assert any(f"sequence number jumped from 2 to {2**64 - 2}: not counted as lost" in e for e in v.errors)
 
 
-def test_a_repeated_old_seq_on_the_same_connection_is_a_skipped_duplicate_not_a_restart():
-    pub, port = raw_pub()
-    sub = KVEventSubscriber(f"tcp://127.0.0.1:{port}")
-    try:
-        subscribed(sub)
-        msgs = [frames(s, encode_batch([stored(s + 1)])) for s in range(16)]
-        msgs += [frames(13, encode_batch([stored(500)])), frames(16, encode_batch([stored(17)]))]
-        assert send_until(pub, sub, msgs, lambda v: v.mirror.last_seq == 16)
-        v = sub.view()
-        assert v.mirror.num_blocks == 17 and v.received == 17
-        assert (v.duplicates, v.malformed, v.jumps) == (1, 0, 0)  # its own count: the payload was fine
-        assert v.mirror.starts_at is None and v.lost == 0
-        assert not any("joined at" in n or "restarted" in n for n in v.mirror.notes), v.mirror.notes
-        assert not any("restarted" in e for e in v.errors), v.errors
-        assert any("batch 13: a duplicate or out-of-order batch" in e for e in v.errors), v.errors
-    finally:
-        sub.stop()
-        pub.close()
+def test_a_repeated_old_seq_on_the_same_connection_is_a_skipped_duplicate_not_a_restart(watched):
+    pub, sub = watched()
+    msgs = [frames(s, encode_batch([stored(s + 1)])) for s in range(16)]
+    msgs += [frames(13, encode_batch([stored(500)])), frames(16, encode_batch([stored(17)]))]
+    assert send_until(pub, sub, msgs, lambda v: v.mirror.last_seq == 16)
+    v = sub.view()
+    assert v.mirror.num_blocks == 17 and v.received == 17
+    assert (v.duplicates, v.malformed, v.jumps) == (1, 0, 0)  # its own count: the payload was fine
+    assert v.mirror.starts_at is None and v.lost == 0
+    assert not any("joined at" in n or "restarted" in n for n in v.mirror.notes), v.mirror.notes
+    assert not any("restarted" in e for e in v.errors), v.errors
+    assert any("batch 13: a duplicate or out-of-order batch" in e for e in v.errors), v.errors
 
 
 def test_a_removal_of_a_hash_never_stored_in_a_complete_watch_is_called_unknown():
@@ -575,27 +551,21 @@ def test_watch_counts_duplicates_and_jumps_apart_from_malformed_payloads():
             "sequence jump, 0 gaps, 0 batches lost") in text, text
 
 
-def test_a_real_gap_larger_than_max_seq_jump_is_a_gap_and_the_watch_goes_on():
+def test_a_real_gap_larger_than_max_seq_jump_is_a_gap_and_the_watch_goes_on(watched):
     """A publisher that dropped more than MAX_SEQ_JUMP batches for a subscriber that fell behind (its
     high-water mark): the batch after the jump continues from it, so the jump was real. Before, every later
     batch was skipped as another impossible jump from the last one applied: the watch showed nothing more."""
     from engine.kv_subscriber import MAX_SEQ_JUMP
 
     far = 3 + MAX_SEQ_JUMP + 17
-    pub, port = raw_pub()
-    sub = KVEventSubscriber(f"tcp://127.0.0.1:{port}")
-    try:
-        subscribed(sub)
-        msgs = [frames(s, encode_batch([stored(s + 1)])) for s in range(3)]
-        msgs += [frames(far + k, encode_batch([stored(1000 + k)])) for k in range(5)]
-        assert send_until(pub, sub, msgs, lambda v: v.mirror.last_seq == far + 4), sub.view().errors
-        v = sub.view()
-        assert v.received == 8 and v.mirror.num_blocks == 8
-        assert (v.gaps, v.lost, v.jumps, v.malformed) == (1, far - 3, 0, 0)
-        assert any(f"continued from batch {far}: the jump from 2 was real" in n for n in v.mirror.notes)
-    finally:
-        sub.stop()
-        pub.close()
+    pub, sub = watched()
+    msgs = [frames(s, encode_batch([stored(s + 1)])) for s in range(3)]
+    msgs += [frames(far + k, encode_batch([stored(1000 + k)])) for k in range(5)]
+    assert send_until(pub, sub, msgs, lambda v: v.mirror.last_seq == far + 4), sub.view().errors
+    v = sub.view()
+    assert v.received == 8 and v.mirror.num_blocks == 8
+    assert (v.gaps, v.lost, v.jumps, v.malformed) == (1, far - 3, 0, 0)
+    assert any(f"continued from batch {far}: the jump from 2 was real" in n for n in v.mirror.notes)
 
 
 @pytest.mark.slow
@@ -669,22 +639,16 @@ def test_a_batch_whose_ts_is_not_a_time_is_malformed(ts, shown):
     assert decode_batch(encode_batch([stored(1)], ts=1_700_000_000.5)).ts == 1_700_000_000.5  # a real one
 
 
-def test_a_live_batch_with_a_nan_ts_is_counted_malformed_named_and_the_watch_goes_on():
-    pub, port = raw_pub()
-    sub = KVEventSubscriber(f"tcp://127.0.0.1:{port}")
-    try:
-        subscribed(sub)
-        msgs = [frames(0, encode_batch([stored(1)])), frames(1, encode_batch([stored(2)], ts=float("nan"))),
-                frames(2, encode_batch([stored(3)], ts=float("inf"))), frames(3, encode_batch([stored(4)]))]
-        assert send_until(pub, sub, msgs, lambda v: v.mirror.last_seq == 3)
-        v = sub.view()
-        assert v.malformed == 2 and v.received == 2 and v.mirror.prefixes() == {(1, 2), (4, 5)}
-        assert any(e.startswith("skipped batch 1: ts is nan, not a time") for e in v.errors), v.errors
-        assert any(e.startswith("skipped batch 2: ts is inf, not a time") for e in v.errors), v.errors
-        assert all(h.ts == h.ts and abs(h.ts) < 1e12 for h in v.mirror.history)
-    finally:
-        sub.stop()
-        pub.close()
+def test_a_live_batch_with_a_nan_ts_is_counted_malformed_named_and_the_watch_goes_on(watched):
+    pub, sub = watched()
+    msgs = [frames(0, encode_batch([stored(1)])), frames(1, encode_batch([stored(2)], ts=float("nan"))),
+            frames(2, encode_batch([stored(3)], ts=float("inf"))), frames(3, encode_batch([stored(4)]))]
+    assert send_until(pub, sub, msgs, lambda v: v.mirror.last_seq == 3)
+    v = sub.view()
+    assert v.malformed == 2 and v.received == 2 and v.mirror.prefixes() == {(1, 2), (4, 5)}
+    assert any(e.startswith("skipped batch 1: ts is nan, not a time") for e in v.errors), v.errors
+    assert any(e.startswith("skipped batch 2: ts is inf, not a time") for e in v.errors), v.errors
+    assert all(h.ts == h.ts and abs(h.ts) < 1e12 for h in v.mirror.history)
 
 
 @pytest.mark.parametrize("ts", ["1e300", "NaN", "-5"])

@@ -6,9 +6,9 @@ copies, ``cache_mirror.py``); a replayed batch says so; gaps, malformed messages
 their own lines, and so does each note of the mirror (a late join, a restart, the memory cap) when it is
 written. At the end (Ctrl-C, ``--duration`` or ``--max-batches``) the cache's state per rank: blocks,
 tokens, distinct prefixes, the roots of the prefix tree and the longest chain, and the stream's counts
-(batches received and replayed, malformed, duplicates, impossible jumps, gaps, lost, and, for a late join, the batches published before
-the watch began, which are not lost); with ``--tokenizer DIR`` the text of each root's
-first block.
+(batches received and replayed, malformed, duplicates, impossible jumps, gaps, lost, and, for a late
+join, the batches published before the watch began, which are not lost); with ``--tokenizer DIR`` the
+text of each root's first block.
 
 ``replay --speed S`` waits, between two batches, the time the server put between them (their own ``ts``,
 ``capture.replay_gap``) divided by S; S is 0 (no waiting) or from ``MIN_SPEED`` to ``MAX_SPEED``.
@@ -77,8 +77,8 @@ def state_lines(mirror: PrefixCacheMirror, decode=None, max_roots: int = 8) -> l
         b = mirror.blocks[h]
         subtree = _subtree_size(h, kids)
         text = f"  {decode(b.token_ids)!r}" if decode else ""
-        lines.append(f"  root {label[h]} stored in batch {b.stored_seq}: a tree of {subtree} block{'s' * (subtree != 1)}"
-                     f"{text}")
+        lines.append(f"  root {label[h]} stored in batch {b.stored_seq}: a tree of {subtree} "
+                     f"block{'s' * (subtree != 1)}{text}")
     if len(roots) > max_roots:
         lines.append(f"  ... {len(roots) - max_roots} more roots")
     lines += [f"  note: {n}" for n in mirror.notes[-5:]]

@@ -172,7 +172,8 @@ def decode_batch(payload: bytes, max_events: int | None = None) -> DecodedBatch:
     that is not a time (NaN, infinite, negative or past ``MAX_TS``), an unknown event type, a missing field,
     a bad hash, a BlockStored whose tokens are not whole blocks, or more than ``max_events`` events, arrays
     or maps nested deeper than Python's recursion limit: msgspec's decoder recurses per level, so a 1 KB
-    payload of 1,000 nested one-element arrays would raise RecursionError). Never raises anything else, whatever the bytes: a publisher cannot stop a subscriber."""
+    payload of 1,000 nested one-element arrays would raise RecursionError). Never raises anything else,
+    whatever the bytes: a publisher cannot stop a subscriber."""
     try:
         return _decode(payload, max_events)
     except RecursionError:

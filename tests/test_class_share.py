@@ -66,9 +66,10 @@ def test_release_frees_the_share(class_env, tmp_path):
     assert b.reserve("b1", 100 * MIB, 10 * MIB, class_env) == 100 * MIB
 
 
-def _reserve_in_child(path: str, prefix: str, count: int, limits_, go: float, write_fd: int, crash: bool) -> None:
-    """In a forked child (another worker process): reserve ``count`` shares, write how many were granted,
-    then exit without releasing anything (``os._exit``: a crash)."""
+def _reserve_in_child(path: str, prefix: str, count: int, limits_, go: float, write_fd: int, exit_fd: int) -> None:
+    """In a forked child (another worker process): reserve ``count`` shares, write how many were granted, wait
+    until the parent says so (a live worker: its reservations hold), then exit without releasing anything
+    (``os._exit``: a crash)."""
     granted = 0
     try:
         registry = ShareRegistry(path)
@@ -81,35 +82,45 @@ def _reserve_in_child(path: str, prefix: str, count: int, limits_, go: float, wr
             except NoShareFree:
                 pass
         os.write(write_fd, str(granted).encode())
+        os.read(exit_fd, 1)
     finally:
-        os._exit(0 if crash else 1)
+        os._exit(0)
 
 
 def test_worker_processes_racing_never_exceed_the_total_and_a_crashed_ones_shares_free(class_env, tmp_path):
-    """Two worker processes reserve at the same moment, 25 sessions each, for 30 shares (10 MiB of 300): 30
-    are granted in all. Both then die without releasing: their reservations are dropped as their processes
+    """Two live worker processes reserve at the same moment, 25 sessions each, for 30 shares (10 MiB of 300):
+    30 are granted in all. Both then die without releasing: their reservations are dropped as their processes
     are gone, and the whole total is free again."""
     path = str(tmp_path / "memory.json")
     go = time.time() + 0.3
-    pids, reads = [], []
+    pids, reads, exits = [], [], []
     for prefix in ("w1-", "w2-"):
         r, w = os.pipe()
+        exit_r, exit_w = os.pipe()
         pid = os.fork()
         if pid == 0:
             os.close(r)
-            _reserve_in_child(path, prefix, 25, class_env, go, w, crash=True)
+            os.close(exit_w)
+            _reserve_in_child(path, prefix, 25, class_env, go, w, exit_r)
         os.close(w)
+        os.close(exit_r)
         pids.append(pid)
         reads.append(r)
-    granted = []
-    for pid, r in zip(pids, reads):
-        os.waitpid(pid, 0)
-        granted.append(int(os.read(r, 32).decode() or -1))
-        os.close(r)
-    assert sum(granted) == 30 and min(granted) > 0, granted
-    with open(path) as f:
-        on_file = json.load(f)["sessions"]
-    assert len(on_file) == 30 and sum(r["bytes"] for r in on_file.values()) == 300 * MIB  # left behind
+        exits.append(exit_w)
+    try:
+        granted = [int(os.read(r, 32).decode() or -1) for r in reads]  # both alive, done reserving
+        assert sum(granted) == 30 and min(granted) > 0, granted
+        with open(path) as f:
+            on_file = json.load(f)["sessions"]
+        assert len(on_file) == 30 and sum(r["bytes"] for r in on_file.values()) == 300 * MIB
+        assert ShareRegistry(path).held() == 300 * MIB  # live workers' reservations hold
+    finally:
+        for fd in exits:
+            os.write(fd, b"x")
+            os.close(fd)
+        for pid, r in zip(pids, reads):
+            os.waitpid(pid, 0)
+            os.close(r)
     parent = ShareRegistry(path)
     assert parent.held() == 0  # both workers are gone: their reservations with them
     assert parent.reserve("p1", 300 * MIB, 10 * MIB, class_env) == 300 * MIB

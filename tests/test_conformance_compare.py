@@ -120,3 +120,21 @@ def test_inputs_are_not_changed():
     before = copy.deepcopy((vllm, lab))
     compare(vllm, lab)
     assert (vllm, lab) == before
+
+
+def test_the_driver_picks_its_events_port_below_the_ephemeral_range():
+    """The driver's SUB connects (and zmq re-connects every 100 ms) before vLLM's publisher binds; a port from
+    the kernel's ephemeral range can become the source port of one of those tries (a TCP self-connect), and the
+    bind then fails "Address already in use" (a CI run lost all 30 conformance tests to it). The port is below
+    the range, and free."""
+    import socket
+
+    from peer import vllm_driver
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    for _ in range(20):
+        port = vllm_driver._free_port_outside_ephemeral_range()
+        assert 1024 <= port < low, port
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", port))

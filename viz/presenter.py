@@ -94,10 +94,11 @@ CHROME_PX = 250
 POOL_SHARE = 0.62
 BASE_VIEWPORT_H = 720  # the smallest screen the view is laid out for (1280x720)
 POOL_MIN_PX, STRIP_MIN_PX = 150, 110  # the figures never shrink below these (then the page scrolls)
-# Measured in Chromium at 1280x720 and 1920x1080 (tests/test_browser_stage_trial.py): the page's padding and
-# the gaps between its rows, the controls row, and the text columns' widths less their padding and bullets.
-PAGE_PAD_PX, ROW_GAP_PX, SIDE_PAD_PX = 18, 16, 48
-TEXT_EM = 0.52  # a character's mean width in Source Sans (Streamlit's font), in font sizes: a little wide
+# Measured in Chromium at 1280x720 (tests/test_browser_stage_trial.py): the page's padding above and below,
+# the gap between two rows, the main column's side padding (5rem each side: the words are 1,120 px wide in a
+# 1,280 px window), a Markdown list's margin below.
+PAGE_PAD_PX, ROW_GAP_PX, SIDE_PAD_PX, LIST_MARGIN_PX = 18, 16, 160, 8
+TEXT_EM = 0.52  # a character's mean width in Source Sans (Streamlit's font), in font sizes: wide (measured ~0.45)
 
 
 def _controls_px(font: int) -> int:
@@ -136,10 +137,11 @@ def presenter_sizes(viewport_h: int | None, viewport_w: int | None = None, words
     w = max(640, viewport_w or 1280)
     words_font, numbers_font = round(font * 1.15), round(font * 1.05)
     words_px = text_lines(words, w - SIDE_PAD_PX, words_font, indent_px=words_font * 1.6) * words_font * 1.3
-    chrome = PAGE_PAD_PX + _controls_px(font) + ROW_GAP_PX + words_px + ROW_GAP_PX + ROW_GAP_PX
-    # the numbers column: two fifths of the width; its lines at their font, each caption a line of its own
-    column = w * 2 / 5 - SIDE_PAD_PX / 2
-    numbers_px = text_lines(numbers or (), column, numbers_font) * numbers_font * 1.55
+    chrome = PAGE_PAD_PX + _controls_px(font) + ROW_GAP_PX + words_px + LIST_MARGIN_PX + ROW_GAP_PX
+    # the numbers column: two fifths of the main column; its lines at their font (1.65 lines apart, measured),
+    # each caption a paragraph of its own
+    column = (w - SIDE_PAD_PX) * 2 / 5 - 8
+    numbers_px = text_lines(numbers or (), column, numbers_font) * numbers_font * 1.65
     room = h - chrome - ROW_GAP_PX - PAGE_PAD_PX  # the pool row and the lower row, with the gap between them
     strip = max(STRIP_MIN_PX, int(room * (1 - POOL_SHARE) * 0.85), int(numbers_px) + 4)
     pool = max(POOL_MIN_PX, min(int(room * POOL_SHARE), int(room - strip)))

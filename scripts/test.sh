@@ -30,4 +30,5 @@ case " $* " in *" -n"*|*" --numprocesses"*|*"no:xdist"*) workers=0 ;; esac
 if [ "$workers" -gt 1 ]; then
     set -- -n "$workers" --dist loadfile "$@"
 fi
-exec "$ROOT/.venv/bin/python" -m pytest "$@"
+# the 25 slowest tests are listed at the end: where the suite's minutes go, in every CI log
+exec "$ROOT/.venv/bin/python" -m pytest --durations=25 "$@"

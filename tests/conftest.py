@@ -112,13 +112,24 @@ def pytest_configure(config):
         config.addinivalue_line("markers", f"{need}: set by conftest from the test's code (tests/conftest.py NEEDS)")
 
 
+# A rough cost of a test by what it needs (seconds on these 2 cores, order of magnitude), to start the longest
+# files first: pytest-xdist (``--dist loadfile``) hands out files in collection order, and a long file handed
+# out last keeps one worker busy after the other has run out of work (longest processing time first).
+COST = {"peer": 40.0, "browser": 20.0, "subprocess": 5.0, "workload": 5.0, "app": 2.0}
+
+
 def pytest_collection_modifyitems(config, items):
+    cost: dict[str, float] = {}
     for item in items:
         needs = _needs(item) | ({"peer"} if "peer" in item.keywords else set())
         for need in needs - {"peer"}:
             item.add_marker(getattr(pytest.mark, need))
         if needs & set(SLOW_NEEDS) and "slow" not in item.keywords:
             item.add_marker(pytest.mark.slow)
+        cost[item.nodeid.split("::")[0]] = cost.get(item.nodeid.split("::")[0], 0.0) + max(
+            [COST[n] for n in needs if n in COST], default=0.2)
+    rank = {f: i for i, f in enumerate(sorted(cost, key=lambda f: -cost[f]))}  # stable: ties keep their order
+    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])  # a file's tests keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -10,15 +10,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def collected(*args: str) -> set[str]:
+def collected_in_order(*args: str) -> list[str]:
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    return {line for line in out.stdout.splitlines() if "::" in line}
+    return [line for line in out.stdout.splitlines() if "::" in line]
+
+
+def collected(*args: str) -> set[str]:
+    return set(collected_in_order(*args))
 
 
 def test_the_fast_tier_holds_only_what_needs_nothing_slow():
-    fast = collected("-m", "not slow")
+    order = collected_in_order("-m", "not slow")
+    fast = set(order)
+    # files are handed to the xdist workers longest first (conftest COST, from the whole file before the tier is
+    # selected): a file's tests stay together, and a file of vLLM runs comes before the block manager's
+    runs = [node.split("::")[0] for node in order]
+    files_in_order = [f for i, f in enumerate(runs) if i == 0 or runs[i - 1] != f]
+    assert len(files_in_order) == len(set(files_in_order)), "a file's tests are split"
+    assert files_in_order.index("tests/test_vllm_server.py") < files_in_order.index("tests/test_block_manager.py")
     files = {node.split("::")[0] for node in fast}
     # a whole module of AppTest pages, of browsers, of vLLM: none of its tests is fast
     for module in ("tests/test_app.py", "tests/test_browser_stage.py",

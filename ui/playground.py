@@ -373,7 +373,8 @@ def controls(lab, present: bool = False) -> None:
     Back, Step, Next event, Run to the end and Play are presses (``Lab.press``; the first four queued by their
     callbacks and run at the top of the stage, Play's toggle run in its callback), all before the row is drawn:
     each one is atomic (a step, a run of steps, a move of the cursor or a toggle of Play), or is ignored and
-    said so. In a browser the stage's counter (``ui.state.stage_keys``) takes
+    said so. On a beam-search step Step first shows its beam selection and Back its copies again
+    (``Lab.phases``): the button then reads "Selection". In a browser the stage's counter (``ui.state.stage_keys``) takes
     their clicks and the keys over and hands them to the lab in order."""
     said_ignored(lab)
     if lab.failure is not None:

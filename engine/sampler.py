@@ -4,12 +4,16 @@ All sequences of a step are sampled together (one sort, one softmax over the bat
 random number each sequence draws comes from its own ``torch.Generator``, so a seeded sequence draws the
 same random numbers whatever else is in the batch. Its tokens are not guaranteed to be the same: the
 logits it draws against come from a forward pass over the whole batch, whose float32 rounding can change
-with the batch, and a draw that lands within that rounding of a boundary between two tokens' cumulative
-probabilities picks the other token. ``lessons/batch_invariance.py`` measures it (one thread, 116 requests
-of 64 tokens, in one batch and each alone; ``lessons/data/batch_invariance.json``): the logits differed by
-up to 2.8e-05, 0 of 116 seeded replies changed, and greedy replies did not differ. On another machine, thread
-count or workload a draw can land that close to a boundary and the seeded reply changes. vLLM on GPUs is
-not batch-invariant either.
+with the batch. Two quantities are involved, kept apart as ``lessons/batch_invariance.py``'s ``facts()``
+keeps them: the **logits** (the model's raw scores, in log-probability units), which the batch can change
+by some difference d; and the **cumulative probabilities** (0 to 1) the draw is compared with, which d
+moves by at most e^(2d/T) - 1 at temperature T (``batch_invariance.cdf_shift_bound``). A draw that lies
+closer than that shift to the boundary between two tokens' cumulative probabilities can pick the other
+token. ``lessons/batch_invariance.py`` measures it (one thread, temperature 1, 116 requests of 64 tokens,
+in one batch and each alone; ``lessons/data/batch_invariance.json``): the logits differed by up to 2.8e-05,
+which moves a cumulative probability by at most 5.5e-05; 0 of 116 seeded replies changed, and
+greedy replies did not differ. On another machine, thread count or workload a draw can land within that
+shift of a boundary, and the seeded reply changes. vLLM on GPUs is not batch-invariant either.
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ VERSION = 1
 MAX_CODE_CHARS = 8000  # a URL stays well under browsers' and proxies' limits (about 8 KiB is safe)
 MAX_PAYLOAD_BYTES = 65_536  # what a code may inflate to
 MAX_ANSWER_CHARS = 400  # one typed answer; a longer one is not a lesson answer
+MAX_NUMBER_DIGITS = 4300  # a number written with more digits is refused by name while parsing (Python's own
+# int conversion refuses past its default limit, sys.int_info.default_max_str_digits, with its own message)
 _KEY = re.compile(r"^l\d+_[a-z0-9_]+:[A-Za-z0-9_]+$")  # "slug:exercise id", as lessons/render.py keys them
 
 
@@ -54,11 +56,14 @@ def encode(saved: SavedProgress) -> str:
 
 def decode(code: str) -> SavedProgress:
     """A code back to progress. Raises ValueError saying what is wrong with it (not text, not a code, too
-    long, from another version: ``"v"`` must be the integer ``VERSION``, not true or 1.0; a malformed
-    entry); an unknown lesson or question in it is kept and simply never shown."""
+    long, from another version: ``"v"`` must be the integer ``VERSION``, not true or 1.0; a number of more
+    than ``MAX_NUMBER_DIGITS`` digits; a malformed entry); an unknown lesson or question in it is kept and
+    simply never shown."""
     raw = url_codec.unpack(code, "the progress code", MAX_CODE_CHARS, MAX_PAYLOAD_BYTES)
     try:
-        payload = json.loads(raw)
+        payload = json.loads(raw, parse_int=_parse_int)
+    except _NumberTooLong as exc:
+        raise ValueError(str(exc)) from None
     except RecursionError:  # "[[[[..." nested deeper than the JSON parser goes
         raise ValueError("the progress code is damaged (nested too deep)") from None
     except ValueError:  # not JSON (a UnicodeDecodeError is a ValueError too)
@@ -86,6 +91,20 @@ def decode(code: str) -> SavedProgress:
             raise ValueError(f"the progress code names a lesson {slug!r} that is not a lesson name")
         shown.add(slug)
     return SavedProgress(answers, first, shown)
+
+
+class _NumberTooLong(ValueError):
+    """A number in a code longer than ``MAX_NUMBER_DIGITS`` digits (told apart from a damaged code)."""
+
+
+def _parse_int(text: str) -> int:
+    """JSON's integers, refused by name past ``MAX_NUMBER_DIGITS`` digits, before ``int`` is asked (one of 16
+    to ``MAX_NUMBER_DIGITS`` digits parses, and ``_plain_answer`` or the version check refuses it by entry)."""
+    digits = len(text) - text.startswith("-")
+    if digits > MAX_NUMBER_DIGITS:
+        raise _NumberTooLong(f"the progress code holds a number of {digits:,} digits: a code this app wrote "
+                             f"has none longer than 15 (an answer)")
+    return int(text)
 
 
 def _plain_answer(value: Any) -> bool:

@@ -684,3 +684,42 @@ def test_a_port_that_is_not_a_publisher_and_a_late_join_are_said_on_the_page(liv
         threads[1].join(timeout=31)
         http.close()
         xpub.close()
+
+
+@pytest.mark.slow
+def test_the_caption_names_every_count_on_the_page(live_app):
+    """The live caption under each rank names every count the subscriber keeps, read from its view: fed a late
+    join (batch 40), a duplicate (41 again), an impossible jump (10**12, not continued), a gap (45 after 42: 43
+    and 44 lost, no replay endpoint) and a malformed payload (46). Before, it showed malformed, gaps and lost
+    only (and the 40 batches before the join nowhere)."""
+    import zmq
+
+    from engine.kv_events import encode_batch
+
+    xpub = zmq.Context.instance().socket(zmq.XPUB)  # XPUB: sends once the page's subscription reaches it
+    xpub.setsockopt(zmq.LINGER, 0)
+    port = xpub.bind_to_random_port("tcp://127.0.0.1")
+    batch = lambda seq, h: (b"", seq.to_bytes(8, "big"),  # noqa: E731
+                            encode_batch([stored([format(h, "064x")], None, [h, h + 1])]))
+
+    def publish() -> None:
+        if xpub.poll(30_000):
+            xpub.recv()
+            for m in (batch(40, 1), batch(41, 2), batch(41, 3), batch(10**12, 4), batch(42, 5), batch(45, 6),
+                      (b"", (46).to_bytes(8, "big"), b"not msgpack\xc1"), batch(47, 7)):
+                xpub.send_multipart(m)
+
+    thread = threading.Thread(target=publish, daemon=True)
+    thread.start()
+    try:
+        at = live_app
+        connect(at, f"tcp://127.0.0.1:{port}")
+        assert rerun_until(at, lambda a: any(c.value.startswith("batches 5 applied") for c in a.caption)), texts(at)
+        caption = next(c for c in at.caption if c.value.startswith("batches "))
+        assert caption.value == ("batches 5 applied (0 from the replay socket) · malformed 1 · duplicate or out of "
+                                 "order 1 · impossible sequence jumps 1 · gaps 1 · lost 2 · before the watch began "
+                                 "40 (not lost)")
+        assert "before the watch began: batches published before the first one this watch saw" in caption.help
+    finally:
+        thread.join(timeout=31)
+        xpub.close()

@@ -30,8 +30,9 @@ from engine.capture import CaptureReplay, capture_from_raw, dumps_capture, new_h
 from engine.config import check_endpoint
 from engine.kv_subscriber import KVEventSubscriber
 from engine.server_metrics import fetch_metrics
-from viz.server import (VLLM_EVENTS_FLAG, plural, batch_activity_figure, batch_line, cache_size_figure, mirror_warnings,
-                        prefix_tree_figure, rank_numbers, server_numbers, state_line)
+from viz.server import (STREAM_COUNTS_HELP, VLLM_EVENTS_FLAG, plural, batch_activity_figure, batch_line,
+                        cache_size_figure, mirror_warnings, prefix_tree_figure, rank_numbers, server_numbers,
+                        state_line, stream_caption)
 
 ROOT = Path(__file__).resolve().parent.parent
 CAPTURES = ROOT / "assets" / "captures"
@@ -425,8 +426,7 @@ def live_view(live: LiveSet) -> None:
             else:  # one line, so the tree stays in the first screen
                 color = {"live": "green", "idle": "orange", "stopped": "gray"}.get(v.state, "blue")
                 st.markdown(f"**rank {v.rank}** `{v.endpoint}` :{color}-background[{line}]")
-            st.caption(f"batches {v.received:,} ({v.replayed:,} replayed) · malformed {v.malformed:,} · "
-                       f"gaps {v.gaps:,} · lost {v.lost:,}")
+            st.caption(stream_caption(v), help=STREAM_COUNTS_HELP)  # the view's own counts, named
             if v.last_error and v.last_error != line:
                 st.warning(f"last error: {v.last_error}")
             rank_panel(v.mirror, decode, live.num_gpu_blocks(), f"live{v.rank}", wide=len(views) == 1)

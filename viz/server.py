@@ -15,7 +15,8 @@ draws the same figures live (``engine/kv_subscriber.py``) and from a capture (``
 - ``cache_size_figure``: the cache's size in blocks after each batch, with the pool's usable size.
 - ``rank_numbers`` / ``server_numbers``: every number the page shows per rank and from ``/metrics``, read
   from the mirror and ``engine.metrics`` (one definition of each ratio).
-- ``state_line`` / ``batch_line``: a subscriber's state and one batch, in words.
+- ``state_line`` / ``batch_line``: a subscriber's state and one batch, in words;
+  ``stream_caption``: its counts (malformed, duplicates, jumps, gaps, lost, before the watch), named.
 - ``mirror_warnings``: what the page must say above a cache that is not the server's whole cache (from
   before a restart, started mid-stream, cut by the memory cap).
 
@@ -32,6 +33,7 @@ from typing import Callable, Iterable
 import plotly.graph_objects as go
 
 from engine import metrics
+from engine.cache_mirror import hash_labels
 from engine.records import plural  # noqa: F401  (the Server page reads it from here too)
 
 from .colors import PALETTE
@@ -92,6 +94,28 @@ def state_line(view, now: float | None = None) -> str:
     if state == "stopped":
         return "stopped: showing what was received"
     return state
+
+
+STREAM_COUNTS_HELP = (
+    "batches applied: live and replayed batches the view holds; from the replay socket: those of them asked "
+    "for there (a late join, a gap). malformed: messages that are not a batch (bad frames or payload, over "
+    "the size limit), skipped. duplicate or out of order: live batches numbered not above the last one, "
+    "skipped. impossible sequence jumps: live batches numbered further past the last one than a publisher's "
+    "replay buffer holds, that the next batch did not continue from (a corrupt number), skipped, not lost. "
+    "gaps: runs of missing numbers while watching. lost: batches in those gaps that the replay socket did "
+    "not return. before the watch began: batches published before the first one this watch saw (a late "
+    "join): not lost, they predate the watch.")
+
+
+def stream_caption(view) -> str:
+    """A subscriber's counts (``kv_subscriber.SubscriberView``) in one line, each named, read from the view
+    and never recomputed (``watch``'s final summary reads the same fields; ``STREAM_COUNTS_HELP`` says what
+    each counts): ``batches 5 applied (0 from the replay socket) · malformed 1 · duplicate or out of order 1
+    · impossible sequence jumps 1 · gaps 1 · lost 2 · before the watch began 40 (not lost)``."""
+    return (f"batches {view.received:,} applied ({view.replayed:,} from the replay socket) · malformed "
+            f"{view.malformed:,} · duplicate or out of order {view.duplicates:,} · impossible sequence jumps "
+            f"{view.jumps:,} · gaps {view.gaps:,} · lost {view.lost:,} · before the watch began "
+            f"{view.before_watch:,} (not lost)")
 
 
 def mirror_warnings(mirror) -> list[str]:
@@ -174,8 +198,18 @@ def tree_layout(mirror, max_blocks: int = MAX_TREE_BLOCKS) -> dict:
     return {"shown": shown, "total": len(hashes), "pos": pos, "edges": edges, "roots": roots, "root_of": root_of}
 
 
-def _short(h: str | None) -> str:
-    return "none (a prompt's first block)" if h is None else h[:12]
+def tree_hash_labels(mirror, shown: list[str]) -> dict[str, str]:
+    """How the tree names each block it draws and each parent it names in a hover: ``hash_labels`` (as
+    ``watch`` prints roots) over those hashes only, so labels on screen differ where hashes differ (a 16-digit
+    int hash in full: hashes 1 and 2 were both "000000000000"; a longer bytes hash by 12 digits or as many
+    more as it takes). Over the drawn blocks, not the whole mirror: 1,500 hashes take ~5 ms, the 100,000 of
+    a capped mirror ~1 s, too long for a page redrawn every second."""
+    parents = (mirror.blocks[h].parent for h in shown)
+    return hash_labels([*shown, *(p for p in parents if p is not None)])
+
+
+def _short(h: str | None, labels: dict[str, str]) -> str:
+    return "none (a prompt's first block)" if h is None else labels[h]
 
 
 HOVER_WIDTH = 56  # characters per hover line (a wide label is cut off at the figure's edge)
@@ -247,6 +281,7 @@ def prefix_tree_figure(mirror, decode: Callable[[list[int]], str] | None = None,
     xs, ys, sizes, colors, ages, hover, labels, rings = [], [], [], [], [], [], [], []
     last = mirror.last_seq
     labelled = n <= 400
+    name = tree_hash_labels(mirror, order)
     for h in order:
         b = mirror.blocks[h]
         x, y = pos[h]
@@ -260,9 +295,9 @@ def prefix_tree_figure(mirror, decode: Callable[[list[int]], str] | None = None,
         rings.append(b.stored_seq == last)
         text = _text(decode, b.token_ids)
         hover.append(
-            f"block {h[:12]}: tokens {x * b.block_size}-{(x + 1) * b.block_size - 1} from the root"
+            f"block {name[h]}: tokens {x * b.block_size}-{(x + 1) * b.block_size - 1} from the root"
             f"<br>{_ids(b.token_ids)}" + (f"<br>text: {text}" if decode is not None else "")
-            + f"<br>parent: {_short(b.parent)}<br>copies: {b.copies} physical block{'s' * (b.copies != 1)}"
+            + f"<br>parent: {_short(b.parent, name)}<br>copies: {b.copies} physical block{'s' * (b.copies != 1)}"
             f"<br>stored by batch #{b.stored_seq}, {age:.1f} s before the last batch"
             + (f"<br>medium: {b.medium}" if b.medium else ""))
     marker = {"size": sizes, "line": {"color": ["#000000" if r else "#FFFFFF" for r in rings],

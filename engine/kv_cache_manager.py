@@ -180,7 +180,8 @@ class KVCacheManager:
         need = self.full.get_num_blocks_to_allocate(seq_id, num_tokens, hits)
         if need > self.pool.num_free_blocks:
             raise NoFreeBlocksError(
-                f"sequence {seq_id!r} needs {need} free blocks for {num_tokens} tokens, {self.pool.num_free_blocks} free"
+                f"sequence {seq_id!r} needs {need} free blocks for {num_tokens} tokens, "
+                f"{self.pool.num_free_blocks} free"
             )
         if self.enable_prefix_caching and token_ids is not None:
             prefix = "preempted_" if preempted else ""
@@ -240,8 +241,8 @@ class KVCacheManager:
             self.pending_ops.append(("copy", src, dst))
             self.log.emit(EventKind.COW, seq_id, [src, dst], facts={"count": count}, src=src, dst=dst, position=n)
         else:
-            self.log.emit(EventKind.APPEND, seq_id, [table[-1]], facts={"fill": offset + 1, "block_size": self.block_size},
-                          position=n)
+            self.log.emit(EventKind.APPEND, seq_id, [table[-1]], position=n,
+                          facts={"fill": offset + 1, "block_size": self.block_size})
         b = table[-1]
         assert pool.ref_counts[b] == 1, "a block is only ever written by its sole owner"
         pool.fills[b] = offset + 1
@@ -344,8 +345,8 @@ class KVCacheManager:
         self.token_ids[seq_id] = list(token_ids[:total])
         self.full.cache_blocks(seq_id, self.token_ids[seq_id], range(held // self.block_size, total // self.block_size))
         written = table[held // self.block_size:]  # every block the chunk writes into, the partly filled one too
-        self.log.emit(EventKind.ALLOCATE, seq_id, written, facts={"chunk": num_new_tokens, "start": held, "fresh": fresh},
-                      num_tokens=total, cached_tokens=0)
+        self.log.emit(EventKind.ALLOCATE, seq_id, written, num_tokens=total, cached_tokens=0,
+                      facts={"chunk": num_new_tokens, "start": held, "fresh": fresh})
         return 0
 
     # ------------------------------------------------------------------------------------------- drains

@@ -6,21 +6,19 @@
         record = engine.step()          # one prefill or decode step -> StepRecord
     print(engine.get_output(rid).output_text)
 
-One step: the scheduler picks a batch (the block manager allocates, appends, copies, frees), pending
-copy-on-write copies are applied to the KV tensors, the model runner computes the batch's tokens with K/V
-in the paged pool, each request samples its next token, finished requests free their blocks, and a
-``StepRecord`` describes all of it.
+One step is schedule -> run -> update -> record: the scheduler decides and writes it down as plain data
+(``engine.scheduler_output.SchedulerOutput``); the model runner reads only that (applies its copies and
+swaps, computes its tokens with K/V in the paged pool); the engine samples (``engine.beam_search`` decides a
+beam step); the scheduler takes the tokens back (``update_from_output``: appends, finishes, frees, forks);
+a ``StepRecord`` describes all of it. Requests come in through ``engine.input_processor`` and go out through
+``engine.output_processor``.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import json
 import numbers
-import random
 import time
-from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter
 
@@ -28,21 +26,22 @@ import torch
 
 import kernels
 
-from . import limits, memory
+from . import beam_search, limits
 from .allocator import KVAllocator
 from .block_manager import BlockManager
 from .contiguous import ContiguousAllocator
-from .config import DEFAULT_MAX_NUM_BATCHED_TOKENS_V1, MAX_SEED, EngineConfig, SamplingParams
+from .config import DEFAULT_MAX_NUM_BATCHED_TOKENS_V1, EngineConfig, SamplingParams
+from .input_processor import InputProcessor
 from .kv_cache import KVCache, num_blocks_for_budget
+from .memory_check import check_memory
 from .model_loader import geometry_from_config, load_model, resolve_device, resolve_dtype
-from .model_runner import ModelRunner, SeqInput
+from .model_runner import ModelRunner
+from .output_processor import parent_output, request_output, sequence_states
 from .records import EventLog, ScheduledSequence, SequenceState, Snapshot, StepRecord, make_snapshot
 from .sampler import sample_batch
 from .scheduler import Scheduler
 from .scheduler_v1 import SchedulerV1
-from .sequence import FINISHED, RUNNING, BeamState, CompletionOutput, Request, RequestOutput, Sequence
-
-BEAM_NEG = -1.0e9  # transformers' "impossible" beam score
+from .sequence import FINISHED, Request, RequestOutput
 
 DEFAULT_POOL_REQUESTS = 4  # with neither num_blocks nor a budget, the pool holds 4 x max_model_len tokens
 # A step's record keeps only the blocks the step changed, but a step a view draws builds its full per-block
@@ -50,51 +49,6 @@ DEFAULT_POOL_REQUESTS = 4  # with neither num_blocks nor a budget, the pool hold
 # 3-million-block pool, when every step was built, kept ~250 MB a step until the process was killed. A
 # larger pool is refused; the same memory at a larger block size is allowed.
 MAX_RECORDED_BLOCKS = 65_536
-
-
-def _shown(text: str, limit: int = 60) -> str:
-    """``repr(text)``, cut to about ``limit`` characters (an error names a long prompt without holding it)."""
-    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text):,} characters)"
-
-
-# pre-tokenizers that keep every character of the text (ByteLevel maps each byte to one character)
-_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts", "Split"}
-
-
-def _keeps_characters(spec: dict | None) -> bool:
-    """Whether a ``tokenizers`` pre-tokenizer (its JSON ``spec``) keeps every character of the text, so the
-    tokens cover the whole (normalized) text; a Split that removes its matches does not."""
-    if spec is None:
-        return True
-    if spec.get("type") == "Sequence":
-        return all(_keeps_characters(p) for p in spec.get("pretokenizers", []))
-    if spec.get("type") == "Split":
-        return str(spec.get("behavior", "")).lower() != "removed"
-    return spec.get("type") in _KEEPING_PRE_TOKENIZERS
-
-
-@dataclass
-class _BeamCandidates:
-    """One beam-search step's 2w candidates (best first): accumulated ``scores``, the live beam each
-    continues (``parents``), its ``tokens``, whether it ``stops``, ``running_scores`` (stopped ones pushed
-    down), the indices of the w that ``keep`` running and the beams' new ``length``."""
-
-    scores: torch.Tensor
-    parents: list[int]
-    tokens: list[int]
-    stops: torch.Tensor
-    running_scores: torch.Tensor
-    keep: list[int]
-    length: int
-
-
-class _StepOutput:
-    """What one step produced, keyed by sequence id."""
-
-    def __init__(self) -> None:
-        self.tokens: dict[str, int] = {}
-        self.text: dict[str, str] = {}
-        self.finished: list[str] = []
 
 
 class LLMEngine:
@@ -139,8 +93,8 @@ class LLMEngine:
         if self.block_size > self.max_model_len:
             raise ValueError(f"block_size {self.block_size} exceeds max_model_len {self.max_model_len}: one block "
                              f"would be longer than the longest sequence")
-        self._check_memory(self.num_blocks * self.geometry.bytes_per_block(self.block_size),
-                           self._swap_pool_blocks(config))
+        check_memory(self.device, self.num_blocks, self.block_size, self.geometry.bytes_per_block(self.block_size),
+                     self._swap_pool_blocks(config))
         if config.allocator == "contiguous" and config.contiguous_policy == "max":
             reservation = config.reservation_tokens or self.max_model_len
             if reservation > capacity:
@@ -161,15 +115,17 @@ class LLMEngine:
 
         self.log = EventLog()  # the engine's: allocator and scheduler write into it, each step drains it
         self.block_manager, self.kv_cache, self.runner = self._build_memory(config, self._swap_pool_blocks(config))
+        self.processor = InputProcessor(config, self.tokenizer, self.model.config.vocab_size, self.block_manager,
+                                        self.max_model_len, self.block_size, self.num_blocks)
         if self.semantics == "v1":
             self.scheduler = SchedulerV1(self.block_manager, config.max_num_seqs, max_batched, self.max_model_len,
                                          policy=config.scheduling_policy,
                                          # vLLM counts its null block in the pool the watermark is a share of
                                          watermark_blocks=int(config.watermark * (self.num_blocks + 1)),
-                                         log=self.log)
+                                         log=self.log, eos_token_id=self.tokenizer.eos_token_id)
         else:
             self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, max_batched,
-                                       config.preemption_mode, log=self.log)
+                                       config.preemption_mode, log=self.log, eos_token_id=self.tokenizer.eos_token_id)
         self.requests: dict[str, Request] = {}
         # the requests a snapshot lists: every unfinished one and those finished this step (in add order);
         # a finished request leaves it, so a step's cost does not grow with every request ever served
@@ -199,33 +155,6 @@ class LLMEngine:
         queued). Idempotent; the engine's records stay readable."""
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.close()
-
-    def _check_memory(self, nbytes: int, swap_blocks: int = 0) -> None:
-        """Refuse a KV pool of ``nbytes`` bytes on the device, and a CPU swap pool of ``swap_blocks`` blocks,
-        that the machine cannot hold, before either is allocated.
-
-        Free memory is ``torch.cuda.mem_get_info`` on CUDA; on the host it is the smaller of the free RAM and
-        what the container's cgroup limit allows (``engine.memory.available_host_memory_bytes``). The swap
-        pool always lives in host memory, so with the pool on the CPU both must fit together.
-
-        Raises:
-            ValueError: the pool or the swap pool (naming ``swap_space_blocks``) does not fit, with the
-                sizes in GiB.
-        """
-        gib = 2**30
-        host = memory.available_host_memory_bytes()
-        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else host
-        if free is not None and nbytes > free:
-            raise ValueError(
-                f"a KV pool of {self.num_blocks} blocks x {self.block_size} tokens needs {nbytes / gib:.2f} GiB "
-                f"but only {free / gib:.2f} GiB are free on {self.device}; use fewer blocks or a smaller budget")
-        swap_bytes = swap_blocks * self.geometry.bytes_per_block(self.block_size)
-        pool_on_host = 0 if self.device.type == "cuda" else nbytes
-        if host is not None and swap_bytes and pool_on_host + swap_bytes > host:
-            also = f" besides the KV pool's {nbytes / gib:.2f} GiB" if pool_on_host else ""
-            raise ValueError(
-                f"swap_space_blocks {swap_blocks} needs {swap_bytes / gib:.2f} GiB of CPU memory for the swap pool"
-                f"{also} but only {host / gib:.2f} GiB are free on the host; use a smaller swap_space_blocks")
 
     def _swap_pool_blocks(self, config: EngineConfig) -> int:
         """Blocks of the CPU swap pool that ``__init__`` allocates: ``swap_space_blocks``, or when None as many
@@ -330,23 +259,7 @@ class LLMEngine:
         # VLLM_MAX_N_SEQUENCES, which SamplingParams holds). Validated once, as the parent: the children
         # differ only in id and seed (vLLM's ParentRequest: seed + i)
         parent = self._make_request(prompt, dataclasses.replace(params, n=1), rid, final_len, priority)
-        if parent.seed + params.n - 1 >= MAX_SEED:
-            raise ValueError(f"seed {parent.seed} + {params.n - 1} (the last of n={params.n} samples' seeds) is not "
-                             f"below 2**62")
-        children = []
-        for i in range(params.n):
-            cid = f"{rid}.{i}"
-            if cid in self.requests or cid in self.parents:
-                raise ValueError(f"request_id {cid!r} is already in use")
-            seed = parent.seed + i
-            child_params = copy.copy(params)  # the parent's, validated; only n and the seed differ
-            child_params.n, child_params.seed = 1, seed
-            child = copy.copy(parent)
-            child.request_id, child.params, child.seed, child.parent_id = cid, child_params, seed, rid
-            child.seqs = [Sequence(cid, list(parent.prompt_token_ids), len(parent.prompt_token_ids),
-                                   self._generator(seed, 0))]
-            children.append(child)
-        return children
+        return self.processor.child_requests(parent, params, rid, lambda i: i in self.requests or i in self.parents)
 
     def check_request(self, prompt, params: SamplingParams | None = None, final_len: int | None = None,
                       priority: int = 0) -> list[int]:
@@ -386,338 +299,72 @@ class LLMEngine:
 
     def _make_request(self, prompt, params: SamplingParams, rid: str, final_len: int | None = None,
                       priority: int = 0) -> Request:
-        """Validate and tokenize; raises ValueError and changes nothing on bad input."""
+        """Validate and tokenize (``InputProcessor.make_request``) under a free id; raises ValueError and
+        changes nothing on bad input."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if not isinstance(rid, str) or not rid:
             raise ValueError(f"request_id must be a non-empty string, got {rid!r}")
         if rid in self.requests or rid in self.parents:
             raise ValueError(f"request_id {rid!r} is already in use")
-        text, ids = self._tokenize(prompt)
-        if params.num_seqs > self.config.max_num_seqs:
-            raise ValueError(f"{params.num_seqs} samples/beams exceed max_num_seqs {self.config.max_num_seqs}; "
-                             f"they could never run together")
-        per_request = self.block_manager.max_seqs_per_request
-        if per_request is not None and params.num_seqs > per_request:
-            raise ValueError(f"the {self.config.allocator} allocator serves {'one' if per_request == 1 else per_request}"
-                             f" sequence{'s' * (per_request != 1)} per request; "
-                             f"got n={params.n}, beam_width={params.beam_width}")
-        self._check_prompt_len(len(ids))
-        max_len = min(len(ids) + params.max_tokens, self.max_model_len)
-        if final_len is None and params.length_known:
-            final_len = max_len
-        if final_len is not None and (isinstance(final_len, bool) or not isinstance(final_len, int)
-                                      or not len(ids) < final_len <= max_len):
-            raise ValueError(f"final_len {final_len!r} must be an integer in ({len(ids)}, {max_len}]: "
-                             f"the prompt plus 1..max_tokens generated tokens")
-        reservation = self.block_manager.reservation_for(len(ids), max_len, final_len)
-        if params.num_seqs > 1:
-            # each sample / beam must be able to grow to its end on its own, even without sharing
-            longest = min(len(ids) + params.max_tokens, self.max_model_len)
-            worst = params.num_seqs * -(-longest // self.block_size)
-            if worst > self.num_blocks:
-                what = f"n={params.n} samples" if params.n > 1 else f"beam_width={params.beam_width} beams"
-                raise ValueError(f"{what} of up to {longest} tokens may need {worst} blocks but the pool has only "
-                                 f"{self.num_blocks}; lower max_tokens or use a bigger pool")
-        rows = reservation
-        if reservation is not None and params.num_seqs > 1:
-            # a reservation per sample / beam, all taken at admission (engine.contiguous: nothing is shared)
-            rows = (reservation,) * params.num_seqs
-            if sum(rows) > self.num_blocks * self.block_size:
-                what = f"n={params.n} samples" if params.n > 1 else f"beam_width={params.beam_width} beams"
-                raise ValueError(f"{what} reserve {params.num_seqs} x {reservation:,} slots but the region holds "
-                                 f"{self.num_blocks * self.block_size:,}; the request could never be admitted")
-        bad = [t for t in params.stop_token_ids if t >= self.model.config.vocab_size]
-        if bad:
-            raise ValueError(f"stop token id {bad[0]} is not in the vocabulary [0, {self.model.config.vocab_size})")
-        seed = params.seed if params.seed is not None else random.randrange(2**62)
-        req = Request(rid, text, ids, params, seed, max_len=min(max_len, reservation or max_len),
-                      reservation=rows, priority=priority)
-        first_id = rid if params.num_seqs == 1 else (f"{rid}.b0" if params.beam_width > 1 else f"{rid}.0")
-        req.seqs.append(Sequence(first_id, list(ids), len(ids), self._generator(seed, 0)))
-        if params.beam_width > 1:
-            req.beam = BeamState(finished=[(BEAM_NEG, None, None)] * params.beam_width)
-        return req
-
-    @staticmethod
-    def _generator(seed: int, index: int) -> torch.Generator:
-        return torch.Generator(device="cpu").manual_seed(seed + index)
-
-    def _check_prompt_len(self, num_tokens: int, what: str | None = None) -> None:
-        """Refuse a prompt of ``num_tokens`` tokens that can never run: more blocks than the pool holds, or
-        no room for one generated token within max_model_len (vLLM's rule: prompt + at least one output
-        token must fit). ``what`` describes the prompt in the error (default "prompt of N tokens")."""
-        what = what or f"prompt of {num_tokens} tokens"
-        need = -(-num_tokens // self.block_size)
-        if need > self.num_blocks:
-            raise ValueError(f"{what} needs {need:,} blocks of {self.block_size} but the pool has only "
-                             f"{self.num_blocks}; it can never fit")
-        if num_tokens >= self.max_model_len:
-            limit = (f"the contiguous reservation of {self.max_model_len} slots (reservation_tokens)"
-                     if self.max_model_len < (self.config.max_model_len or 10**9)
-                     and self.config.allocator == "contiguous" else f"max_model_len {self.max_model_len}")
-            raise ValueError(f"{what} leaves no room to generate within {limit}")
-
-    def _check_text_len(self, text: str) -> None:
-        """Refuse a text prompt by its length alone, before tokenizing it (a 10-million-token text took
-        ~50 s to tokenize): it has at least ``len / L`` tokens, where ``L`` is the longest token of the
-        tokenizer in characters (``_longest_token_chars``), when that bound is sound for the tokenizer."""
-        if len(text) < self.max_model_len:  # a character may be several tokens: too short to judge
-            return
-        longest = self._longest_token_chars()
-        if longest is None:
-            return
-        normalizer = self.tokenizer.backend_tokenizer.normalizer
-        chars = len(normalizer.normalize_str(text)) if normalizer is not None else len(text)
-        least = -(-chars // longest)
-        self._check_prompt_len(least, f"prompt of {len(text):,} characters (at least {least:,} tokens: no token "
-                                      f"of this tokenizer is longer than {longest} characters)")
+        return self.processor.make_request(prompt, params, rid, final_len, priority)
 
     def _longest_token_chars(self) -> int | None:
-        """The most characters one token of the tokenizer covers, or None when no such bound holds.
-
-        A BPE token's vocabulary string covers at least as many characters of the (normalized) text as it
-        has: a byte-level token has one character per byte (a text character is 1-4 bytes), a
-        SentencePiece piece ("▁the") one per character, a byte-fallback token ("<0x41>") six for one byte.
-        No bound: a slow tokenizer, a model other than BPE, unknown characters fused into one "<unk>"
-        (no byte fallback), or a pre-tokenizer that drops characters (whitespace splitting). Computed once.
-        """
-        if not hasattr(self, "_longest_token"):
-            self._longest_token = None
-            backend = getattr(self.tokenizer, "backend_tokenizer", None)
-            if backend is not None:
-                spec = json.loads(backend.to_str())
-                model = spec.get("model") or {}
-                fused_unk = model.get("fuse_unk") and model.get("unk_token") and not model.get("byte_fallback")
-                if model.get("type") == "BPE" and not fused_unk and _keeps_characters(spec.get("pre_tokenizer")):
-                    self._longest_token = max(map(len, self.tokenizer.get_vocab()), default=0) or None
-        return self._longest_token
-
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty ('')")
-            self._check_text_len(prompt)  # by its length, before any per-character or per-token work
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as exc:  # a lone surrogate such as '\ud800', which no tokenizer takes
-                raise ValueError(f"prompt has an invalid character {prompt[exc.start]!r} (a lone surrogate, "
-                                 f"not Unicode text) at position {exc.start}") from None
-            if prompt.isspace():
-                raise ValueError(f"prompt is only whitespace ({_shown(prompt)}); give some text")
-            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            if not ids:
-                raise ValueError(f"prompt {_shown(prompt)} encodes to no tokens")
-            return prompt, list(ids)
-        if isinstance(prompt, (list, tuple)):
-            if not prompt:
-                raise ValueError("prompt is empty ([])")
-            self._check_prompt_len(len(prompt))  # by its length, before any per-token work
-            vocab = self.model.config.vocab_size
-            bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
-            if bad:
-                raise ValueError(f"prompt token id {bad[0]!r} is not an integer")
-            ids = [int(t) for t in prompt]  # numpy / torch integers too
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token id {bad[0]} is not in the vocabulary [0, {vocab})")
-            return None, ids
-        raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        return self.processor.longest_token_chars()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # --------------------------------------------------------------------------------------------- step
     def step(self) -> StepRecord:
-        """Run one prefill or decode step and return its record (kind "idle" if nothing is queued)."""
+        """One step: schedule -> run -> update -> record (kind "idle" if nothing is queued).
+
+        The scheduler writes its decisions down (``SchedulerOutput``); the model runner reads only that
+        (applies its copies and swaps, computes its tokens); the engine samples each sequence whose tokens
+        are all computed (a V1 prefill chunk short of the prompt's end discards its logits, as vLLM does)
+        and decides each beam search's step (``engine.beam_search``); the scheduler takes the tokens back
+        (``update_from_output``: appends, finishes, frees, forks); the step's events become its record."""
         t0 = time.perf_counter()
         self.step_count += 1
-        batch = self.scheduler.schedule()
-        self._touched.update(r.request_id for r in batch.requests)
-        self.kv_cache.apply(self.block_manager.drain_ops())  # swaps and copy-on-write copies, in order
-        out = _StepOutput()
-        scheduled: list[ScheduledSequence] = []
-        if batch.seqs:
-            inputs = []
-            owner = {s.seq_id: r.request_id for r in batch.requests for s in r.seqs}
-            for seq, n in zip(batch.seqs, batch.num_new_tokens):
-                start, end = seq.num_computed_tokens - n, seq.num_computed_tokens
-                table, region_start = self.block_manager.attention_view(seq.seq_id)
-                inputs.append(SeqInput(seq_id=seq.seq_id, token_ids=seq.token_ids[start:end], start_pos=start,
-                                       slot_mapping=self.block_manager.slot_mapping(seq.seq_id, start, end),
-                                       block_table=table, region_start=region_start))
-                scheduled.append(ScheduledSequence(seq.seq_id, owner[seq.seq_id], n, start))
-            logits = self.runner.execute(inputs)
-            # a sequence samples once all its tokens are computed: a prefill chunk short of the prompt's
-            # end (V1's chunked prefill) discards its logits, as vLLM does
-            rows = {seq.seq_id: logits[i] for i, seq in enumerate(batch.seqs)
-                    if seq.num_computed_tokens == seq.num_tokens}
-            sampled = [r for r in batch.requests if not r.is_beam_search]
-            for req in sampled:
-                self._fork_samples(req, rows)
-            self._sample_step(sampled, rows, out)
-            for req in batch.requests:
-                if req.is_beam_search:
-                    self._beam_step(req, rows, out)
+        output = self.scheduler.schedule()
+        self._touched.update(output.req_ids)
+        rows = self.runner.execute_model(output)
+        for child, parent in output.sample_from.items():  # the n samples share their prompt's logits
+            rows[child] = rows[parent]
+        requests = [self.requests[rid] for rid in output.req_ids]
+        sampled = self._sample([r for r in requests if not r.is_beam_search], rows)
+        beams = {r.request_id: beam_search.decide(r, rows, self.scheduler.is_stop)
+                 for r in requests if r.is_beam_search}
+        update = self.scheduler.update_from_output(output, sampled, beams)
         events = self.log.drain()
         kv_events = self.block_manager.drain_kv_events()
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.publish(kv_events)  # queued; sent by the publisher's thread
+        scheduled = [ScheduledSequence(s.seq_id, s.req_id, s.num_new_tokens, s.num_computed_tokens)
+                     for s in output.scheduled]
         return StepRecord(
-            step=self.step_count, kind=batch.kind, scheduled=scheduled, events=events,
-            new_tokens=out.tokens, new_text=out.text, finished=out.finished, snapshot=self.snapshot(),
-            elapsed_s=time.perf_counter() - t0, kv_events=kv_events, semantics=self.semantics,
+            step=self.step_count, kind=output.kind, scheduled=scheduled, events=events,
+            new_tokens=update.new_tokens, new_text={s: self._text(t) for s, t in update.new_tokens.items()},
+            finished=update.finished, snapshot=self.snapshot(), elapsed_s=time.perf_counter() - t0,
+            kv_events=kv_events, semantics=self.semantics,
         )
 
-    def _emit(self, out: "_StepOutput", seq: Sequence, token: int) -> None:
-        out.tokens[seq.seq_id] = token
+    def _text(self, token: int) -> str:
+        """A token's text alone, decoded once per token id (a step emits one text per sequence)."""
         text = self._token_text.get(token)
-        if text is None:  # decoded once per token id: a step emits one text per sequence
+        if text is None:
             text = self._token_text[token] = self.tokenizer.decode([token])
-        out.text[seq.seq_id] = text
+        return text
 
-    def _fork_samples(self, req: Request, rows: dict) -> None:
-        """Parallel sampling: right after the prompt's prefill, fork the ``n - 1`` other samples off the
-        first; they share its blocks and its logits, and each has its own random stream."""
-        p = req.params
-        if p.n > 1 and len(req.seqs) == 1 and not req.seqs[0].output_token_ids:
-            parent = req.seqs[0]
-            for i in range(1, p.n):
-                child = Sequence(f"{req.request_id}.{i}", list(parent.token_ids), parent.prompt_len,
-                                 self._generator(req.seed, i), num_computed_tokens=parent.num_computed_tokens,
-                                 status=RUNNING)
-                self.block_manager.fork(parent.seq_id, child.seq_id)
-                req.seqs.append(child)
-                rows[child.seq_id] = rows[parent.seq_id]
-
-    def _sample_step(self, requests: list[Request], rows: dict, out: "_StepOutput") -> None:
-        """Sample the next token of every sequence of these requests that ran, all in one batch."""
+    @staticmethod
+    def _sample(requests: list[Request], rows: dict) -> dict[str, int]:
+        """The next token of every live sequence of these requests that has logits, all in one batch."""
         todo = [(req, seq) for req in requests for seq in req.live_seqs if seq.seq_id in rows]
         if not todo:
-            return
+            return {}
         tokens = sample_batch(torch.stack([rows[seq.seq_id] for _, seq in todo]),
                               [req.params for req, _ in todo], [seq.generator for _, seq in todo])
-        for (req, seq), token in zip(todo, tokens):
-            seq.token_ids.append(token)
-            self._emit(out, seq, token)
-            reason = self._finish_reason(req, seq, token)
-            if reason:
-                self.scheduler.finish_seq(req, seq, reason)
-                out.finished.append(seq.seq_id)
-        for req in requests:
-            if not req.live_seqs and req.status != FINISHED:
-                self._finish(req, req.seqs[0].finish_reason)
-
-    def _finish(self, req: Request, reason: str) -> None:
-        if req.is_beam_search:
-            best = next((ids for _, ids, _ in req.beam.finished if ids is not None), None)
-            length = len(best) - len(req.prompt_token_ids) if best else 0
-        else:
-            length = max(len(s.output_token_ids) for s in req.seqs)
-        self.scheduler.finish(req, reason, length)
-        req.finish_step = self.step_count
-
-    def _beam_step(self, req: Request, rows: dict, out: "_StepOutput") -> None:
-        """One step of beam search on the live beams, mirroring transformers' ``_beam_search`` (v5):
-        top 2w continuations over all beams, the best w that did not stop continue, stopped ones among the
-        top w enter the finished list with score / generated_length ** length_penalty, and the search ends
-        when no running beam can beat the worst finished one (early_stopping=False) or every continuation
-        stops. Beams that continue from one parent are forks of it (sharing its blocks; the next write copies
-        the shared last block); parents nobody continues are freed."""
-        live = req.live_seqs
-        cands = self._beam_candidates(req, live, rows)
-        req.beam.finished = self._beam_hypotheses(req, live, cands)
-        if self._beam_search_done(req, cands):
-            out.finished.extend(s.seq_id for s in live)
-            self._finish(req, req.beam.finished[0][2] or "length")
-            return
-        self._beam_continue(req, live, cands, out)
-
-    def _beam_candidates(self, req: Request, live: list[Sequence], rows: dict) -> "_BeamCandidates":
-        """The top 2w continuations over all live beams by accumulated log-probability, which of them stop
-        (EOS, a stop token, or the length limit), and the w that keep running (transformers' steps a-e)."""
-        w = req.params.beam_width
-        log_probs = torch.log_softmax(torch.stack([rows[s.seq_id] for s in live]).float().cpu(), dim=-1)
-        vocab = log_probs.shape[-1]
-        accumulated = (log_probs + torch.tensor([s.score for s in live])[:, None]).reshape(-1)
-        scores, index = torch.topk(accumulated, 2 * w)
-        tokens = (index % vocab).tolist()
-        length = live[0].num_tokens + 1  # every beam's length after this step
-        stops = torch.tensor([self._is_stop(req.params, t) or length >= req.max_len for t in tokens])
-        running_scores = scores + stops.to(torch.float32) * BEAM_NEG
-        return _BeamCandidates(scores, (index // vocab).tolist(), tokens, stops, running_scores,
-                               torch.topk(running_scores, w)[1].tolist(), length)
-
-    def _beam_hypotheses(self, req: Request, live: list[Sequence], c: "_BeamCandidates") -> list:
-        """The w best finished hypotheses so far: the old ones merged with the candidates among the top w
-        that stopped, each scored by score / generated_length ** length_penalty (transformers' step f)."""
-        p, beam = req.params, req.beam
-        w, prompt_len = p.beam_width, len(req.prompt_token_ids)
-        just_finished = c.stops & (torch.arange(2 * w) < w)
-        fin = c.scores / ((c.length - prompt_len) ** p.length_penalty)
-        fin = fin + float(not beam.improvable) * BEAM_NEG
-        fin = fin + (~just_finished).to(torch.float32) * BEAM_NEG
-        merged = torch.cat([torch.tensor([f[0] for f in beam.finished], dtype=torch.float32), fin])
-        best = []
-        for k in torch.topk(merged, w)[1].tolist():
-            if k < w:
-                best.append(beam.finished[k])
-                continue
-            j = k - w
-            token = c.tokens[j]
-            reason = None
-            if bool(just_finished[j]):
-                reason = "stop" if self._is_stop(p, token) else "length"
-            best.append((float(merged[k]), live[c.parents[j]].token_ids + [token], reason))
-        return best
-
-    def _beam_search_done(self, req: Request, c: "_BeamCandidates") -> bool:
-        """transformers' stopping heuristic (step g, early_stopping=False): done when the best running beam
-        cannot beat the worst finished hypothesis, or when every candidate stopped."""
-        p, beam = req.params, req.beam
-        best_running = c.running_scores[c.keep[0]] / ((c.length - len(req.prompt_token_ids)) ** p.length_penalty)
-        scores = torch.tensor([f[0] for f in beam.finished], dtype=torch.float32)
-        done = torch.tensor([f[2] is not None for f in beam.finished])
-        worst = torch.where(done, scores.min(), torch.tensor(BEAM_NEG))
-        beam.improvable = beam.improvable and bool(torch.any(best_running > worst))
-        return not beam.improvable or bool(c.stops.all())
-
-    def _beam_continue(self, req: Request, live: list[Sequence], c: "_BeamCandidates", out: "_StepOutput") -> None:
-        """The w running beams for the next step: the first beam continuing a parent reuses its sequence,
-        the others fork it (sharing its blocks); parents nobody continues are freed."""
-        claimed: set[int] = set()
-        plan = []
-        for j in c.keep:
-            parent = live[c.parents[j]]
-            if c.parents[j] in claimed:
-                child = Sequence(f"{req.request_id}.b{req.beam.next_beam}", list(parent.token_ids), parent.prompt_len,
-                                 num_computed_tokens=parent.num_computed_tokens, status=RUNNING)
-                req.beam.next_beam += 1
-                self.block_manager.fork(parent.seq_id, child.seq_id)
-                plan.append((child, c.tokens[j], float(c.running_scores[j])))
-            else:
-                claimed.add(c.parents[j])
-                plan.append((parent, c.tokens[j], float(c.running_scores[j])))
-        for i, s in enumerate(live):
-            if i not in claimed:
-                self.scheduler.finish_seq(req, s, "pruned")
-        for seq, token, score in plan:
-            seq.token_ids.append(token)
-            seq.score = score
-            self._emit(out, seq, token)
-        req.seqs = [seq for seq, _, _ in plan]  # beam order = score order, as transformers keeps it
-
-    def _is_stop(self, params: SamplingParams, token: int) -> bool:
-        """Whether ``token`` ends the reply: the end-of-sequence token (unless ``ignore_eos``) or a stop token."""
-        eos = None if params.ignore_eos else self.tokenizer.eos_token_id
-        return (eos is not None and token == eos) or token in params.stop_token_ids
-
-    def _finish_reason(self, req: Request, seq: Sequence, token: int) -> str | None:
-        if self._is_stop(req.params, token):
-            return "stop"
-        if seq.num_tokens >= req.max_len:  # max_tokens, max_model_len or a contiguous reservation
-            return "length"
-        return None
+        return {seq.seq_id: token for (_, seq), token in zip(todo, tokens)}
 
     # ----------------------------------------------------------------------------------------- outputs
     def snapshot(self) -> Snapshot:
@@ -748,68 +395,18 @@ class LLMEngine:
         bm.snapshot_taken(snapshot)  # the paged manager records the next one relative to it
         return snapshot
 
-    @staticmethod
-    def _sequence_states(req: Request, bm) -> tuple[SequenceState, ...]:
-        """The snapshot's view of each sequence of ``req`` now (a finished one with its last block table)."""
-        states = []
-        for seq in req.seqs:
-            held = bm.table_of(seq.seq_id)
-            table, n = held if held else (seq.last_block_table if seq.status == FINISHED else [], 0)
-            states.append(SequenceState(
-                seq_id=seq.seq_id, request_id=req.request_id, status=seq.status, prompt_len=seq.prompt_len,
-                num_generated=len(seq.output_token_ids), num_tokens=n, block_table=list(table),
-                token_ids=list(seq.token_ids), finish_reason=seq.finish_reason,
-            ))
-        return tuple(states)
+    _sequence_states = staticmethod(sequence_states)
 
     def get_output(self, request_id: str) -> RequestOutput:
         """The request's output so far (``finish_reason`` None while it runs). Raises KeyError if unknown.
 
         ``outputs``: one entry per sample in sample order, or per beam hypothesis best first (while a beam
-        search runs: its live beams)."""
+        search runs: its live beams). In V1 a request with n > 1 gathers its child requests' outputs."""
         if request_id in self.parents:
-            return self._parent_output(request_id)
-        req = self.requests[request_id]
+            kids = self.parents[request_id]
+            return parent_output(request_id, [self.get_output(c) for c in kids], [self.requests[c] for c in kids])
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        prompt_len = len(req.prompt_token_ids)
-        if req.is_beam_search and req.status == FINISHED:
-            hyps = [h for h in req.beam.finished if h[1] is not None]
-            outputs = [CompletionOutput(i, ids[prompt_len:], decode(ids[prompt_len:]), reason, score)
-                       for i, (score, ids, reason) in enumerate(hyps)]
-        else:
-            outputs = [CompletionOutput(i, s.output_token_ids, decode(s.output_token_ids), s.finish_reason, s.score)
-                       for i, s in enumerate(req.seqs)]
-        first = req.seqs[0] if req.seqs else None
-        table = []
-        if first is not None:
-            held = self.block_manager.table_of(first.seq_id)
-            table = held[0] if held else first.last_block_table
-        best = outputs[0]
-        return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids),
-            output_token_ids=list(best.token_ids), output_text=best.text,
-            finish_reason=req.finish_reason if req.status == FINISHED else None, block_table=list(table),
-            num_preemptions=req.num_preemptions, outputs=outputs,
-            num_cached_tokens=req.num_cached_tokens if self.semantics == "v1" and req.num_cached_tokens >= 0 else None,
-        )
-
-    def _parent_output(self, request_id: str) -> RequestOutput:
-        """V1: the output of a request with n > 1, gathered from its child requests (sample i = child i).
-        Finished when every child is. ``num_cached_tokens`` is that of the child that finished last (the
-        later one of a step), as vLLM's ``ParentRequest`` reports it; each child's own is on its output."""
-        kids = [self.get_output(c) for c in self.parents[request_id]]
-        last = max(range(len(kids)), key=lambda i: (self.requests[self.parents[request_id][i]].finish_step, i))
-        outputs = [dataclasses.replace(k.outputs[0], index=i, finish_reason=k.finish_reason)
-                   for i, k in enumerate(kids)]
-        first = kids[0]
-        done = all(k.finished for k in kids)
-        return RequestOutput(
-            request_id=request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
-            output_token_ids=list(first.output_token_ids), output_text=first.output_text,
-            finish_reason=first.finish_reason if done else None, block_table=first.block_table,
-            num_preemptions=sum(k.num_preemptions for k in kids), outputs=outputs,
-            num_cached_tokens=kids[last].num_cached_tokens,
-        )
+        return request_output(self.requests[request_id], decode, self.block_manager, self.semantics == "v1")
 
     def generate(self, prompts: str | list, params: SamplingParams | list[SamplingParams] | None = None,
                  on_step=None) -> list[RequestOutput]:

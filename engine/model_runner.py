@@ -60,6 +60,17 @@ class ModelRunner:
         self.head_dim = first_attn.head_dim
         self.layers = [_fused_layer(layer) for layer in base.layers]
 
+    def execute_model(self, output) -> dict[str, torch.Tensor]:
+        """Run one step as the scheduler wrote it down (a ``scheduler_output.SchedulerOutput``, the only thing
+        read from the scheduler): apply its ``kv_ops`` (swaps, copy-on-write copies) to the KV tensors, then
+        compute its scheduled tokens. Returns the logits ``[vocab]`` of each sequence that samples, by id."""
+        self.kv_cache.apply(output.kv_ops)
+        if not output.scheduled:
+            return {}
+        logits = self.execute([SeqInput(s.seq_id, s.token_ids, s.num_computed_tokens, s.slot_mappings[0],
+                                        s.block_tables[0], s.region_start) for s in output.scheduled])
+        return {s.seq_id: logits[i] for i, s in enumerate(output.scheduled) if s.sample}
+
     @torch.inference_mode()
     def execute(self, seqs: list[SeqInput]) -> torch.Tensor:
         """Compute the given tokens of every sequence and return float32 logits ``[num_seqs, vocab]`` of

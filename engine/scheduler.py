@@ -24,6 +24,11 @@ Each step is either a prefill step or a decode step:
 No deadlock: the engine only accepts a request whose sequences fit the pool on their own at their longest
 (``num_seqs x ceil(max_len / B) <= num_blocks``), so a lone request can always finish; preemption empties
 the pool down to that one request if needed.
+
+The step contract (both semantics; vLLM V1's shape): ``schedule()`` runs the policy (``_schedule``, over live
+``Request`` objects) and writes the step down as plain data, a ``SchedulerOutput`` (``engine.scheduler_output``),
+the only thing the model runner reads; ``update_from_output(output, sampled, beams)`` takes the sampled tokens
+back: appends them, finishes and frees what ended, applies each beam-search decision (``engine.beam_search``).
 """
 
 from __future__ import annotations
@@ -31,14 +36,17 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from . import beam_search
 from .allocator import KVAllocator
 from .records import EventKind, EventLog
-from .sequence import FINISHED, RUNNING, SWAPPED, WAITING, Request, Sequence
+from .scheduler_output import ScheduledSeqData, SchedulerOutput
+from .sequence import FINISHED, RUNNING, SWAPPED, WAITING, Request, Sequence, generator_for
 
 
 @dataclass
 class Batch:
-    """What the scheduler chose for one step: ``kind`` and, per sequence, how many tokens to compute."""
+    """What a scheduling policy chose for one step, over live objects (``schedule`` writes it down as a
+    ``SchedulerOutput``): ``kind`` and, per sequence, how many tokens to compute."""
 
     kind: str  # "prefill" | "decode" | "idle"
     seqs: list[Sequence] = field(default_factory=list)
@@ -46,6 +54,15 @@ class Batch:
     num_new_tokens: list[int] = field(default_factory=list)
     num_preempted: int = 0
     admitted: list[Request] = field(default_factory=list)  # V1: requests admitted from the waiting queue
+
+
+@dataclass
+class StepUpdate:
+    """What ``update_from_output`` did: each sequence's new token (seq id -> token id, in order) and the
+    sequences that finished."""
+
+    new_tokens: dict[str, int] = field(default_factory=dict)
+    finished: list[str] = field(default_factory=list)
 
 
 FINISH_WORDS = {"stop": "it produced the end-of-sequence token",
@@ -56,8 +73,13 @@ class Scheduler:
     """Chooses each step's batch; logs admissions, waits, preemptions and finishes to ``log`` (the engine's)."""
 
     def __init__(self, block_manager: KVAllocator, max_num_seqs: int, max_num_batched_tokens: int,
-                 preemption_mode: str = "recompute", log: EventLog | None = None) -> None:
+                 preemption_mode: str = "recompute", log: EventLog | None = None,
+                 eos_token_id: int | None = None) -> None:
         self.block_manager = block_manager
+        self.eos_token_id = eos_token_id  # ends a reply unless its SamplingParams ignore_eos
+        self.step_count = 0
+        self._preempted: list[str] = []  # request ids preempted while scheduling this step
+        self._finished: list[str] = []  # request ids finished since the last schedule
         self.log = log if log is not None else block_manager.log
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -72,7 +94,126 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def schedule(self) -> Batch:
+    # ------------------------------------------------------------------------------- the step contract
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step (the policy: ``_schedule``) and write it down as plain data for the model runner.
+        Right after a request's prompt is prefilled its ``n`` samples are forked off the first sequence
+        (they share its blocks and sample from its logits: ``sample_from``); a fork's data movement (the
+        contiguous baseline copies the parent's slots) waits for the next step, after this one's compute."""
+        self.step_count += 1
+        self._preempted = []
+        batch = self._schedule()
+        bm = self.block_manager
+        kv_ops = bm.drain_ops()  # swaps and copy-on-write copies, in order
+        owner = {s.seq_id: r.request_id for r in batch.requests for s in r.seqs}
+        scheduled = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start, end = seq.num_computed_tokens - n, seq.num_computed_tokens
+            table, region_start = bm.attention_view(seq.seq_id)
+            scheduled.append(ScheduledSeqData(owner[seq.seq_id], seq.seq_id, seq.token_ids[start:end], start,
+                                              (list(table),), (bm.slot_mapping(seq.seq_id, start, end),),
+                                              region_start, sample=end == seq.num_tokens))
+        finished, self._finished = self._finished, []
+        return SchedulerOutput(self.step_count, batch.kind, scheduled, kv_ops, self._fork_samples(batch),
+                               list(self._preempted), finished)
+
+    def _fork_samples(self, batch: Batch) -> dict[str, str]:
+        """Parallel sampling: fork the ``n - 1`` other samples off the first sequence of each request whose
+        prompt was just prefilled; each has its own random stream. Returns child -> parent."""
+        sample_from = {}
+        for req in batch.requests:
+            p, parent = req.params, req.seqs[0]
+            if (p.n > 1 and len(req.seqs) == 1 and not parent.output_token_ids and not req.is_beam_search
+                    and parent.num_computed_tokens == parent.num_tokens):
+                for i in range(1, p.n):
+                    child = Sequence(f"{req.request_id}.{i}", list(parent.token_ids), parent.prompt_len,
+                                     generator_for(req.seed, i), num_computed_tokens=parent.num_computed_tokens,
+                                     status=RUNNING)
+                    self.block_manager.fork(parent.seq_id, child.seq_id)
+                    req.seqs.append(child)
+                    sample_from[child.seq_id] = parent.seq_id
+        return sample_from
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int],
+                           beams: dict[str, beam_search.BeamDecision] | None = None) -> StepUpdate:
+        """Take the step's results: ``sampled`` (seq id -> its next token, in batch order) is appended and
+        ends a sequence that stopped or reached its length (its blocks freed at once), a request ends with
+        its last sequence; ``beams`` (request id -> ``beam_search.BeamDecision``) continues, forks and
+        prunes each beam search, or ends it."""
+        by_id = {r.request_id: r for r in self.running}
+        seqs = {s.seq_id: (by_id[rid], s) for rid in output.req_ids for s in by_id[rid].seqs}
+        update = StepUpdate()
+        for seq_id, token in sampled.items():
+            req, seq = seqs[seq_id]
+            seq.token_ids.append(token)
+            update.new_tokens[seq_id] = token
+            reason = self._finish_reason(req, seq, token)
+            if reason:
+                self.finish_seq(req, seq, reason)
+                update.finished.append(seq_id)
+        for req in map(by_id.__getitem__, output.req_ids):
+            if not req.is_beam_search and not req.live_seqs and req.status != FINISHED:
+                self._finish(req, req.seqs[0].finish_reason, output.step)
+        for req in map(by_id.__getitem__, output.req_ids):
+            if req.is_beam_search:
+                self._continue_beams(req, beams[req.request_id], update, output.step)
+        return update
+
+    def is_stop(self, params, token: int) -> bool:
+        """Whether ``token`` ends the reply: the end-of-sequence token (unless ``ignore_eos``) or a stop token."""
+        eos = None if params.ignore_eos else self.eos_token_id
+        return (eos is not None and token == eos) or token in params.stop_token_ids
+
+    def _finish_reason(self, req: Request, seq: Sequence, token: int) -> str | None:
+        if self.is_stop(req.params, token):
+            return "stop"
+        if seq.num_tokens >= req.max_len:  # max_tokens, max_model_len or a contiguous reservation
+            return "length"
+        return None
+
+    def _finish(self, req: Request, reason: str, step: int) -> None:
+        length = (beam_search.best_length(req) if req.is_beam_search
+                  else max(len(s.output_token_ids) for s in req.seqs))
+        self.finish(req, reason, length)
+        req.finish_step = step
+
+    def _continue_beams(self, req: Request, decision: beam_search.BeamDecision, update: StepUpdate, step: int) -> None:
+        """Apply a beam-search step: the first beam continuing a parent reuses its sequence, the others fork
+        it (sharing its blocks); parents nobody continues are freed ("pruned"); a finished search ends."""
+        live = req.live_seqs
+        if decision.done:
+            update.finished.extend(s.seq_id for s in live)
+            self._finish(req, decision.reason, step)
+            return
+        self._beam_continue(req, live, decision, update)
+
+    def _beam_continue(self, req: Request, live: list[Sequence], decision: beam_search.BeamDecision,
+                       update: StepUpdate) -> None:
+        """The w running beams for the next step (the beam-selection phase of a step on stage)."""
+        claimed: set[int] = set()
+        plan = []
+        for parent_index, token, score in decision.continuing:
+            parent = live[parent_index]
+            if parent_index in claimed:
+                child = Sequence(f"{req.request_id}.b{req.beam.next_beam}", list(parent.token_ids), parent.prompt_len,
+                                 num_computed_tokens=parent.num_computed_tokens, status=RUNNING)
+                req.beam.next_beam += 1
+                self.block_manager.fork(parent.seq_id, child.seq_id)
+                plan.append((child, token, score))
+            else:
+                claimed.add(parent_index)
+                plan.append((parent, token, score))
+        for i, s in enumerate(live):
+            if i not in claimed:
+                self.finish_seq(req, s, "pruned")
+        for seq, token, score in plan:
+            seq.token_ids.append(token)
+            seq.score = score
+            update.new_tokens[seq.seq_id] = token
+        req.seqs = [seq for seq, _, _ in plan]  # beam order = score order, as transformers keeps it
+
+    # ------------------------------------------------------------------------------------------- policy
+    def _schedule(self) -> Batch:
         if not self.swapped:
             batch = self._schedule_prefill()
             if batch.seqs:
@@ -193,6 +334,7 @@ class Scheduler:
         self.log.emit(EventKind.PREEMPT, req.request_id, blocks,
                       f"{req.request_id} preempted by {mode}{note} ({reason}): {what}", mode=mode, reason=reason)
         req.num_preemptions += 1
+        self._preempted.append(req.request_id)
         if mode == "swap":
             bm.swap_out(ids, request_id=req.request_id)
             for s in req.live_seqs:
@@ -224,6 +366,7 @@ class Scheduler:
             self.running.remove(req)
         req.status = FINISHED
         req.finish_reason = reason
+        self._finished.append(req.request_id)
         self.log.emit(EventKind.FINISH, req.request_id, [],
                       f"{req.request_id} finished after {num_tokens} token{'s' * (num_tokens != 1)}: "
                       f"{FINISH_WORDS.get(reason, reason)}",

@@ -131,8 +131,9 @@ class SchedulerV1(Scheduler):
 
     def __init__(self, block_manager: KVAllocator, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, policy: str = "fcfs", watermark_blocks: int = 0,
-                 log: EventLog | None = None) -> None:
-        super().__init__(block_manager, max_num_seqs, max_num_batched_tokens, "recompute", log=log)
+                 log: EventLog | None = None, eos_token_id: int | None = None) -> None:
+        super().__init__(block_manager, max_num_seqs, max_num_batched_tokens, "recompute", log=log,
+                         eos_token_id=eos_token_id)
         self.max_model_len = max_model_len
         self.policy = policy
         self.watermark_blocks = watermark_blocks
@@ -152,7 +153,7 @@ class SchedulerV1(Scheduler):
         return self.running[-1]
 
     # -------------------------------------------------------------------------------------------- step
-    def schedule(self) -> Batch:
+    def _schedule(self) -> Batch:
         batch = Batch("idle")
         budget = self.max_num_batched_tokens
         preempted = self._schedule_running(batch, budget)
@@ -277,6 +278,7 @@ class SchedulerV1(Scheduler):
                       f"{req.request_id}{self._priority(req)} preempted by recompute ({reason}): its {len(blocks)} blocks are freed and "
                       f"its {seq.num_tokens} tokens will be computed again", mode="recompute", reason=reason)
         req.num_preemptions += 1
+        self._preempted.append(req.request_id)
         if held:
             bm.free(seq.seq_id)
         seq.status = WAITING

@@ -18,6 +18,12 @@ from .records import SeqStatus
 WAITING, RUNNING, SWAPPED, FINISHED = SeqStatus.WAITING, SeqStatus.RUNNING, SeqStatus.SWAPPED, SeqStatus.FINISHED
 
 
+def generator_for(seed: int, index: int) -> torch.Generator:
+    """The random stream of a request's sample ``index`` (on the CPU: a seed gives the same tokens on every
+    device): seeded ``seed + index``, as vLLM seeds a request's ``n`` samples."""
+    return torch.Generator(device="cpu").manual_seed(seed + index)
+
+
 @dataclass
 class Sequence:
     """One token stream with its own block table.

@@ -3,7 +3,7 @@ definition of internal fragmentation, the contiguous policies, and no swap-in un
 
 One engine run of ``chat-workload`` (paged, through the CLI, shared by the module) checks the numbers the
 CLI reports. The other chat-workload figures come from a replay of the same requests through the real
-``Scheduler`` and allocators with made-up tokens (no model; ``tests/test_scheduler.FakeEngine``): scheduling
+``Scheduler`` and allocators with made-up tokens (no model; ``tests/test_scheduler.Driver``): scheduling
 depends only on the requests' lengths and prompts, and ``test_the_replay_reproduces_the_engine_run``
 checks that the replay reproduces the engine run's counts exactly. The contiguous runs of chat-workload
 take minutes on the engine (903 steps for "max") and seconds replayed.
@@ -26,7 +26,7 @@ from engine.records import EventKind
 from engine.scenarios import get_scenario
 from engine.sequence import Request, Sequence
 from engine.workloads import run_workload
-from test_scheduler import FakeEngine
+from test_scheduler import Driver
 
 CHAT = get_scenario("chat-workload")
 CHAT_POOL = dict(num_blocks=128, block_size=16, max_model_len=512, reservation=512)
@@ -54,11 +54,11 @@ def chat_requests(model_path):
     return CHAT.make(0, lambda text: tok(text, add_special_tokens=False)["input_ids"]).requests
 
 
-def replay(allocator, workload_requests, max_model_len: int = 512) -> tuple[FakeEngine, list]:
+def replay(allocator, workload_requests, max_model_len: int = 512) -> tuple[Driver, list]:
     """Run the requests through the real Scheduler and ``allocator`` with made-up tokens (no model), with the
     engine's limits for chat-workload (max_num_seqs 256, 2,048 batched tokens); returns the fake engine and
     one record per step (``.events``, ``.running``)."""
-    eng = FakeEngine(allocator, max_num_seqs=256, max_num_batched_tokens=2048, alphabet=1_000_000)
+    eng = Driver(allocator, max_num_seqs=256, max_num_batched_tokens=2048, alphabet=1_000_000)
     for i, r in enumerate(workload_requests):
         ids = list(r.prompt)
         max_len = min(len(ids) + r.params.max_tokens, max_model_len)

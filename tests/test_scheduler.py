@@ -1,7 +1,8 @@
-"""The scheduler alone, driven by a fake model runner (no model): ``Scheduler(BlockManager(...), ...)`` with
-``Request`` / ``Sequence`` objects. "Running the model" means: after ``schedule()``, every sequence that ran
-samples one made-up token (a prefill samples the first token, a decode step the next one), and a request
-finishes (``scheduler.finish``) when it reaches its length, as ``LLMEngine.step`` does.
+"""The scheduler, driven through the real ``LLMEngine.step`` (schedule -> run -> update -> record) with a fake
+model runner and made-up tokens (no model computes): ``Driver`` installs ``Scheduler(BlockManager(...), ...)``
+in an engine, whose runner only reads each ``SchedulerOutput`` and whose sampler makes each sequence's next
+token up (a prefill samples the first token, a decode step the next one); the engine's own update
+(``Scheduler.update_from_output``) appends, forks the samples, and finishes a request at its length.
 
 Properties, over hundreds of random workloads: ``max_num_seqs`` is never exceeded; the preemption victim is
 the most recently admitted running request; every request finishes (no deadlock), the pool is consistent
@@ -11,15 +12,20 @@ preempted again in the same step; samples sharing a partly filled block are neve
 
 from __future__ import annotations
 
+import functools
+
 import pytest
+import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from engine import EMBEDDED_MODEL, EngineConfig, LLMEngine
 from engine.block_manager import BlockManager
 from engine.config import SamplingParams
 from engine.records import EventKind
 from engine.scheduler import Scheduler
-from engine.sequence import RUNNING, Request, Sequence
+from engine.scheduler_output import SchedulerOutput
+from engine.sequence import Request, Sequence
 
 
 # --------------------------------------------------------------------------------------- the fake runner
@@ -30,52 +36,68 @@ def make_request(rid: str, prompt: list[int], max_tokens: int, n: int = 1) -> Re
     return req
 
 
-class FakeEngine:
-    """``LLMEngine.step`` without the model: schedule, fork the samples of a request after its prefill,
-    append one made-up token per sequence that ran, finish requests at their length."""
+@functools.cache
+def _loaded():
+    from engine.model_loader import load_model
 
-    def __init__(self, bm, max_num_seqs: int, max_num_batched_tokens: int = 10_000,
-                 preemption_mode: str = "recompute", alphabet: int = 3) -> None:
-        self.bm = bm
-        self.alphabet = alphabet
-        self.sched = Scheduler(bm, max_num_seqs, max_num_batched_tokens, preemption_mode)
+    return load_model(EMBEDDED_MODEL, torch.device("cpu"), "float32")
+
+
+class FakeRunner:
+    """The model runner's side of the contract without a model: it reads only the ``SchedulerOutput`` (each
+    kept in ``outputs``) and answers each sequence that samples with a row (no logits: ``Driver`` makes the
+    tokens up)."""
+
+    def __init__(self) -> None:
+        self.outputs: list[SchedulerOutput] = []
+
+    def execute_model(self, output: SchedulerOutput) -> dict:
+        self.outputs.append(output)
+        return {s.seq_id: None for s in output.scheduled if s.sample}
+
+
+class Driver:
+    """A real ``LLMEngine`` whose allocator is ``allocator`` and whose scheduler is ``scheduler`` (default the
+    paper's ``Scheduler`` with these limits), with ``FakeRunner`` and made-up tokens: a counter over a small
+    alphabet (default 3), so decode-filled blocks hit the prefix cache too. ``steps``: per step the batch
+    kind, the requests that ran, the sequences computed, the events, the running requests afterwards."""
+
+    def __init__(self, allocator, max_num_seqs: int = 8, max_num_batched_tokens: int = 10_000,
+                 preemption_mode: str = "recompute", alphabet: int = 3, scheduler=None,
+                 semantics: str = "paper") -> None:
+        eng = LLMEngine(EngineConfig(device="cpu", dtype="float32", semantics=semantics, num_blocks=64,
+                                     block_size=16, max_model_len=1024), loaded=_loaded())
+        eng.log = allocator.log  # the allocator's and the scheduler's events become the step's record
+        eng.block_manager = eng.processor.allocator = allocator
+        eng.scheduler = scheduler or Scheduler(allocator, max_num_seqs, max_num_batched_tokens, preemption_mode,
+                                               log=allocator.log)
+        eng.runner = FakeRunner()
+        eng._sample = self._made_up_tokens
+        self.engine, self.bm, self.sched, self.alphabet = eng, allocator, eng.scheduler, alphabet
         self.requests: list[Request] = []
         self.next_token = 0
-        # per step: batch kind, requests that ran, sequences computed, events, running requests afterwards
         self.steps: list[dict] = []
+
+    def _made_up_tokens(self, requests: list[Request], rows: dict) -> dict[str, int]:
+        """The engine's sampler, in its order: each live sequence of these requests that has a row."""
+        tokens = {}
+        for req in requests:
+            for seq in req.live_seqs:
+                if seq.seq_id in rows:
+                    self.next_token += 1
+                    tokens[seq.seq_id] = self.next_token % self.alphabet
+        return tokens
 
     def add(self, req: Request) -> None:
         self.requests.append(req)
-        self.sched.add(req)
-
-    def _token(self) -> int:
-        self.next_token += 1
-        # a small alphabet (default) makes decode-filled blocks hit the prefix cache too
-        return self.next_token % self.alphabet
+        self.engine._enqueue(req)  # built by the test, as the engine's input processor would
 
     def step(self) -> dict:
-        batch = self.sched.schedule()
-        ran = {s.seq_id for s in batch.seqs}
-        for req in batch.requests:
-            p = req.params
-            if p.n > 1 and len(req.seqs) == 1 and not req.seqs[0].output_token_ids:
-                parent = req.seqs[0]
-                for i in range(1, p.n):
-                    child = Sequence(f"{req.request_id}.{i}", list(parent.token_ids), parent.prompt_len,
-                                     status=RUNNING)
-                    child.num_computed_tokens = parent.num_computed_tokens
-                    self.bm.fork(parent.seq_id, child.seq_id)
-                    req.seqs.append(child)
-                    ran.add(child.seq_id)
-            for s in req.live_seqs:
-                if s.seq_id in ran:
-                    s.token_ids.append(self._token())
-        for req in batch.requests:
-            if all(s.num_tokens >= req.max_len for s in req.live_seqs):
-                self.sched.finish(req, "length", req.params.max_tokens)
-        record = {"kind": batch.kind, "requests": [r.request_id for r in batch.requests],
-                  "num_seqs": len(batch.seqs), "events": self.bm.drain_events(),
-                  "running": len(self.sched.running)}
+        rec = self.engine.step()
+        record = {"kind": rec.kind, "requests": list(dict.fromkeys(s.request_id for s in rec.scheduled)),
+                  "num_seqs": len(rec.scheduled), "events": rec.events, "running": len(self.sched.running),
+                  "scheduled": {s.request_id: s.num_tokens for s in rec.scheduled},
+                  "preempted": [e.request_id for e in rec.events if e.kind == EventKind.PREEMPT], "record": rec}
         self.steps.append(record)
         return record
 
@@ -114,7 +136,7 @@ def _assert(cond, what):
 def test_max_num_seqs_caps_every_step_even_when_the_pool_has_room():
     """The defect: max_num_seqs=2, five 8-token requests in a 64-block pool all ran at once."""
     bm = BlockManager(num_blocks=64, block_size=4)
-    eng = FakeEngine(bm, max_num_seqs=2)
+    eng = Driver(bm, max_num_seqs=2)
     for i in range(5):
         eng.add(make_request(f"R{i}", [i] * 8, max_tokens=4))
     eng.run(check=lambda e, rec: _assert(rec["num_seqs"] <= 2 and len(e.sched.running) <= 2, rec))
@@ -127,7 +149,7 @@ def test_max_num_seqs_caps_every_step_even_when_the_pool_has_room():
 def test_parallel_samples_count_toward_max_num_seqs_before_they_are_forked():
     """A request with n=3 holds one sequence until its prefill forks the others: admission counts 3."""
     bm = BlockManager(num_blocks=64, block_size=4)
-    eng = FakeEngine(bm, max_num_seqs=4)
+    eng = Driver(bm, max_num_seqs=4)
     eng.add(make_request("R0", [1] * 5, max_tokens=3, n=3))
     eng.add(make_request("R1", [2] * 5, max_tokens=3, n=3))
     eng.add(make_request("R2", [0] * 5, max_tokens=3))
@@ -150,7 +172,7 @@ def test_the_victim_is_the_newest_request_not_the_requester_nor_the_oldest():
     R2 (the requester) nor R1 (the oldest). R4's block goes to R2; R3 then needs one and is itself the
     newest running request: it preempts itself."""
     bm = BlockManager(num_blocks=8, block_size=2)
-    eng = FakeEngine(bm, max_num_seqs=8)
+    eng = Driver(bm, max_num_seqs=8)
     for i, prompt_len in enumerate([4, 4, 4, 2], 1):
         eng.add(make_request(f"R{i}", [i] * prompt_len, max_tokens=4))
     eng.run()
@@ -165,7 +187,7 @@ def test_the_victim_is_the_last_admitted_not_the_last_arrived():
     R2 is now the most recently admitted although R3 arrived later. When R3 next needs a block the victim
     is R2, not R3 (the requester, the latest arrival and the earlier swap-in)."""
     bm = BlockManager(num_blocks=4, block_size=2, num_swap_blocks=8)
-    eng = FakeEngine(bm, max_num_seqs=8, preemption_mode="swap")
+    eng = Driver(bm, max_num_seqs=8, preemption_mode="swap")
     for i, prompt_len in enumerate([4, 2, 2], 1):
         eng.add(make_request(f"R{i}", [i] * prompt_len, max_tokens=4))
     eng.run()
@@ -193,7 +215,7 @@ def test_scheduler_properties_under_random_workloads(num_blocks, block_size, max
                                                      prefix, watermark, specs, budget):
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix, num_swap_blocks=swap_blocks,
                       watermark=watermark)
-    eng = FakeEngine(bm, max_num_seqs, max_num_batched_tokens=budget, preemption_mode=mode)
+    eng = Driver(bm, max_num_seqs, max_num_batched_tokens=budget, preemption_mode=mode)
     for i, (prompt_len, max_tokens, fill, n) in enumerate(specs):
         n = min(n, max_num_seqs)
         max_len = prompt_len + max_tokens
@@ -250,7 +272,7 @@ def test_a_request_swapped_in_is_not_swapped_out_in_the_same_step():
     running before it, took the free block and R3 was swapped straight back out; now the running requests
     take their slots first and R3 takes its own as it comes back (vLLM v0's order)."""
     bm = BlockManager(num_blocks=3, block_size=2, num_swap_blocks=8)
-    eng = FakeEngine(bm, max_num_seqs=8, preemption_mode="swap")
+    eng = Driver(bm, max_num_seqs=8, preemption_mode="swap")
     for i, (prompt_len, max_tokens) in enumerate([(1, 2), (1, 3), (2, 2)], 1):
         eng.add(make_request(f"R{i}", [i] * prompt_len, max_tokens))
     eng.run(check=assert_no_swap_in_then_preempt)
@@ -262,7 +284,7 @@ def test_a_request_swapped_in_is_not_swapped_out_in_the_same_step():
        specs=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 10)), min_size=1, max_size=8))
 def test_swapped_in_requests_are_never_preempted_in_the_same_step(num_blocks, block_size, specs):
     bm = BlockManager(num_blocks, block_size, num_swap_blocks=64)
-    eng = FakeEngine(bm, max_num_seqs=8, preemption_mode="swap")
+    eng = Driver(bm, max_num_seqs=8, preemption_mode="swap")
     for i, (prompt_len, max_tokens) in enumerate(specs):
         if -(-(prompt_len + max_tokens) // block_size) <= num_blocks:
             eng.add(make_request(f"R{i}", [i % 3] * prompt_len, max_tokens))
@@ -275,6 +297,6 @@ def test_samples_swapped_out_come_back():
     needed (1 free), preempted the request by swap, and can_swap_in then wanted 1 + 2 > 2 blocks forever.
     One copy-on-write block suffices: the second sample then writes in place (``append_blocks_needed``)."""
     bm = BlockManager(num_blocks=2, block_size=3, num_swap_blocks=1)
-    eng = FakeEngine(bm, max_num_seqs=2, preemption_mode="swap")
+    eng = Driver(bm, max_num_seqs=2, preemption_mode="swap")
     eng.add(make_request("R0", [0], max_tokens=2, n=2))
     eng.run(max_steps=50)

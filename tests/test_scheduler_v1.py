@@ -1,11 +1,12 @@
-"""vLLM V1's scheduler (``engine.scheduler_v1``) alone, driven by a fake model runner (no model).
+"""vLLM V1's scheduler (``engine.scheduler_v1``) driven through the real ``LLMEngine.step`` with a fake model
+runner (``test_scheduler.Driver``: no model computes).
 
-After ``schedule()``, every sequence whose computed tokens reached its length samples one made-up token
-(a prefill chunk short of the prompt's end samples nothing), and a request finishes at its length, as
-``LLMEngine.step`` does. The real vLLM is checked in tests/test_conformance.py; these tests pin the rules
-one by one and, over random workloads, the properties: the token budget and ``max_num_seqs`` hold, no
-admission in a step that preempted, the victim is the last running request (FCFS) or the highest
-(priority, arrival), every request finishes, and the pool is consistent and empty at the end.
+Every sequence whose computed tokens reached its length samples one made-up token (a prefill chunk short of
+the prompt's end samples nothing), and a request finishes at its length (``Scheduler.update_from_output``).
+The real vLLM is checked in tests/test_conformance.py; these tests pin the rules one by one and, over random
+workloads, the properties: the token budget and ``max_num_seqs`` hold, no admission in a step that
+preempted, the victim is the last running request (FCFS) or the highest (priority, arrival), every request
+finishes, and the pool is consistent and empty at the end.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from engine.config import SamplingParams
 from engine.records import EventKind
 from engine.scheduler_v1 import SchedulerV1
 from engine.sequence import FINISHED, Request, Sequence
+from test_scheduler import Driver
 
 
 def make_request(rid: str, prompt: list[int], max_tokens: int, priority: int = 0, arrival: int = 0) -> Request:
@@ -28,48 +30,17 @@ def make_request(rid: str, prompt: list[int], max_tokens: int, priority: int = 0
     return req
 
 
-class FakeEngine:
-    """``LLMEngine.step`` without the model, for V1 semantics."""
-
-    def __init__(self, num_blocks: int, block_size: int = 4, budget: int = 16, max_num_seqs: int = 8,
-                 max_model_len: int = 1000, policy: str = "fcfs", watermark_blocks: int = 0) -> None:
-        self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
-        self.sched = SchedulerV1(self.bm, max_num_seqs, budget, max_model_len, policy=policy,
-                                 watermark_blocks=watermark_blocks)
-        self.requests: list[Request] = []
-        self.steps: list[dict] = []
-        self.token = 0
-
-    def add(self, req: Request) -> None:
-        req.arrival = req.arrival or len(self.requests) + 1
-        self.requests.append(req)
-        self.sched.add(req)
-
-    def step(self) -> dict:
-        running_before = list(self.sched.running)
-        batch = self.sched.schedule()
-        record = {"kind": batch.kind, "scheduled": {r.request_id: n for r, n in zip(batch.requests, batch.num_new_tokens)},
-                  "preempted": [e.request_id for e in self.bm.log.events if e.kind == EventKind.PREEMPT],
-                  "events": self.bm.drain_events(), "running_before": running_before,
-                  "running": list(self.sched.running)}
-        for req in batch.requests:
-            seq = req.seqs[0]
-            if seq.num_computed_tokens == seq.num_tokens:
-                self.token += 1
-                seq.token_ids.append(self.token % 3)
-                if seq.num_tokens >= req.max_len:
-                    self.sched.finish(req, "length", len(seq.output_token_ids))
-        self.steps.append(record)
-        return record
-
-    def run(self, limit: int = 2000) -> None:
-        while self.sched.has_unfinished():
-            self.step()
-            assert len(self.steps) < limit, "no progress"
+def v1_driver(num_blocks: int, block_size: int = 4, budget: int = 16, max_num_seqs: int = 8,
+              max_model_len: int = 1000, policy: str = "fcfs", watermark_blocks: int = 0) -> Driver:
+    """The real ``LLMEngine.step`` over ``SchedulerV1`` and a prefix-caching pool, with the fake runner and
+    made-up tokens of ``test_scheduler.Driver``."""
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
+    sched = SchedulerV1(bm, max_num_seqs, budget, max_model_len, policy=policy, watermark_blocks=watermark_blocks)
+    return Driver(bm, scheduler=sched, semantics="v1")
 
 
 def test_long_prompt_is_prefilled_in_chunks_of_the_budget():
-    eng = FakeEngine(num_blocks=100, budget=16)
+    eng = v1_driver(num_blocks=100, budget=16)
     eng.add(make_request("A", list(range(40)), max_tokens=3))
     eng.run()
     assert [s["scheduled"].get("A") for s in eng.steps] == [16, 16, 8, 1, 1]
@@ -79,7 +50,7 @@ def test_long_prompt_is_prefilled_in_chunks_of_the_budget():
 
 
 def test_running_requests_go_first_and_share_the_budget_with_a_new_prefill():
-    eng = FakeEngine(num_blocks=100, budget=16)
+    eng = v1_driver(num_blocks=100, budget=16)
     eng.add(make_request("A", list(range(10)), max_tokens=5))
     eng.step()
     eng.add(make_request("B", list(range(100, 130)), max_tokens=2))
@@ -90,7 +61,7 @@ def test_running_requests_go_first_and_share_the_budget_with_a_new_prefill():
 
 def test_admission_needs_the_whole_sequence_to_fit_not_just_the_first_chunk():
     # budget 4 would allocate one block for B's first chunk, but its 20 tokens need 5: only 4 are free
-    eng = FakeEngine(num_blocks=6, block_size=4, budget=4)
+    eng = v1_driver(num_blocks=6, block_size=4, budget=4)
     eng.add(make_request("A", list(range(4)), max_tokens=4))
     eng.step()
     eng.add(make_request("B", list(range(100, 120)), max_tokens=1))
@@ -100,7 +71,7 @@ def test_admission_needs_the_whole_sequence_to_fit_not_just_the_first_chunk():
 
 
 def test_fcfs_preempts_the_last_running_request_and_admits_nobody_that_step():
-    eng = FakeEngine(num_blocks=4, block_size=4, budget=64)
+    eng = v1_driver(num_blocks=4, block_size=4, budget=64)
     for rid in "ABC":
         eng.add(make_request(rid, [ord(rid)] * 4, max_tokens=6))
     eng.step()  # all three prefill (3 blocks of 4, 1 free); each sampled a 5th token, which needs a new block
@@ -112,7 +83,7 @@ def test_fcfs_preempts_the_last_running_request_and_admits_nobody_that_step():
 
 
 def test_priority_policy_preempts_the_highest_priority_value_then_the_latest_arrival():
-    eng = FakeEngine(num_blocks=4, block_size=4, budget=64, policy="priority")
+    eng = v1_driver(num_blocks=4, block_size=4, budget=64, policy="priority")
     eng.add(make_request("A", [1] * 4, max_tokens=6, priority=1))
     eng.add(make_request("B", [2] * 4, max_tokens=6, priority=0))
     eng.add(make_request("C", [3] * 4, max_tokens=6, priority=0))
@@ -120,7 +91,7 @@ def test_priority_policy_preempts_the_highest_priority_value_then_the_latest_arr
     assert list(first["scheduled"]) == ["B", "C", "A"]  # admitted by (priority, arrival)
     step = eng.step()
     assert step["preempted"][0] == "A"  # the highest priority value, though admitted last anyway
-    eng2 = FakeEngine(num_blocks=4, block_size=4, budget=64, policy="priority")
+    eng2 = v1_driver(num_blocks=4, block_size=4, budget=64, policy="priority")
     eng2.add(make_request("A", [1] * 4, max_tokens=6, priority=0))
     eng2.add(make_request("B", [2] * 4, max_tokens=6, priority=2))
     eng2.add(make_request("C", [3] * 4, max_tokens=6, priority=1))
@@ -129,7 +100,7 @@ def test_priority_policy_preempts_the_highest_priority_value_then_the_latest_arr
 
 
 def test_identical_prompts_admitted_in_one_step_share_the_full_blocks():
-    eng = FakeEngine(num_blocks=20, block_size=4, budget=64)
+    eng = v1_driver(num_blocks=20, block_size=4, budget=64)
     for rid in "ABC":
         eng.add(make_request(rid, list(range(10)), max_tokens=2))
     step = eng.step()
@@ -148,7 +119,7 @@ def test_identical_prompts_admitted_in_one_step_share_the_full_blocks():
     shared=st.booleans(),
 )
 def test_random_workloads_keep_v1_invariants(lengths, num_blocks, budget, max_num_seqs, policy, shared):
-    eng = FakeEngine(num_blocks=num_blocks, block_size=4, budget=budget, max_num_seqs=max_num_seqs,
+    eng = v1_driver(num_blocks=num_blocks, block_size=4, budget=budget, max_num_seqs=max_num_seqs,
                      policy=policy)
     for i, (plen, gen, prio) in enumerate(lengths):
         gen = min(gen, num_blocks * 4 - plen)  # a lone request fits the pool (the engine refuses others)

@@ -11,8 +11,9 @@ serve: its masked value changes with every response.
 
 Every worker runs in class-server mode (``PAL_CLASS_SERVER=1``, ``engine.limits``), listens on 127.0.0.1 only,
 and shares one random cookie secret (so any worker accepts the cookies another set). nginx runs in the
-foreground from a private folder (its config, pid, logs and buffers), needing no root and touching nothing in
-/etc. The Class page's classes live in a file of that folder the workers share (``PAL_CLASS_STATE``,
+foreground from a private folder (its config, pid and logs) and a folder for its buffers (an upload over
+16 KiB), needing no root and touching nothing in /etc; run as root, its worker drops to ``nobody``, who owns
+the buffers' folder and nothing else (``nginx_folders``). The Class page's classes live in a file of that folder the workers share (``PAL_CLASS_STATE``,
 ``ui.class_room_state.ClassRegistry``): a presenter and their students may be on different workers. So do the
 sessions' memory reservations (``PAL_MEMORY_STATE``, ``engine.limits.ShareRegistry``), against one total
 measured before the workers start (``PAL_CLASS_MEMORY_MB``, ``class_memory_mb``): every session of every
@@ -75,20 +76,67 @@ with <em>Open a scenario file</em> (at most {MAX_FILE_BYTES // 1024:,} KiB).</p>
     return page
 
 
+NGINX_WORKER_USER = "nobody"  # who nginx's worker runs as when the class server runs as root (nginx's default)
+
+
+def nginx_worker_user() -> tuple[str, int, str, int] | None:
+    """``(user, uid, group, gid)`` nginx's worker process drops to when this process is root (nginx switches
+    to an unprivileged user then: ``NGINX_WORKER_USER`` and its primary group), or None when not root (nginx
+    then runs all of itself as this user and ignores a ``user`` directive). Raises SystemExit when root and
+    that user does not exist."""
+    if os.geteuid() != 0:
+        return None
+    import grp
+    import pwd
+
+    try:
+        entry = pwd.getpwnam(NGINX_WORKER_USER)
+    except KeyError:
+        raise SystemExit(f"class server: running as root, nginx's worker would run as the user "
+                         f"{NGINX_WORKER_USER!r}, which does not exist here; run as an ordinary user") from None
+    try:
+        group = grp.getgrgid(entry.pw_gid).gr_name
+    except KeyError:
+        group = str(entry.pw_gid)
+    return NGINX_WORKER_USER, entry.pw_uid, group, entry.pw_gid
+
+
+def nginx_folders(base: str | None = None) -> tuple[str, str]:
+    """``(folder, temp_folder)``: nginx's private folder (config, pid, logs, the workers' shared class and
+    memory files; mode 0700, this user's) and the folder of nginx's temporary buffers (a request body over
+    16 KiB, such as a scenario file of up to 256 KiB uploaded by PUT, is written there by nginx's *worker*).
+    As root the worker runs as ``NGINX_WORKER_USER``, who may not enter the private folder (the trial's
+    "open() .../client_body/0000000001 failed (13: Permission denied)", the upload lost), so the buffers get
+    their own folder, mode 0700, owned by that user: only it (and root) can read a student's upload there.
+    The safe option: the worker keeps running unprivileged (no ``user root``), and the private folder is not
+    opened to anyone. Not root: both are this user's. ``base``: where to create them (default: the temp dir)."""
+    folder = tempfile.mkdtemp(prefix="pal-class-nginx-", dir=base)
+    temp = tempfile.mkdtemp(prefix="pal-class-nginx-buffers-", dir=base)
+    if (worker := nginx_worker_user()) is not None:
+        os.chown(temp, worker[1], worker[3])
+    return folder, temp
+
+
 def nginx_config(listen: str, port: int, worker_ports: list[int], folder: str,
-                 max_url_bytes: int = MAX_URL_BYTES) -> str:
+                 max_url_bytes: int = MAX_URL_BYTES, temp_folder: str | None = None) -> str:
     """nginx.conf text: listen on ``listen:port``, proxy HTTP and websockets to ``127.0.0.1:<worker_ports>``,
     one worker per browser (the ``pal_worker`` cookie, set on a browser's first response, hashed consistently).
-    ``folder``: nginx's private folder (pid, error log, temp buffers). An address longer than
-    ``max_url_bytes`` gets ``link_too_long_html`` with status 414 (inline: nginx's workers may not read the
-    private folder), not nginx's bare "414 Request-URI Too Large". Raises ValueError for no worker ports."""
+    ``folder``: nginx's private folder (pid, error log); ``temp_folder`` (default ``folder``): its temporary
+    buffers (request bodies over 16 KiB), which nginx's worker must be able to write (``nginx_folders``);
+    as root the worker's user is named (``user``) so that it is the one that owns ``temp_folder``. An address
+    longer than ``max_url_bytes`` gets ``link_too_long_html`` with status 414 (inline: nginx's workers may not
+    read the private folder), not nginx's bare "414 Request-URI Too Large". Raises ValueError for no worker
+    ports."""
     if not worker_ports:
         raise ValueError("worker_ports is empty: at least one Streamlit worker is needed")
     servers = "\n".join(f"        server 127.0.0.1:{p} max_fails=0;" for p in worker_ports)
-    temp = "\n".join(f"    {kind}_temp_path {folder}/{kind};" for kind in
+    temp = "\n".join(f"    {kind}_temp_path {temp_folder or folder}/{kind};" for kind in
                      ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    worker = nginx_worker_user()
+    user = f"user {worker[0]} {worker[2]};  # as root: the worker drops to this user, who owns the buffers\n" \
+        if worker else ""
     return f"""# written by scripts/class_server.py: {len(worker_ports)} Streamlit workers behind one port
-worker_processes 1;
+{user}worker_processes 1;
 daemon off;
 pid {folder}/nginx.pid;
 error_log {folder}/error.log warn;
@@ -262,8 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         if not port_free(address, port):
             raise SystemExit(f"class server: port {port} on {address} is in use")
     memory_mb = class_memory_mb(args.workers)
-    folder = tempfile.mkdtemp(prefix="pal-class-nginx-")
-    Path(folder, "nginx.conf").write_text(nginx_config(args.address, args.port, ports, folder))
+    folder, temp_folder = nginx_folders()
+    Path(folder, "nginx.conf").write_text(nginx_config(args.address, args.port, ports, folder,
+                                                       temp_folder=temp_folder))
     # one cookie secret for all (Streamlit takes it from the environment only, never from the command line)
     # and one file for the Class page's classes: a presenter and the students may be on different workers
     # and one file for the sessions' memory reservations, so that all workers' sessions together stay within
@@ -295,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         stop(procs)
         shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(temp_folder, ignore_errors=True)
 
 
 def supervise(procs: list[subprocess.Popen], ports: list[int], extra: list[str], env: dict) -> int:

@@ -427,6 +427,9 @@ def history_limit() -> int | None:
 LEASE_S = 300.0  # a reservation its worker has not renewed for this long (seconds) is expired
 
 
+NO_SHARE_FREE = "this class server's memory is taken"  # how NoShareFree's message begins (the page's Try again)
+
+
 class NoShareFree(ValueError):
     """A session asked for a share of the class server's memory and too little is free: the message says how
     much is free of the total, how many seats are held and when one frees."""
@@ -593,12 +596,14 @@ class ShareRegistry:
             if grant < need:
                 held = len(self._sessions) - (session in self._sessions)
                 raise NoShareFree(
-                    f"this class server's memory is taken: this run needs at least {need / MIB:,.1f} MiB and "
+                    f"{NO_SHARE_FREE}: this run needs at least {need / MIB:,.1f} MiB and "
                     f"{free / MIB:,.1f} MiB of the {total / MIB:,.0f} MiB for sessions is free ({held} seat"
                     f"{'s' * (held != 1)} held, each session holding its share of up to {want / MIB:,.1f} MiB "
                     f"while it has a Playground run). A seat frees when a session is idle for "
-                    f"{limits.idle_minutes:g} minutes or {limits.closed_seconds:g} s after its tab closes: try "
-                    f"again in a minute, or ask the teacher (more memory: {CLASS_MEMORY_ENV}; seats: {SEATS_ENV})")
+                    f"{limits.idle_minutes:g} minutes or {limits.closed_seconds:g} s after its tab closes (each "
+                    f"browser tab with the Playground open is a session of its own and holds a seat of its own: "
+                    f"close the ones you are not using): try again in a minute, or ask the teacher (more "
+                    f"memory: {CLASS_MEMORY_ENV}; seats: {SEATS_ENV})")
             self._sessions[session] = {"bytes": int(grant), **self.me, "renewed": now}
             return int(grant)
 

@@ -113,3 +113,47 @@ def test_a_100_kb_scenario_file_is_uploaded_through_nginx():
         upstream.shutdown()
         shutil.rmtree(folder, ignore_errors=True)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+# ---- item 2: a student refused for memory gets a Try again button, not a dead end ----
+
+APP = str(ROOT / "app.py")
+
+
+@pytest.fixture
+def full_class(monkeypatch, tmp_path):
+    """A class server of 2 seats and 200 MiB for sessions, both seats held by other sessions."""
+    from engine import limits
+
+    monkeypatch.setenv(limits.CLASS_SERVER_ENV, "1")
+    for name in (limits.ALLOWED_MODELS_ENV, limits.SESSION_MEMORY_ENV, limits.HISTORY_STEPS_ENV,
+                 limits.IDLE_MINUTES_ENV, limits.CLOSED_SECONDS_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(limits.SEATS_ENV, "2")
+    monkeypatch.setenv(limits.CLASS_MEMORY_ENV, "200")
+    monkeypatch.setenv(limits.MEMORY_STATE_ENV, str(tmp_path / "memory.json"))
+    registry, class_limits = limits.share_registry(), limits.class_limits()
+    for other in ("other-1", "other-2"):
+        registry.reserve(other, 100 * limits.MIB, 100 * limits.MIB, class_limits)
+    return registry
+
+
+def test_a_student_refused_for_memory_can_try_again_without_reloading(full_class):
+    """Trial 2, item 2: "this class server's memory is taken: ... try again in a minute" came with nothing to
+    press: the page ran no script until reloaded. Now it says to press Try again (and that each tab holds a
+    seat of its own), and pressing it once a seat is free opens the Playground in the same session."""
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_file(APP, default_timeout=180)
+    at.run()
+    assert not at.exception and "lab" not in at.session_state
+    [error] = [e.value for e in at.error]
+    assert error.startswith("this class server's memory is taken") and "Press **Try again**" in error
+    assert "each browser tab with the Playground open is a session of its own and holds a seat" in error
+    retry = [b for b in at.button if b.label == "Try again"]
+    assert len(retry) == 1
+    retry[0].click().run()  # still full: refused again, the button still there
+    assert "lab" not in at.session_state and [b for b in at.button if b.label == "Try again"]
+    full_class.release("other-1")
+    [b for b in at.button if b.label == "Try again"][0].click().run()
+    assert not at.exception and at.session_state["lab"] is not None and not at.error

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import streamlit as st
 
 from engine import EMBEDDED_MODEL
-from engine.limits import (ClassLimits, SessionPlan, check_session_bytes, class_limits, plan_session,
+from engine.limits import (NO_SHARE_FREE, ClassLimits, SessionPlan, check_session_bytes, class_limits, plan_session,
                            session_budget_bytes, share_registry)
 
 from .lab import Lab, LabSettings, fit_semantics, run_sizes
@@ -155,6 +155,22 @@ def check_sizes(settings: LabSettings, loaded) -> None:
     if granted != share:  # less was free, or more held already: the steps kept fit what is reserved
         plan = session_plan(settings, loaded, budget=granted)
     st.session_state[PLAN_KEY] = plan
+
+
+RETRY_NOTE = ("Press **Try again** to ask for a seat again: the Playground opens as soon as one is free (the "
+              "rest of this page waits until then; reloading the page does the same).")
+
+
+def lab_refused(message: str | None, key: str) -> bool:
+    """Say why this session's lab was not built (``build_lab``'s ``lab_error``). When it was refused because no
+    share of the server's memory is free (``engine.limits.NoShareFree``), also say how to retry and offer a
+    "Try again" button: pressing it reruns the page, which asks for a share again (before, the page was a
+    dead end until reloaded: nothing on it rerun the script). Returns whether the button was pressed."""
+    if message and message.startswith(NO_SHARE_FREE):
+        st.error(f"{message}\n\n{RETRY_NOTE}")
+        return st.button("Try again", key=key, type="primary", icon=":material/refresh:")
+    st.error(message)
+    return False
 
 
 # ------------------------------------------------------------------------------------------ history

@@ -23,6 +23,7 @@ import streamlit as st
 
 from ui.class_room_state import (NONE, NOBODY, QUESTION_KINDS, ClassRegistry, answer_from_record,
                                  make_question, new_student_id, normalize_code)
+from ui import class_server
 from ui.state import build_lab, default_settings, get_lab
 from viz.classroom import predictions_figure
 
@@ -140,7 +141,7 @@ def presenter() -> None:
     lab = get_lab()
     if lab is None:
         if not build_lab(default_settings()):
-            st.error(st.session_state.get("lab_error"))
+            class_server.lab_refused(st.session_state.get("lab_error"), key="class_retry")  # + Try again
             return
         lab = get_lab()
     st.caption("Join code: students open this page (Class), choose Student and type it. (Projector view: the "

@@ -292,7 +292,7 @@ def main() -> None:
     lab = get_lab()
     if lab is None:
         if not build_lab(default_settings()):
-            st.error(st.session_state.get("lab_error"))
+            class_server.lab_refused(st.session_state.get("lab_error"), key="playground_retry")  # + Try again
             st.stop()
         lab = get_lab()
     with stage_slot():  # a full run takes the presses first too, so that the sidebar's link shows their step

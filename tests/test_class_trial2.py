@@ -157,3 +157,62 @@ def test_a_student_refused_for_memory_can_try_again_without_reloading(full_class
     full_class.release("other-1")
     [b for b in at.button if b.label == "Try again"][0].click().run()
     assert not at.exception and at.session_state["lab"] is not None and not at.error
+
+
+# ---- item 3: a step out of range is said to be out of range, however many digits ----
+
+@pytest.mark.parametrize("value, said", [
+    ("1000000000", "step 1,000,000,000 is more than the 2,000 steps a link may run (out of range)"),
+    ("1000000000000", "step 1,000,000,000,000 is more than the 2,000 steps a link may run (out of range)"),
+    ("2001", "step 2,001 is more than the 2,000 steps a link may run (out of range)"),
+    ("9" * 5000, "step 999999... (a number of 5,000 digits) is more than the 2,000 steps"),
+    ("-5", "step -5 is out of range: a link's step counts from 0 (the run's start) to 2,000"),
+    ("1.5", "step '1.5' is not a whole number of steps (a link runs 0 to 2,000)"),
+])
+def test_a_step_out_of_range_says_so_and_where_the_run_opens(value, said):
+    """Trial 2, item 3: 1000000000, 10^12 and -5 were "not a number of steps from 0 to 2,000"."""
+    from ui.scenario_io import link_steps
+
+    with pytest.raises(ValueError) as refused:
+        link_steps(value)
+    assert str(refused.value).startswith(said)
+    assert str(refused.value).endswith("the scenario opened at step 0 (press Step, or Play, to go on)")
+
+
+def test_a_step_in_range_is_read_whole():
+    from ui.scenario_io import link_steps
+
+    assert [link_steps(v) for v in (None, "", "0", "-0", "+7", "0012", "2000")] == [0, 0, 0, 0, 7, 12, 2000]
+
+
+# ---- item 4: a link naming no preset says so and lists the presets ----
+
+def test_a_link_naming_no_preset_lists_the_presets():
+    """Trial 2, item 4: ?scenario=nosuchpreset said "the scenario link is damaged (cut short or mistyped?)"."""
+    from engine.scenarios import SCENARIOS
+    from ui.scenario_io import link_settings
+
+    with pytest.raises(ValueError) as refused:
+        link_settings("nosuchpreset")
+    assert str(refused.value).startswith("there is no preset named 'nosuchpreset'; the presets are: ")
+    assert all(name in str(refused.value) for name in SCENARIOS) and "damaged" not in str(refused.value)
+    with pytest.raises(ValueError, match=r"no preset named 'Batch' \(did you mean 'batch'\?\)"):
+        link_settings("Batch")
+    with pytest.raises(ValueError, match="the scenario link is damaged"):  # a packed link cut short stays that
+        link_settings("eNqrVkrOzytJzSvR")
+
+
+def test_the_page_says_a_step_is_out_of_range_and_opens_the_run_at_step_0():
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_file(APP, default_timeout=180)
+    at.query_params["scenario"] = "batch"
+    at.query_params["step"] = "1000000000"
+    at.run()
+    assert not at.exception
+    texts = [e.value for e in at.error] + [w.value for w in at.warning]
+    assert any("step 1,000,000,000 is more than the 2,000 steps a link may run (out of range); the scenario "
+               "opened at step 0" in t for t in texts), texts
+    assert "not a" not in " ".join(texts)
+    lab = at.session_state["lab"]
+    assert lab.settings.preset == "batch" and lab.paged.step_count == 0

@@ -320,7 +320,7 @@ def test_a_file_with_a_pool_sized_by_budget_saves_the_blocks_it_got(loaded):
 
 def test_link_steps_are_checked():
     assert link_steps(None) == 0 and link_steps("17") == 17
-    with pytest.raises(ValueError, match="'-3' is not a number of steps from 0 to"):
+    with pytest.raises(ValueError, match="step -3 is out of range: a link's step counts from 0"):
         link_steps("-3")
     with pytest.raises(ValueError, match="2,001 is more than the 2,000 steps a link may run"):
         link_steps("2001")

@@ -112,21 +112,56 @@ def link_settings(value: str, model: str = EMBEDDED_MODEL) -> LabSettings:
     value = value.strip()
     if value in SCENARIOS:
         return preset_settings(value, model)
-    return scenario_settings(decode_link(value), model)
+    try:
+        scenario = decode_link(value)
+    except ValueError:
+        if looks_like_a_name(value):  # not a packed scenario (they start "eN", zlib's header): a preset's name
+            raise ValueError(no_such_preset(value)) from None
+        raise
+    return scenario_settings(scenario, model)
+
+
+def looks_like_a_name(value: str) -> bool:
+    """Whether a link's ``scenario`` value reads as a preset's name rather than a packed scenario: a short
+    word of letters, digits, "-" and "_" not starting with "eN" (the base64 of zlib's header, which every
+    packed scenario starts with: ``engine.url_codec.pack``)."""
+    return len(value) <= 40 and re.fullmatch(r"[A-Za-z0-9_-]+", value) is not None and not value.startswith("eN")
+
+
+def no_such_preset(name: str) -> str:
+    """Names the missing preset, the closest one if any, and every preset a link may name."""
+    import difflib
+
+    close = difflib.get_close_matches(name.lower(), list(SCENARIOS), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return (f"there is no preset named {name!r}{hint}; the presets are: {', '.join(SCENARIOS)} (a link names "
+            f"one of them, or holds a whole scenario the Playground packed)")
 
 
 def link_steps(value: str | None) -> int:
-    """A link's ``step`` value as a number of steps to run (absent: 0). Raises ValueError unless it is a whole
-    number from 0 to ``MAX_LINK_STEPS``."""
+    """A link's ``step`` value as a number of steps to run (absent: 0). Raises ValueError naming the value
+    unless it is a whole number from 0 to ``MAX_LINK_STEPS``: out of range (below 0, or above however many
+    digits it has: never handed to ``int`` whole) or not a number; the caller then opens the run at step 0."""
     if value is None or value.strip() == "":
         return 0
     value = value.strip()
-    if not re.fullmatch(r"[0-9]{1,9}", value):
-        raise ValueError(f"step {value[:20]!r} is not a number of steps from 0 to {MAX_LINK_STEPS:,}")
-    if int(value) > MAX_LINK_STEPS:
-        raise ValueError(f"step {int(value):,} is more than the {MAX_LINK_STEPS:,} steps a link may run; the "
-                         f"scenario opened at step 0 (press Step, or Play, to go on)")
-    return int(value)
+    at_zero = "the scenario opened at step 0 (press Step, or Play, to go on)"
+    number = re.fullmatch(r"([+-]?)0*([0-9]+)", value)
+    if number is None:
+        raise ValueError(f"step {value[:20]!r} is not a whole number of steps (a link runs 0 to "
+                         f"{MAX_LINK_STEPS:,}); {at_zero}")
+    sign, digits = number.groups()
+    if len(digits) > 15:  # shown by its length: never int() a number typed by anyone whole
+        shown = f"{digits[:6]}... (a number of {len(digits):,} digits)"
+    else:
+        shown = f"{int(digits):,}"
+    if sign == "-" and digits != "0":
+        raise ValueError(f"step -{shown} is out of range: a link's step counts from 0 (the run's start) to "
+                         f"{MAX_LINK_STEPS:,}; {at_zero}")
+    if len(digits) > 15 or int(digits) > MAX_LINK_STEPS:
+        raise ValueError(f"step {shown} is more than the {MAX_LINK_STEPS:,} steps a link may run (out of range); "
+                         f"{at_zero}")
+    return int(digits)
 
 
 def open_scenario_link() -> None:

@@ -20,9 +20,10 @@ batch); vLLM 0.32 has an opt-in batch-invariant mode (``VLLM_BATCH_INVARIANT=1``
 lessons say where "the same tokens" holds: greedy decoding on this CPU float32 engine.
 
 Measured (``lessons/data/batch_invariance.json``, one thread): the logits of a request (raw scores,
-log-probability units) differed by up to 2.8e-05 between the batch and the run alone, and none of the 116
-seeded or greedy replies of 64 tokens changed. That logit difference moves a cumulative probability (0 to
-1) by at most e^(2 x 2.8e-05) - 1 = 5.5e-05 (``cdf_shift_bound``); a seeded flip needs a draw that close to
+log-probability units) differed by up to 2.8e-05 (2.77e-05, rounded up) between the batch and the run
+alone, over 116 seeded and 116 greedy replies of 64 tokens, none of which changed. That logit difference
+moves a cumulative probability (0 to 1) by at most e^(2 x 2.8e-05) - 1 = 5.6e-05 (``cdf_shift_bound``); a
+seeded flip needs a draw that close to
 a boundary, so it is rare and depends on the machine, the thread count and the workload; the lessons quote
 whatever the file holds, each figure named with its own quantity.
 """
@@ -196,6 +197,16 @@ def cdf_shift_bound(max_logit_diff: float, temperature: float) -> float:
     return math.expm1(2 * max_logit_diff / temperature)
 
 
+def round_up(x: float, digits: int = 2) -> float:
+    """``x`` rounded up to ``digits`` significant figures (2.765e-05 -> 2.8e-05, 5.5e-05 stays 5.5e-05), so an
+    "up to" or "at most" quoted with it stays true."""
+    if x <= 0 or not math.isfinite(x):
+        return x
+    scale = 10 ** (math.floor(math.log10(x)) - digits + 1)
+    shown = float(f"{x:.{digits - 1}e}")
+    return shown if shown >= x else float(f"{math.ceil(x / scale) * scale:.{digits - 1}e}")
+
+
 def facts(m: Measurement | None = None) -> dict:
     """The figures and sentences the lessons quote, from the measurement (``load()``). Two quantities are
     kept apart and each is named with its unit where it is said: the **logit** difference (raw scores,
@@ -204,22 +215,29 @@ def facts(m: Measurement | None = None) -> dict:
     close the draw lay to a boundary."""
     m = m or load()
     n, k, tokens = m.requests, m.seeded_differed, m.max_tokens
-    logit = f"{m.max_logit_diff:.1e}"
-    shift = f"{cdf_shift_bound(m.max_logit_diff, m.temperature):.1e}"
+    # The logit figure is shown rounded UP (a true "up to"), and the bound is computed from the figure as
+    # shown, so a reader can redo e^(2 x shown) - 1 from the page; it is still a bound for the real maximum.
+    shown_logit = round_up(m.max_logit_diff)
+    logit = f"{shown_logit:.1e}"
+    shift = f"{cdf_shift_bound(float(logit), m.temperature):.1e}"
+    if float(shift) < cdf_shift_bound(m.max_logit_diff, m.temperature):  # rounded below the real bound
+        shift = f"{round_up(cdf_shift_bound(float(logit), m.temperature)):.1e}"
+    # the maximum is taken over every reply the measurement compared: the seeded ones and the greedy ones
+    replies = f"{n} seeded and {n} greedy replies of {tokens} tokens"
     logit_clause = (f"the logits (the model's raw scores, in log-probability units) of a step differed by up to "
                     f"{logit} between one batch and a run alone")
     if m.flips:
         long = (f"{k} of {n} seeded samples of {tokens} tokens came out different in one batch than run alone; "
-                f"{logit_clause}; and at each reply that changed, the random draw lay within "
-                f"{m.max_draw_distance:.1e} (a cumulative probability, on a scale of 0 to 1) of the boundary "
-                "between two tokens, close enough for that difference to move the boundary past it")
+                f"over those and {n} greedy replies, {logit_clause}; and at each reply that changed, the random "
+                f"draw lay within {m.max_draw_distance:.1e} (a cumulative probability, on a scale of 0 to 1) of "
+                "the boundary between two tokens, close enough for that difference to move the boundary past it")
         short = f"{k} of {n} seeded samples differed between a batch and a run alone"
     else:
-        long = (f"in {n} seeded samples of {tokens} tokens, {logit_clause}; that moves the cumulative "
-                f"probabilities a draw is compared with (on a scale of 0 to 1) by at most {shift}. None of these "
-                "replies changed, but a draw that lands closer than that to the boundary between two tokens "
-                "could pick the other one")
-        short = (f"a seeded sample's logits (its raw scores) differed by up to {logit} between a batch and a run "
+        long = (f"over {replies}, {logit_clause}; a difference d of that size moves the cumulative "
+                f"probabilities a seeded draw is compared with (on a scale of 0 to 1) by at most e^(2d) - 1 = "
+                f"{shift}. None of these replies changed, but a draw that lands closer than that to the "
+                "boundary between two tokens could pick the other one")
+        short = (f"the logits (raw scores) of {replies} differed by up to {logit} between a batch and a run "
                  "alone")
     return {"bi_seeded": f"{k} of {n}", "bi_greedy": f"{m.greedy_differed} of {n}", "bi_tokens": tokens,
             "bi_logit": logit, "bi_cdf_shift": shift,

@@ -137,7 +137,7 @@ class Exercise:
     def check(self, answer: Any) -> Verdict:
         """Compare a committed answer with the engine's. Raises ValueError if the answer cannot be read."""
         value = self.parse(answer)
-        shown = format_value(self.expected, self.unit)
+        shown = format_answer(self.expected, self.unit)
         if self._matches(value):
             return Verdict(True, f"Correct: {self.source} agrees, {shown}.")
         slip = self.slip_for(value)
@@ -216,3 +216,14 @@ def format_value(value: Any, unit: str = "") -> str:
     else:
         text = str(value)
     return f"{text}{unit}" if unit == "%" else f"{text} {unit}".strip()
+
+
+def format_answer(value: Any, unit: str = "") -> str:
+    """An answer as a learner reads it in a verdict or a recap: like ``format_value``, but a list is written as
+    typed ("1, 2, 3, 5", not "[1, 2, 3, 5]") and a count of one takes the singular unit ("1 token")."""
+    if isinstance(value, (list, tuple)):
+        return ", ".join(map(str, value)) if value else "none"
+    if (isinstance(value, (int, float)) and not isinstance(value, bool) and value == 1
+            and re.fullmatch(r"[a-z]+s", unit)):
+        unit = unit[:-1]
+    return format_value(value, unit)

@@ -87,6 +87,9 @@ def admission(lengths: list[int], budget_tokens: int, overtake: bool = False) ->
             why = f"refused: {L:,} tokens are more than the {budget_tokens:,} that fit"
         else:
             why = region.admission_refusal([[0]], L)
+            if why is not None:  # the allocator's own words ("largest gap") are lesson 2's; say it in lesson 1's
+                why = (f"refused: it needs {L:,} token slots and only {budget_tokens - region.reserved_slots:,} of "
+                       f"the {budget_tokens:,} are free")
         if why is None:
             region.allocate(f"R{i}", L, reservation=L)
             admitted.append(i)

@@ -348,15 +348,59 @@ def reveal_pow2_fit(ctx) -> None:
     st.caption("The engine's contiguous allocator, one request at a time in arrival order.")
 
 
+WASTE_COLOUR_GAP = 110  # RGB distance: a request drawn beside the waste colours keeps at least this far from them
+
+
+def _distance(a: str, b: str) -> float:
+    return sum((int(a[i:i + 2], 16) - int(b[i:i + 2], 16)) ** 2 for i in (1, 3, 5)) ** 0.5
+
+
+def picture_order(request_ids: list[str]) -> list[str]:
+    """The request order to draw lesson 2's region strips with: the ids in order, with a placeholder
+    wherever the next palette colour looks like one of the strip's waste colours (brown internal
+    fragmentation, orange external fragmentation, pale purple reserved), so no request is drawn in a colour
+    a reader could take for waste. Past the palette's base colours, tints and shades (48) no colour is
+    skipped."""
+    from viz.colors import BASE_PALETTE, EXTERNAL, INTERNAL, PALETTE_CYCLES, RESERVED, palette_color
+
+    order: list[str] = []
+    for rid in request_ids:
+        while (len(order) < len(BASE_PALETTE) * len(PALETTE_CYCLES)
+               and min(_distance(palette_color(len(order)), w) for w in (INTERNAL, EXTERNAL, RESERVED))
+               < WASTE_COLOUR_GAP):
+            order.append(f"(colour {len(order)} skipped)")
+        order.append(rid)
+    return order
+
+
+def free_gaps_caption(layout: dict) -> str:
+    """What the strip's pale free gaps are, from the allocator's layout: external fragmentation when the next
+    reservation would fit in them together but in none alone; otherwise plain free slots, too few even
+    joined."""
+    gaps = [g["length"] for g in layout["gaps"]]
+    if not gaps:
+        return "No free gap is left."
+    need = layout.get("external_frag_need") or layout["reservation"]
+    total = sum(gaps)
+    sizes = " + ".join(f"{g:,}" for g in gaps) + (f" = {total:,}" if len(gaps) > 1 else "")
+    if layout.get("external_frag_slots", 0):
+        return (f"Orange: free gaps ({sizes} slots) too small for a whole reservation of {need:,}, though together "
+                "they would hold one (external fragmentation).")
+    return (f"Palest grey: free slots ({sizes}). The legend counts 0 external fragmentation: a next reservation "
+            f"of {need:,} slots would not fit even if the gaps were joined, so the region is short of memory, "
+            "not fragmented.")
+
+
 def reveal_frag_admit(ctx) -> None:
     import streamlit as st
 
     from viz import contiguous_region_figure
 
     region, _ = fragmentation()
-    st.plotly_chart(contiguous_region_figure(region.layout(), [f"R{i + 1}" for i in range(len(FRAG_SIZES))]),
+    layout = region.layout()
+    st.plotly_chart(contiguous_region_figure(layout, picture_order([f"R{i + 1}" for i in range(len(FRAG_SIZES))])),
                     width="stretch", key="l2_frag_fig")
-    st.caption("Orange: free gaps too small for a whole reservation (external fragmentation).")
+    st.caption(free_gaps_caption(layout))
 
 
 def reveal_place_first_fit(ctx) -> None:
@@ -365,11 +409,13 @@ def reveal_place_first_fit(ctx) -> None:
     from viz import contiguous_region_figure
 
     region, start = first_fit_run()
-    st.plotly_chart(contiguous_region_figure(region.layout(), [f"R{i + 1}" for i in range(len(FRAG_SIZES) + 1)]),
+    layout = region.layout()
+    st.plotly_chart(contiguous_region_figure(layout, picture_order([f"R{i + 1}" for i in range(len(FRAG_SIZES) + 1)])),
                     width="stretch", key="l2_first_fit_fig")
     st.caption(f"The region after the new request R{len(FRAG_SIZES) + 1} took slots {start:,} to "
                f"{start + FIRST_FIT['need'] - 1:,}: {_slots(region)}. Every reservation is drawn full, the new "
-               "one's too: the picture is about where reservations lie, not what fills them.")
+               "one's too: the picture is about where reservations lie, not what fills them. "
+               + free_gaps_caption(layout))
 
 
 # ----------------------------------------------------------------------------------------------- widget
@@ -420,7 +466,7 @@ def widget_waste(ctx) -> None:
         progress = st.slider("Decode progress: tokens each request holds (up to its final length)", 1, max(2, longest),
                              key="keep_l2_progress")
         run = waste_run(lengths, int(st.session_state["keep_l2_max"]), int(st.session_state["keep_l2_block"]), progress)
-        order = list(run.final_lengths)
+        order = picture_order(list(run.final_lengths))
         m = st.columns(4)
         m[0].metric("contiguous: empty", f"{run.contig_pct:.1f}%", help="reserved slots without a token")
         m[1].metric("of which not yet used", f"{run.not_yet_used:,}")

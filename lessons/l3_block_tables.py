@@ -336,8 +336,9 @@ def exercises(ctx) -> dict[str, Exercise]:
         KERNEL_BANDS[2][2]: ("Sixteen times the table entries sounds expensive, but the kernel reads keys and values "
                              "in tiles of many tokens whatever the block size, and the table lookups are a small "
                              "part of the bytes it moves."),
-        KERNEL_BANDS[3][2]: ("The lookups would double the time only if the kernel spent its time on them; it spends it "
-                             "reading keys and values, the same bytes at any block size."),
+        KERNEL_BANDS[3][2]: ("The lookups would make the step half as long again only if the kernel spent a good "
+                             "part of its time on them; it spends it reading keys and values, the same bytes at any "
+                             "block size."),
     }
     return {
         "prefill_blocks": Exercise(

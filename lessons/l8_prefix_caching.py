@@ -323,16 +323,19 @@ def exercises(ctx) -> dict[str, Exercise]:
     b_stage = st["B"]
     b_tokens = ids("B")
     cached_blocks_before = {tuple(ids("A")[i * B:(i + 1) * B]) for i in range(len(chain(ids("A"))))}
-    own_match = sum(B for i in range((len(b_tokens) - 1) // B)
-                    if tuple(b_tokens[i * B:(i + 1) * B]) in cached_blocks_before)
+    looked_up = range((len(b_tokens) - 1) // B)  # the blocks the lookup considers (never the last token's)
+    same_words = [i for i in looked_up if tuple(b_tokens[i * B:(i + 1) * B]) in cached_blocks_before]
+    own_match = B * len(same_words)
+    first_diff = next(i for i in looked_up if i not in same_words)
     same_tokens = common_prefix([ids("A"), b_tokens])
     chain_hit = Exercise(
         "chain_hit", f"B's prompt: *{words(b_tokens)}* ({len(b_tokens)} tokens). A has finished; its blocks sit "
         "free in the cache with their hashes. How many of B's prompt tokens does the prefix cache find?", "number",
         b_stage.cached, unit="tokens",
-        slips=[Slip("block-alone", own_match, "That counts every block whose own four words A also had. But a "
-                    "block's hash also covers its parent's hash: B's third block follows a different second "
-                    "block, so its hash is not A's."),
+        slips=[Slip("block-alone", own_match, f"That counts every block whose own {B} words A also had (B's "
+                    f"{_and(ORDINALS[i] for i in same_words)} block{'s' if len(same_words) > 1 else ''}). But a "
+                    f"block's hash also covers its parent's hash: B's {ORDINALS[first_diff]} block differs from "
+                    f"A's, so every hash after it in B's chain differs too, even for blocks of A's very words."),
                Slip("token-prefix", same_tokens, "That is the run of equal *tokens* at the start. The cache "
                     "finds whole blocks: a block whose words differ anywhere is simply a different block.")],
         explanation=("B's first block differs from A's by one word, so its hash differs; every later hash in B's "
@@ -414,6 +417,9 @@ def exercises(ctx) -> dict[str, Exercise]:
     head_first = queue_after_frees(before.queue, finished_tables, before.counts, before.hashes, tail_first=False)
     paper = queue_after_frees(before.queue, finished_tables, before.counts, before.hashes, uncached_first=False)
     evicted = [e.blocks[0] for e in d_stage.events if e.kind == "evict"]
+    # the partly filled last blocks the finished requests freed: no hash, so V1 puts them at the front
+    unhashed = [b for t in finished_tables for b in t if before.hashes[b] is None and b not in before.queue]
+    no_exception = [b for b in real_queue if b not in unhashed]  # as if they were not freed, or joined last
     evict_table = Exercise(
         "evict_table", f"You are the block pool. {FINISH_ORDER[0]} finishes, then {FINISH_ORDER[1]}. Then D "
         f"arrives: *{words(ids('D'))}*, {len(ids('D'))} tokens, nothing in common with the others, so it needs "
@@ -427,7 +433,12 @@ def exercises(ctx) -> dict[str, Exercise]:
                     "a request's blocks tail first, so the blocks of a shared prefix's head are evicted last."),
                Slip("cached-like-the-rest", paper[:d_need], "That puts every freed block at the back. V1 puts a "
                     "freed block without a hash (B's partly filled last block) at the *front*: it can never be "
-                    "hit, so it is reused first.")],
+                    "hit, so it is reused first.")]
+        + ([Slip("partial-block-forgotten", no_exception[:d_need], f"That leaves out block"
+                 f"{'s' if len(unhashed) > 1 else ''} {_and(map(str, unhashed))}, the partly filled last block "
+                 "of a finished request. It is freed too, and having no hash it can never be hit: V1 puts it at "
+                 "the *front* of the free queue, ahead of every cached block, so D takes it first.")]
+           if unhashed and no_exception[:d_need] != d_table else []),
         explanation=(f"The free queue after both finished, front first: {real_queue}. D took the first "
                      f"{d_need}: {d_table}" + (f", evicting blocks {evicted} from the prefix cache (their hashes "
                                                "are dropped)." if evicted else ".")))
@@ -517,6 +528,15 @@ def exercises(ctx) -> dict[str, Exercise]:
             "evict_hit": evict_hit, "honest": honest, "bs_rate": bs_rate}
 
 
+ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth", "seventh", "eighth")
+
+
+def _and(items) -> str:
+    """``["second", "third"]`` -> "second and third"; three or more: "a, b and c"."""
+    items = list(items)
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
 def _distinct(slips: list[Slip], expected: float, tol: float = 0.5) -> list[Slip]:
     """Drop slips whose answer is within ``tol`` of the right one or of an earlier slip (a workload change
     could make two coincide)."""
@@ -572,14 +592,28 @@ def reveal_chain_hit(ctx) -> None:
     st.caption("Compare the hash column with A's table above: not one of B's hashes is among A's.")
 
 
+def last_token_rows(stage: Stage) -> list[dict]:
+    """What the last-token question needs, per block of C's prompt: its words, whether the lookup found it,
+    and how many of its tokens the prefill computes. No hash or physical block: where C's recomputed block
+    went and what still carries its hash is the next question's (``duplicate``) answer."""
+    tokens = ids(stage.request)
+    rows = []
+    for i in range(-(-len(tokens) // BLOCK_SIZE)):
+        n = len(tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])
+        found = i * BLOCK_SIZE < stage.cached
+        rows.append({"logical block": i, "tokens": words(tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]),
+                     "found in the cache?": "yes" if found else "no", "tokens computed": 0 if found else n})
+    return rows
+
+
 def reveal_last_token(ctx) -> None:
-    stage = practice()["C"]
-    _table(hash_rows(stage, "C", lookup=True))
-    _pool(stage, "after C's prefill", highlight=[stage.tables["C"][-1]], key="c")
+    _table(last_token_rows(practice()["C"]))
 
 
 def reveal_duplicate(ctx) -> None:
     stage = practice()["C"]
+    _table(hash_rows(stage, "C", lookup=True))
+    _pool(stage, "after C's prefill", highlight=[stage.tables["C"][-1]], key="c")
     rows = [{"hash": h, "blocks carrying it": ", ".join(map(str, bs)),
              "in use or free": ", ".join(f"{b}: {'in use' if stage.counts[b] else 'free'}" for b in bs)}
             for h, bs in hash_holders(stage).items()]

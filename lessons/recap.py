@@ -11,7 +11,7 @@ from datetime import date
 from markdown_it import MarkdownIt
 
 from . import Lesson
-from .exercise import Exercise, format_value
+from .exercise import Exercise, format_answer
 from .text import fill
 
 
@@ -31,20 +31,22 @@ def answer_rows(slug: str, exercises: dict[str, Exercise], order: list[str], ans
         mine, verdict = "not answered", ""
         if entry is not None:
             try:
-                mine = format_value(ex.parse(entry["raw"]), ex.unit)
+                mine = format_answer(ex.parse(entry["raw"]), ex.unit)
                 v = ex.check(entry["raw"])
                 verdict = "right" if v.correct else ("wrong: " + v.slip if v.slip else "wrong")
             except ValueError:  # a code from an older version of the lesson
                 mine, verdict = str(entry["raw"]), "no longer readable"
         rows.append({"n": i, "question": plain(ex.question), "yours": mine,
-                     "engine": format_value(ex.expected, ex.unit), "verdict": verdict})
+                     "engine": format_answer(ex.expected, ex.unit), "verdict": verdict})
     return rows
 
 
 def plain(markdown: str) -> str:
-    """A question's Markdown as one line of plain text for the recap's table (no ``**``, backticks or
-    line breaks)."""
-    return " ".join(re.sub(r"\*\*|__|`", "", markdown).split())
+    """A question's Markdown as one line of plain text for the recap's table (no ``**``, ``*emphasis*``,
+    backticks or line breaks)."""
+    text = re.sub(r"\*\*|__|`", "", markdown)
+    text = re.sub(r"(?<![\w*])\*(?=\S)(.+?)(?<=\S)\*(?![\w*])", r"\1", text)  # *emphasis*, not 2 * 3
+    return " ".join(text.split())
 
 
 def recap_markdown(lesson: Lesson, lines: list[str], rows: list[dict]) -> str:

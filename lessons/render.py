@@ -12,8 +12,8 @@ from engine import EMBEDDED_MODEL
 
 from . import Lesson, catalog
 from .common import LessonContext, reporting
-from .exercise import Exercise, format_value
-from .progress import MAX_ANSWER_CHARS, SavedProgress, decode, encode
+from .exercise import Exercise, format_answer
+from .progress import MAX_ANSWER_CHARS, SavedProgress, decode, describe_code, encode
 from .recap import answer_rows, recap_html, recap_markdown, takeaways
 from .runs import LESSON_RUNS, ProgressBox, preload_model, shared_model
 from .text import fill, split_body
@@ -25,6 +25,7 @@ KEEP = "keep_"  # widgets whose key starts with this keep their value while the 
 OPEN_PRESET = "open_preset"  # session_state: a lesson's playground dict, which the Playground opens and drops
 URL_PARAM = "progress"  # the page URL's query parameter holding the progress code (lessons/progress.py)
 RESTORED = "lesson_progress_restored"  # session_state: the URL's code was read (once per session)
+PROGRESS_ERROR = "lesson_progress_error"  # session_state: why the URL's code was not restored (shown until answered)
 
 
 def keep(**defaults) -> None:
@@ -130,9 +131,21 @@ def sync_progress_url() -> None:
         if code and not saved_progress():
             try:
                 restore_progress(code)
-            except ValueError as exc:
-                st.toast(f"Your lesson progress in this link could not be restored: {exc}.", icon=":material/error:")
+            except ValueError as exc:  # said on the lesson pages until the learner answers (show_progress_error)
+                st.session_state[PROGRESS_ERROR] = (
+                    f"The lesson progress in this page's link could not be restored: {exc} (the code: "
+                    f"{describe_code(code)}). The lessons start without saved progress: your answers from now on "
+                    f"get a new code (in this page's link, and on the Lessons page).")
     save_progress_url()
+
+
+def show_progress_error() -> None:
+    """On a lesson page and the overview: why the link's progress code was not restored, and that the lessons
+    start without it (``sync_progress_url``); shown until the learner's first answer or a loaded code."""
+    if saved_progress():
+        st.session_state.pop(PROGRESS_ERROR, None)
+    elif False:
+        st.error(message, icon=":material/error:")
 
 
 def lesson_progress(lesson: Lesson, exercise_ids) -> tuple[int, int, int]:
@@ -190,7 +203,7 @@ def predict(slug: str, ex: Exercise, reveal=None, ctx: LessonContext | None = No
                         slot.empty()
         if entry is None and slug in whole_lessons():
             with st.expander("The engine's answer (for presenters)"):
-                st.markdown(f"**{format_value(ex.expected, ex.unit)}**")
+                st.markdown(f"**{format_answer(ex.expected, ex.unit)}**")
                 if ex.explanation:
                     st.markdown(ex.explanation)
                 if reveal is not None:
@@ -198,7 +211,7 @@ def predict(slug: str, ex: Exercise, reveal=None, ctx: LessonContext | None = No
         if entry is not None:
             try:
                 verdict = ex.check(entry["raw"])
-                shown = format_value(ex.parse(entry["raw"]), ex.unit)
+                shown = format_answer(ex.parse(entry["raw"]), ex.unit)
             except ValueError:  # restored from a code written for an older version of this question
                 progress().pop(key, None)
                 st.rerun()
@@ -274,6 +287,7 @@ def render_lesson(page_file: str) -> None:
     preload_model(EMBEDDED_MODEL)  # in the background: the next lesson finds it loaded, even if this one runs none
 
     st.title(f"Lesson {lesson.number}: {lesson.title}")
+    show_progress_error()  # a bad ?progress= code: what was wrong, and that the lesson starts without it
     header = st.container()  # filled last, so it counts the answer committed in this run
     ctx, box = context(st.container())  # the first visit since the server started shows its runs' progress here
     exercises = module.exercises(ctx)

@@ -16,7 +16,7 @@ from engine import EMBEDDED_MODEL
 from engine.model_loader import load_model
 from lessons import catalog
 from lessons.common import LessonContext
-from lessons.exercise import Exercise, Slip, format_value
+from lessons.exercise import Exercise, Slip, format_answer, format_value
 from lessons.progress import MAX_CODE_CHARS, SavedProgress, decode, encode
 from lessons.recap import answer_rows, recap_html, recap_markdown, takeaways
 from lessons.text import fill, split_body
@@ -78,7 +78,7 @@ def test_a_slip_that_is_the_right_answer_is_refused():
         Exercise("e", "q", "number", 5, tags={"hard"})
     ex = Exercise("e", "q", "list", [3, 7], slips=[Slip("logical", [0, 1], "Those are the **logical** blocks.")])
     v = ex.check("0, 1")
-    assert not v.correct and v.slip == "logical" and "logical" in v.message and "[3, 7]" in v.message
+    assert not v.correct and v.slip == "logical" and "logical" in v.message and "says 3, 7." in v.message
     v = ex.check("7, 3")
     assert not v.correct and v.slip is None and v.message.startswith("Not quite")
 
@@ -300,7 +300,7 @@ def test_recap_lists_takeaways_and_both_answers(built):
     answers = {f"{lesson.slug}:{some}": {"raw": wrong if wrong is not None else ex.expected, "correct": False}}
     rows = answer_rows(lesson.slug, exs, order, answers)
     assert [r["n"] for r in rows] == list(range(1, len(order) + 1))
-    assert rows[0]["engine"] == format_value(ex.expected, ex.unit)
+    assert rows[0]["engine"] == format_answer(ex.expected, ex.unit)
     if wrong is not None:
         assert rows[0]["verdict"] == f"wrong: {ex.slips[0].name}"
     assert all(r["yours"] == "not answered" for r in rows[1:])

@@ -23,6 +23,7 @@ MAX_PAYLOAD_BYTES = 65_536  # what a code may inflate to
 MAX_ANSWER_CHARS = 400  # one typed answer; a longer one is not a lesson answer
 MAX_NUMBER_DIGITS = 4300  # a number written with more digits is refused by name while parsing (Python's own
 # int conversion refuses past its default limit, sys.int_info.default_max_str_digits, with its own message)
+FIELDS = frozenset({"v", "a", "f", "t", "s"})  # a code's fields: version, answers, first tries right / not, shown
 _KEY = re.compile(r"^l\d+_[a-z0-9_]+:[A-Za-z0-9_]+$")  # "slug:exercise id", as lessons/render.py keys them
 
 
@@ -57,8 +58,8 @@ def encode(saved: SavedProgress) -> str:
 def decode(code: str) -> SavedProgress:
     """A code back to progress. Raises ValueError saying what is wrong with it (not text, not a code, too
     long, from another version: ``"v"`` must be the integer ``VERSION``, not true or 1.0; a number of more
-    than ``MAX_NUMBER_DIGITS`` digits; a malformed entry); an unknown lesson or question in it is kept and
-    simply never shown."""
+    than ``MAX_NUMBER_DIGITS`` digits; a field this app does not write; a malformed entry); an unknown lesson
+    or question in it is kept and simply never shown."""
     raw = url_codec.unpack(code, "the progress code", MAX_CODE_CHARS, MAX_PAYLOAD_BYTES)
     try:
         payload = json.loads(raw, parse_int=_parse_int)
@@ -72,6 +73,10 @@ def decode(code: str) -> SavedProgress:
     if isinstance(version, bool) or not isinstance(version, int) or version != VERSION:  # not true, not 1.0
         said = f" (its version is {json.dumps(version)[:40]})" if isinstance(payload, dict) and "v" in payload else ""
         raise ValueError(f"the progress code is not a version-{VERSION} code of this app{said}")
+    if unknown := sorted(set(payload) - FIELDS):  # a code this app did not write: nothing of it would be restored
+        names = ", ".join(repr(k[:40]) for k in unknown[:5]) + (f" and {len(unknown) - 5:,} more" if len(unknown) > 5 else "")
+        raise ValueError(f"the progress code holds field{'s' * (len(unknown) != 1)} {names} that this app does "
+                         f"not write (its fields are {', '.join(sorted(FIELDS))}): it was not made by this app")
     answers, first = {}, {}
     for key, value in _items(payload.get("a"), dict, "answers"):
         if not (isinstance(value, list) and len(value) == 2 and isinstance(value[1], bool)
@@ -105,6 +110,12 @@ def _parse_int(text: str) -> int:
         raise _NumberTooLong(f"the progress code holds a number of {digits:,} digits: a code this app wrote "
                              f"has none longer than 15 (an answer)")
     return int(text)
+
+
+def describe_code(code: str) -> str:
+    """A bad code named on the page: its first 24 characters (and its length when longer), as typed."""
+    code = code if isinstance(code, str) else repr(code)
+    return repr(code) if len(code) <= 24 else f"{code[:24]!r}... ({len(code):,} characters)"
 
 
 def _plain_answer(value: Any) -> bool:

@@ -144,7 +144,7 @@ def show_progress_error() -> None:
     start without it (``sync_progress_url``); shown until the learner's first answer or a loaded code."""
     if saved_progress():
         st.session_state.pop(PROGRESS_ERROR, None)
-    elif False:
+    elif message := st.session_state.get(PROGRESS_ERROR):
         st.error(message, icon=":material/error:")
 
 

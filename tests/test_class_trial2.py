@@ -216,3 +216,45 @@ def test_the_page_says_a_step_is_out_of_range_and_opens_the_run_at_step_0():
     assert "not a" not in " ".join(texts)
     lab = at.session_state["lab"]
     assert lab.settings.preset == "batch" and lab.paged.step_count == 0
+
+
+# ---- item 5: a bad ?progress= code is said on the lesson pages, naming the code, until the first answer ----
+
+def _trial_code(payload: bytes) -> str:
+    from engine import url_codec
+
+    return url_codec.pack(payload)
+
+
+def test_a_code_of_fields_this_app_does_not_write_is_refused_by_name():
+    """Trial 2, item 5: a code holding a 5,000-digit answer under "answers" (not this app's "a") decoded to
+    nothing at all, and the learner was told nothing."""
+    from lessons.progress import decode
+
+    code = _trial_code(b'{"v":1,"answers":{"l01_kv_cache:q1":{"raw":"' + b"9" * 5000 + b'","correct":true}}}')
+    with pytest.raises(ValueError, match=r"holds field 'answers' that this app does not write \(its fields are "
+                                         r"a, f, s, t, v\)"):
+        decode(code)
+
+
+@pytest.mark.parametrize("code, said", [
+    ("eJyrVkrLz", "the progress code is damaged (cut short or mistyped?) (the code: 'eJyrVkrLz')"),
+    (_trial_code(b'{"v":1,"answers":{"l01_kv_cache:q1":{"raw":"' + b"9" * 5000 + b'","correct":true}}}'),
+     "holds field 'answers' that this app does not write"),
+], ids=["damaged", "5000-digit-answer"])
+def test_a_bad_progress_code_is_said_on_the_lesson_pages_until_the_first_answer(code, said):
+    from streamlit.testing.v1 import AppTest
+
+    from lessons import catalog
+
+    at = AppTest.from_file(APP, default_timeout=180)
+    at.query_params["progress"] = code
+    at.run()
+    assert not at.exception
+    for page in ("ui/lessons.py", catalog()[0].page_path):  # the overview and a lesson: persistent, not a toast
+        at.switch_page(page).run()
+        assert not at.exception
+        errors = [e.value for e in at.error]
+        assert len(errors) == 1 and said in errors[0], errors
+        assert errors[0].startswith("The lesson progress in this page's link could not be restored: ")
+        assert "The lessons start without saved progress" in errors[0]

@@ -5,7 +5,7 @@ import streamlit as st
 from engine import EMBEDDED_MODEL
 from lessons import catalog
 from lessons.render import (FIRST, PROGRESS, SHOWN, lesson_progress, progress_code, restore_progress,
-                            save_progress_url)
+                            save_progress_url, show_progress_error)
 from lessons.runs import preload_model
 
 preload_model(EMBEDDED_MODEL)  # in the background while the learner reads: the lessons find the model loaded
@@ -13,6 +13,7 @@ preload_model(EMBEDDED_MODEL)  # in the background while the learner reads: the 
 NUMBER_WORDS = {6: "Six", 7: "Seven", 8: "Eight", 9: "Nine", 10: "Ten"}
 
 st.title("Lessons")
+show_progress_error()  # a bad ?progress= code in the link: what was wrong, and that the lessons start without it
 lessons = catalog()
 st.markdown(
     f"{NUMBER_WORDS.get(len(lessons), len(lessons))} short lessons on how a language-model server keeps its KV "

@@ -22,7 +22,9 @@ State (one ``PrefixCacheMirror`` per data-parallel rank):
              batches before (None: it saw the stream from batch 0, or replayed it).
 
 Memory is bounded: at most ``max_blocks`` distinct hashes are held (a block is about 1 KB with 16 token
-ids; measured 391 MB for 400,000 blocks before the cap). A store past the cap drops the oldest-stored
+ids; measured 391 MB for 400,000 blocks before the cap), holding at most ``max_token_ids`` token ids in all
+(``MAX_TOKEN_IDS``: the block count alone does not bound the size, measured ~1 GB for 26 blocks of 3,000,000
+tokens before this cap and ``kv_events.MAX_BLOCK_SIZE``). A store past either cap drops the oldest-stored
 hashes from the view (a dict keeps insertion order), counts them in ``capped_out`` and says so once in the
 notes: a well-behaved server never holds more cached blocks than its pool, so only a server with a larger
 pool than the cap, or a misbehaving publisher, reaches it.
@@ -39,7 +41,14 @@ import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
+from .records import plural
+
 MAX_BLOCKS = 100_000  # distinct hashes a mirror holds (about 100 MB); see the module docstring
+# token ids a mirror keeps over all its blocks (a list slot plus an int object: about 36 bytes each, so about
+# 150 MB): the block cap alone counts blocks, not their size; with block sizes bounded by
+# ``kv_events.MAX_BLOCK_SIZE`` (4,096) 100,000 blocks could still hold 409,600,000 ids. 4,000,000 is 100,000
+# blocks of 40 tokens, more than any real server's pool of 16-token blocks that the block cap allows.
+MAX_TOKEN_IDS = 4_000_000
 
 
 @dataclass(slots=True)
@@ -70,6 +79,7 @@ class BatchSummary:
     num_tokens: int
     num_hashes: int
     replayed: bool = False
+    restarted: bool = False  # the view was reset because the publisher restarted (``cleared`` is then true too)
 
 
 @dataclass
@@ -77,6 +87,7 @@ class PrefixCacheMirror:
     rank: int = 0
     max_history: int = 100_000
     max_blocks: int = MAX_BLOCKS
+    max_token_ids: int = MAX_TOKEN_IDS
     blocks: dict[str, CachedBlock] = field(default_factory=dict)
     history: deque = field(default_factory=deque)
     notes: list[str] = field(default_factory=list)
@@ -95,9 +106,19 @@ class PrefixCacheMirror:
     starts_at: int | None = None
     first_seq: int | None = None  # the first batch applied (since the last restart)
     _num_blocks: int = 0
+    _kept_tokens: int = 0  # token ids held over all distinct blocks (for ``max_token_ids``)
     _order: deque = field(default_factory=deque, repr=False)  # hashes by first store, for the cap (may hold gone ones)
     _restarted: bool = False
     version: int = 0  # +1 on every change (a batch applied, a note): readers copy only when it moved
+    num_replayed: int = 0    # batches applied that came from the replay socket
+    # counted by a capture replay from the capture's marker lines (``capture.py``); a live watch counts these
+    # in its subscriber (``kv_subscriber.SubscriberView``), which writes the markers
+    malformed: int = 0
+    duplicates: int = 0
+    jumps: int = 0
+    before_watch: int = 0
+    refused_pending: int = 0  # messages ZMQ refused unread (seq unknown): the next gap's first batch is one
+    join_note: str | None = None  # the note saying where the view joined the stream (kept in the final state)
 
     # --- applying events ---------------------------------------------------------------------------------
 
@@ -116,19 +137,20 @@ class PrefixCacheMirror:
                 removed += self._num_blocks
                 self.blocks.clear()
                 self._order.clear()
-                self._num_blocks = 0
+                self._num_blocks = self._kept_tokens = 0
                 cleared = True
         self.version += 1
         self.total_stored += stored
         self.total_removed += removed
         self.num_batches += 1
+        self.num_replayed += replayed
         if self.first_seq is None:
             self.first_seq = seq
         self.last_seq = seq
-        cleared, self._restarted = cleared or self._restarted, False
-        summary = BatchSummary(seq=seq, ts=ts, stored=stored, removed=removed, cleared=cleared,
+        restarted, self._restarted = self._restarted, False
+        summary = BatchSummary(seq=seq, ts=ts, stored=stored, removed=removed, cleared=cleared or restarted,
                                num_blocks=self._num_blocks, num_tokens=self.num_tokens,
-                               num_hashes=len(self.blocks), replayed=replayed)
+                               num_hashes=len(self.blocks), replayed=replayed, restarted=restarted)
         self.history.append(summary)
         while len(self.history) > self.max_history:
             self.history.popleft()
@@ -147,8 +169,10 @@ class PrefixCacheMirror:
         for i, h in enumerate(e["block_hashes"]):
             block = self.blocks.get(h)
             if block is None:
-                if len(self.blocks) >= self.max_blocks:
+                while self.blocks and (len(self.blocks) >= self.max_blocks
+                                       or self._kept_tokens + size > self.max_token_ids):
                     self._drop_oldest(seq)
+                self._kept_tokens += size
                 self.blocks[h] = CachedBlock(hash=h, parent=parent, token_ids=list(tokens[i * size:(i + 1) * size]),
                                              block_size=size, medium=e.get("medium"), copies=1, stored_seq=seq,
                                              stored_ts=ts)
@@ -169,10 +193,13 @@ class PrefixCacheMirror:
             oldest = self._order.popleft()
             if oldest in self.blocks:
                 break
-        self._num_blocks -= self.blocks.pop(oldest).copies
+        gone = self.blocks.pop(oldest)
+        self._num_blocks -= gone.copies
+        self._kept_tokens -= len(gone.token_ids)
         self.capped_out += 1
         if self.capped_out == 1:
-            self.note(f"batch {seq}: the view holds at most {self.max_blocks:,} distinct blocks (its memory cap); "
+            self.note(f"batch {seq}: the view holds at most {self.max_blocks:,} distinct blocks and "
+                      f"{self.max_token_ids:,} token ids (its memory cap); "
                       f"from here on the oldest-stored blocks are dropped from the view to make room, so it "
                       f"shows fewer blocks than the server holds, and removals of dropped blocks count as "
                       f"unknown")
@@ -186,6 +213,7 @@ class PrefixCacheMirror:
                 continue
             if block.copies == 1:
                 del self.blocks[h]
+                self._kept_tokens -= len(block.token_ids)
             else:  # a new object, never changed in place (``copy``)
                 self.blocks[h] = dataclasses.replace(block, copies=block.copies - 1)
             self._num_blocks -= 1
@@ -197,15 +225,16 @@ class PrefixCacheMirror:
         cache is empty, so the view forgets every block (not counted as removed: the server evicted
         nothing) and the next batch's summary is marked ``cleared``."""
         if self.stale:  # seen when the connection came back (kv_subscriber): this is the new one's first batch
-            self.note(f"batch {seq}, the restarted publisher's first: the {self._num_blocks:,} blocks shown from "
-                      f"before the restart are dropped from the view")
+            n = self._num_blocks
+            self.note(f"batch {seq}, the restarted publisher's first: the {plural(n, 'block')} shown from before "
+                      f"the restart {'is' if n == 1 else 'are'} dropped from the view")
         else:
             self.note(f"the publisher restarted (sequence numbers began again at {seq} after {self.last_seq}): "
-                      f"its cache starts empty, so the {self._num_blocks:,} blocks held before are dropped from "
-                      f"the view")
+                      f"its cache starts empty, so the {plural(self._num_blocks, 'block')} held before "
+                      f"{'is' if self._num_blocks == 1 else 'are'} dropped from the view")
         self.blocks.clear()
         self._order.clear()
-        self._num_blocks = 0
+        self._num_blocks = self._kept_tokens = 0
         self.last_seq = None
         self._restarted = True
         self.stale = None
@@ -218,6 +247,17 @@ class PrefixCacheMirror:
         self.stale = text
         self.note(text)
 
+    def take_refused(self, expected: int) -> bool:
+        """A gap begins at ``expected`` after a message ZMQ refused unread (too big: its number was never read):
+        take ``expected`` for that message, counted once, as malformed, and not as lost. True if so."""
+        if not self.refused_pending:
+            return False
+        self.refused_pending -= 1
+        self.last_seq = expected
+        self.note(f"batch {expected:,}: taken for the message ZMQ refused unread (counted once, as malformed, not "
+                  f"as a gap or lost)")
+        return True
+
     def note_gap(self, expected: int, got: int, recovered: int) -> None:
         """Sequence numbers ``expected`` .. ``got - 1`` did not arrive live; ``recovered`` of them came back
         from the replay socket."""
@@ -225,8 +265,9 @@ class PrefixCacheMirror:
         self.gaps += 1
         self.lost_batches += lost
         what = f"batches {expected}-{got - 1}" if got - expected > 1 else f"batch {expected}"
-        self.note(f"gap: {what} missed live; {recovered} replayed" + (f", {lost} lost (the view may lack "
-                                                                          f"their blocks)" if lost else ""))
+        self.note(f"gap: {what} missed live; {recovered:,} replayed" + (f", {lost:,} lost (the view may lack "
+                                                                            f"{'their' if lost > 1 else 'its'} "
+                                                                            f"blocks)" if lost else ""))
 
     def note(self, text: str) -> None:
         self.version += 1

@@ -9,6 +9,16 @@ Format: JSON lines (one object per line, UTF-8), so a capture can be read with a
     {"kind": "batch", "rank": int, "seq": int, "t": float, "ts": float, "replayed": bool, "payload": base64,
      "restart": true}
     {"kind": "metrics", "rank": int, "t": float, "values": {name: number}}     (optional, /metrics scrapes)
+    {"kind": "marker", "rank": int, "t": float, "what": "malformed" | "duplicate" | "jump" | "join",
+     "seq": int | null, "count": int, "text": str, "refused": true, "starts_at": true}   (optional)
+
+A ``marker`` line is something the watch counted that left no batch to keep (``kv_subscriber.StreamMarker``):
+a malformed message (``seq`` null when no number could be read; ``refused``: ZMQ refused it unread, so the
+first batch missing after it is taken for it), a duplicate or out-of-order batch, an impossible sequence jump,
+or the join point of a late watch (``count`` batches published before it; ``starts_at``: the view starts at
+``seq``). A replay counts them as the watch did, so it reports the same malformed, duplicate, jump, gap, lost
+and before-the-watch counts; a reader keeps each marker with the batch line after it (``CaptureBatch.markers``,
+or ``Capture.trailing`` after the last batch).
 
 ``payload`` is the msgpack payload exactly as received (``kv_events.decode_batch`` reads it), so a capture
 keeps whatever the server sent, including fields the lab does not read; ``t`` is seconds since the first
@@ -19,7 +29,10 @@ batches all arrive at once (179 batches within 0.1 s of ``t``). ``replay_gap`` p
 ``restart`` (present only when true) marks the first batch of a restarted publisher, which a watcher knew
 from the connection (a replay could not tell it from a gap when the new sequence numbers run past the old).
 
-Version 1 throughout: ``ts`` and ``restart`` were added later as optional fields (older readers ignore
+Sequence numbers are 0 to 2**64 - 1 (8 bytes on the wire) and ranks 0 to ``MAX_RANK``; ``read_capture``
+refuses others naming the line and the value.
+
+Version 1 throughout: ``ts``, ``restart`` and marker lines were added later as optional fields (older readers ignore
 fields they do not know; captures written before them read as before, the replay taking ``ts`` from the
 payload), so captures written before and after read both ways.
 
@@ -42,6 +55,9 @@ from .kv_events import MAX_TS, MalformedBatch, decode_batch, ts_problem
 FORMAT = "paged-attention-lab.kv-capture"
 VERSION = 1
 MAX_CAPTURE_BYTES = 256 * 2**20  # read_capture refuses bigger files before reading them
+MAX_SEQ = 2**64 - 1  # a sequence number is 8 bytes big-endian on the wire
+MAX_RANK = 4095      # data-parallel ranks (vLLM numbers them from 0; no deployment comes near 4,096)
+MARKER_KINDS = ("malformed", "duplicate", "jump", "join")
 
 
 @dataclass
@@ -54,6 +70,7 @@ class CaptureBatch:
     ts: float | None = None      # the publisher's timestamp (None: not written, read it from the payload)
     restart: bool = False
     line: int | None = None      # the line of the file it was read from, for error messages
+    markers: list[dict] = field(default_factory=list)  # marker lines just before this batch (applied first)
 
 
 @dataclass
@@ -61,10 +78,12 @@ class Capture:
     header: dict
     batches: list[CaptureBatch] = field(default_factory=list)
     metrics: list[dict] = field(default_factory=list)
+    trailing: list[dict] = field(default_factory=list)  # marker lines after the last batch
 
     @property
     def ranks(self) -> list[int]:
-        return sorted({b.rank for b in self.batches})
+        return sorted({b.rank for b in self.batches} | {m["rank"] for b in self.batches for m in b.markers}
+                      | {m["rank"] for m in self.trailing})
 
 
 def new_header(source: str, endpoints: list[str], model: str | None = None, block_size: int | None = None,
@@ -87,10 +106,27 @@ def batch_line(rank: int, seq: int, t: float, payload: bytes, replayed: bool = F
     return json.dumps(obj)
 
 
+def marker_line(m: dict) -> str:
+    """One marker (a dict of the marker line's fields) as a capture line (no newline)."""
+    obj = {"kind": "marker", "rank": m["rank"], "t": round(m.get("t", 0.0), 6), "what": m["what"],
+           "seq": m.get("seq"), "count": m.get("count", 1), "text": m.get("text", "")}
+    obj.update({k: True for k in ("refused", "starts_at") if m.get(k)})
+    return json.dumps(obj)
+
+
+def marker_dict(marker, t: float) -> dict:
+    """A ``kv_subscriber.StreamMarker`` as a marker line's fields, ``t`` seconds into the capture."""
+    return {"rank": marker.rank, "t": t, "what": marker.what, "seq": marker.seq, "count": marker.count,
+            "text": marker.text, "refused": marker.refused, "starts_at": marker.starts_at}
+
+
 def dumps_capture(capture: Capture) -> str:
     """The whole capture as JSON lines text (what the Server page offers for download)."""
     lines = [json.dumps(capture.header)]
-    lines += [batch_line(b.rank, b.seq, b.t, b.payload, b.replayed, b.ts, b.restart) for b in capture.batches]
+    for b in capture.batches:
+        lines += [marker_line(m) for m in b.markers]
+        lines.append(batch_line(b.rank, b.seq, b.t, b.payload, b.replayed, b.ts, b.restart))
+    lines += [marker_line(m) for m in capture.trailing]
     lines += [json.dumps({"kind": "metrics", **m}) for m in capture.metrics]
     return "\n".join(lines) + "\n"
 
@@ -115,6 +151,16 @@ class CaptureWriter:
         if self._t0 is None:
             self._t0 = recv_ts
         self._f.write(batch_line(rank, seq, recv_ts - self._t0, payload, replayed, ts, restart) + "\n")
+        self._f.flush()
+
+    def add(self, item) -> None:
+        """Write a subscriber's ``RawBatch`` or ``StreamMarker`` (its ``on_raw`` callback)."""
+        if hasattr(item, "payload"):
+            self.write(item.rank, item.seq, item.recv_ts, item.payload, item.replayed, item.ts, item.restart)
+            return
+        if self._t0 is None:
+            self._t0 = item.recv_ts
+        self._f.write(marker_line(marker_dict(item, item.recv_ts - self._t0)) + "\n")
         self._f.flush()
 
     def close(self, **header_updates) -> None:
@@ -157,15 +203,20 @@ def read_capture(source: str | Path | bytes) -> Capture:
     if header.get("version") != VERSION:
         raise ValueError(f"line 1: capture version {header.get('version')!r}, this reader takes {VERSION}")
     capture = Capture(header=header)
+    pending: list[dict] = []
     for n, line in lines[1:]:
         obj = _json((n, line))
         kind = obj.get("kind")
         if kind == "batch":
             capture.batches.append(_batch(n, obj))
+            capture.batches[-1].markers, pending = pending, []
+        elif kind == "marker":
+            pending.append(_marker(n, obj))
         elif kind == "metrics":
             capture.metrics.append({k: v for k, v in obj.items() if k != "kind"})
         else:
-            raise ValueError(f"line {n}: kind {kind!r} is not one of 'batch', 'metrics'")
+            raise ValueError(f"line {n}: kind {kind!r} is not one of 'batch', 'marker', 'metrics'")
+    capture.trailing = pending
     return capture
 
 
@@ -187,6 +238,7 @@ def _batch(n: int, obj: dict) -> CaptureBatch:
     for name, kind in (("rank", int), ("seq", int), ("t", (int, float)), ("payload", str)):
         if not isinstance(obj.get(name), kind) or isinstance(obj.get(name), bool):
             raise ValueError(f"line {n}: batch field {name!r} is {obj.get(name)!r}")
+    _check_numbers(n, "batch", obj["rank"], obj["seq"])
     try:
         payload = base64.b64decode(obj["payload"], validate=True)
     except ValueError:
@@ -198,6 +250,35 @@ def _batch(n: int, obj: dict) -> CaptureBatch:
     return CaptureBatch(rank=obj["rank"], seq=obj["seq"], t=float(obj["t"]), payload=payload,
                         replayed=bool(obj.get("replayed", False)), ts=None if ts is None else float(ts),
                         restart=obj.get("restart") is True, line=n)
+
+
+def _check_numbers(n: int, kind: str, rank: int, seq: int | None) -> None:
+    """Refuse a rank or sequence number no publisher can send, naming the line and the value."""
+    if not 0 <= rank <= MAX_RANK:
+        raise ValueError(f"line {n}: {kind} field 'rank' is {rank!r}, expected a data-parallel rank from 0 to "
+                         f"{MAX_RANK:,}")
+    if seq is not None and not 0 <= seq <= MAX_SEQ:
+        raise ValueError(f"line {n}: {kind} field 'seq' is {seq!r}, expected a sequence number from 0 to 2**64 - 1 "
+                         f"(8 bytes on the wire)")
+
+
+def _marker(n: int, obj: dict) -> dict:
+    seq, count = obj.get("seq"), obj.get("count", 1)
+    if not isinstance(obj.get("rank"), int) or isinstance(obj.get("rank"), bool):
+        raise ValueError(f"line {n}: marker field 'rank' is {obj.get('rank')!r}")
+    if obj.get("what") not in MARKER_KINDS:
+        raise ValueError(f"line {n}: marker field 'what' is {obj.get('what')!r}, not one of "
+                         f"{', '.join(MARKER_KINDS)}")
+    if seq is not None and (not isinstance(seq, int) or isinstance(seq, bool)):
+        raise ValueError(f"line {n}: marker field 'seq' is {seq!r}")
+    if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= MAX_SEQ + 1:
+        raise ValueError(f"line {n}: marker field 'count' is {count!r}, expected a number of batches")
+    if not isinstance(obj.get("t", 0.0), (int, float)) or not isinstance(obj.get("text", ""), str):
+        raise ValueError(f"line {n}: marker field 't' or 'text' is not a number / a string")
+    _check_numbers(n, "marker", obj["rank"], seq)
+    return {"rank": obj["rank"], "t": float(obj.get("t", 0.0)), "what": obj["what"], "seq": seq, "count": count,
+            "text": obj.get("text", ""), "refused": obj.get("refused") is True,
+            "starts_at": obj.get("starts_at") is True and seq is not None}
 
 
 # --- replay ---------------------------------------------------------------------------------------------
@@ -229,6 +310,15 @@ class CaptureReplay:
         return len(self.capture.batches)
 
     def state(self, position: int) -> ReplayState:
+        """Every rank's cache after the first ``position`` batches (and, at the end, the markers after the
+        last batch)."""
+        state = self._state(position)
+        if position == len(self) and self.capture.trailing:
+            for m in self.capture.trailing:
+                self.apply_marker(state.mirrors, state.errors, m)
+        return state
+
+    def _state(self, position: int) -> ReplayState:
         if not 0 <= position <= len(self):
             raise ValueError(f"position {position} is outside the capture's 0..{len(self)} batches")
         base = max(k for k in self._checkpoints if k <= position)
@@ -248,33 +338,85 @@ class CaptureReplay:
             self._checkpoints = {k: v for k, v in self._checkpoints.items() if k % self.every == 0}
 
     @staticmethod
-    def apply_batch(mirrors: dict[int, PrefixCacheMirror], errors: list[str], b: CaptureBatch) -> None:
-        """Apply one capture batch to its rank's mirror: an unreadable one goes to ``errors``, a sequence
-        number not above the last is a publisher restart, a jump is a gap (nothing can be replayed)."""
-        mirror = mirrors[b.rank]
+    def apply_marker(mirrors: dict[int, PrefixCacheMirror], errors: list[str], m: dict) -> None:
+        """Count one marker line as the watch that wrote it did (``kv_subscriber.StreamMarker``): a join sets
+        ``before_watch`` (and where the view starts); a skipped message goes to ``errors`` and its count; a
+        malformed batch whose number was read arrived (a gap before it is a gap, it is not one)."""
+        rank, seq = m["rank"], m.get("seq")
+        mirror = mirrors.setdefault(rank, PrefixCacheMirror(rank=rank))
+        text = m.get("text") or f"skipped a {m['what']} message" + (f" (batch {seq})" if seq is not None else "")
+        if m["what"] == "join":
+            mirror.before_watch += m.get("count", 0)
+            if m.get("starts_at"):
+                mirror.starts_at, mirror.join_note = seq, text
+                mirror.note(text)
+            return
+        errors.append(f"rank {rank}  {text}")
+        if m["what"] == "duplicate":
+            mirror.duplicates += 1
+        elif m["what"] == "jump":
+            mirror.jumps += 1
+        else:
+            mirror.malformed += 1
+            if m.get("refused"):
+                mirror.refused_pending += 1
+            elif seq is not None:
+                _gap_before(mirror, seq)
+                mirror.last_seq = seq  # it arrived (unreadable): not a gap in the sequence
+
+    @staticmethod
+    def apply_batch(mirrors: dict[int, PrefixCacheMirror], errors: list[str], b: CaptureBatch) -> bool:
+        """Apply one capture batch to its rank's mirror, after the markers just before it: an unreadable one
+        goes to ``errors`` (a jump before it is still a gap), a sequence number not above the last is a
+        publisher restart, a jump is a gap (nothing can be replayed). True if it was applied."""
+        for m in b.markers:
+            CaptureReplay.apply_marker(mirrors, errors, m)
+        mirror = mirrors.setdefault(b.rank, PrefixCacheMirror(rank=b.rank))
         try:
             batch = decode_batch(b.payload)
         except MalformedBatch as exc:
             where = f" (line {b.line} of the capture)" if b.line is not None else ""
             errors.append(f"rank {b.rank} batch {b.seq}: skipped, {exc}{where}")
+            mirror.malformed += 1
+            if not b.restart:
+                _gap_before(mirror, b.seq)
             mirror.last_seq = b.seq  # it arrived (unreadable): not a gap in the sequence
-            return
+            return False
         if b.restart:
             mirror.restart(b.seq)  # the watcher saw the publisher go and come back
         elif mirror.last_seq is not None and b.seq <= mirror.last_seq:
             mirror.restart(b.seq)  # a capture holds each batch once, in the order applied: a restart
-        elif mirror.last_seq is not None and b.seq > mirror.last_seq + 1:
-            mirror.note_gap(mirror.last_seq + 1, b.seq, 0)
+        else:
+            _gap_before(mirror, b.seq)
         mirror.apply(b.seq, batch.ts, batch.events, replayed=b.replayed)
+        return True
+
+
+def _gap_before(mirror: PrefixCacheMirror, seq: int) -> None:
+    """Batch ``seq`` arrived: note the gap before it, if any (its first batch taken for a message ZMQ refused
+    unread, when one is pending, as the watch did: ``kv_subscriber``)."""
+    if mirror.last_seq is not None and seq > mirror.last_seq + 1:
+        mirror.take_refused(mirror.last_seq + 1)
+    if mirror.last_seq is not None and seq > mirror.last_seq + 1:
+        mirror.note_gap(mirror.last_seq + 1, seq, 0)
 
 
 def capture_from_raw(raw_batches, header: dict) -> Capture:
-    """A Capture from a subscriber's ``RawBatch`` list (``kv_subscriber``), times relative to the first."""
-    raw = sorted(raw_batches, key=lambda r: r.recv_ts)
+    """A Capture from a subscriber's ``RawBatch`` and ``StreamMarker`` list (``kv_subscriber``:
+    ``capture_items``), times relative to the first; each marker kept with the batch after it."""
+    raw = sorted(raw_batches, key=lambda r: r.recv_ts)  # stable: one subscriber's items keep their order
     t0 = raw[0].recv_ts if raw else 0.0
-    return Capture(header=header, batches=[CaptureBatch(rank=r.rank, seq=r.seq, t=r.recv_ts - t0, payload=r.payload,
-                                                        replayed=r.replayed, ts=getattr(r, "ts", None),
-                                                        restart=getattr(r, "restart", False)) for r in raw])
+    capture, pending = Capture(header=header), []
+    for r in raw:
+        if not hasattr(r, "payload"):
+            pending.append(marker_dict(r, r.recv_ts - t0))
+            continue
+        capture.batches.append(CaptureBatch(rank=r.rank, seq=r.seq, t=r.recv_ts - t0, payload=r.payload,
+                                            replayed=r.replayed, ts=getattr(r, "ts", None),
+                                            restart=getattr(r, "restart", False), markers=pending))
+        pending = []
+    capture.trailing = pending
+    return capture
 
 
 def server_time(b: CaptureBatch) -> float | None:

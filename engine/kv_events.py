@@ -78,6 +78,11 @@ EVENT_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
 # A batch's ``ts`` is the publisher's ``time.time()``: seconds since the epoch. Anything outside 0 .. the end of
 # year 9999 (the last second ``datetime`` can show) is not a time: NaN, an infinity, 1e300.
 MAX_TS = 253_402_300_799.0
+# The most tokens one block may hold. vLLM's block sizes are 16 by default and at most a few hundred (its
+# --block-size choices go to 256; hybrid models round theirs up to a few hundred); 4,096 leaves room for any
+# real server while refusing a "block" of millions of tokens, which a mirror would otherwise keep in memory
+# (measured: 30 BlockStored of 3,000,000 token ids each took a watch to ~1 GB).
+MAX_BLOCK_SIZE = 4096
 _ENCODER = msgspec.msgpack.Encoder()
 _MASK64 = (1 << 64) - 1
 
@@ -170,7 +175,7 @@ def decode_batch(payload: bytes, max_events: int | None = None) -> DecodedBatch:
 
     Raises MalformedBatch naming the first thing wrong (not msgpack, not a [ts, events, rank] array, a ``ts``
     that is not a time (NaN, infinite, negative or past ``MAX_TS``), an unknown event type, a missing field,
-    a bad hash, a BlockStored whose tokens are not whole blocks, or more than ``max_events`` events, arrays
+    a bad hash, a BlockStored whose tokens are not whole blocks or whose block_size is over ``MAX_BLOCK_SIZE``, or more than ``max_events`` events, arrays
     or maps nested deeper than Python's recursion limit: msgspec's decoder recurses per level, so a 1 KB
     payload of 1,000 nested one-element arrays would raise RecursionError). Never raises anything else,
     whatever the bytes: a publisher cannot stop a subscriber."""
@@ -224,13 +229,18 @@ def _decode_event(i: int, e: Any) -> dict:
     if kind == "BlockRemoved":
         return {"type": kind, "block_hashes": hashes, "medium": medium}
     tokens, size = fields.get("token_ids"), fields.get("block_size")
-    if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-        raise MalformedBatch(f"event {i} (BlockStored) has no token_ids array of ints")
-    if not isinstance(size, int) or size < 1:
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise MalformedBatch(f"event {i} (BlockStored) has block_size {_short(size)}, expected a positive int")
+    if size > MAX_BLOCK_SIZE:
+        raise MalformedBatch(f"event {i} (BlockStored) has block_size {size:,}, more than the {MAX_BLOCK_SIZE:,} "
+                             f"tokens per block this reader takes (vLLM's blocks hold at most a few hundred)")
+    if not isinstance(tokens, list):
+        raise MalformedBatch(f"event {i} (BlockStored) has no token_ids array of ints")
     if len(tokens) != size * len(hashes):
-        raise MalformedBatch(f"event {i} (BlockStored): {len(tokens)} token ids for {len(hashes)} blocks "
-                             f"of {size}, expected {size * len(hashes)}")
+        raise MalformedBatch(f"event {i} (BlockStored): {len(tokens):,} token ids for {len(hashes)} blocks "
+                             f"of {size}, expected {size * len(hashes):,}")
+    if not all(isinstance(t, int) for t in tokens):
+        raise MalformedBatch(f"event {i} (BlockStored) has no token_ids array of ints")
     parent = fields.get("parent_block_hash")
     return {"type": kind, "block_hashes": hashes, "parent_block_hash": None if parent is None else hash_key(parent),
             "token_ids": tokens, "block_size": size, "lora_id": fields.get("lora_id"), "medium": medium,

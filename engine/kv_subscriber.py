@@ -79,6 +79,10 @@ DROP_GRACE_S = 0.5  # a drop with no reconnect event within this long was a prot
 MAX_SEQ_JUMP = 10_000
 RESTARTED = "server restarted: the cache shown is from before; the server's is empty"
 MAX_REPLAY_ROUNDS = 100  # replay requests per gap (each round brings at least one batch, or ends)
+# Payload bytes a subscriber keeps for a capture (the Server page's Download capture). 50,000 batches alone did
+# not bound it: a batch may be up to max_message_bytes. 64 MiB is a capture read_capture takes after base64
+# (4/3 larger, under its 256 MiB) and thousands of real vLLM batches (a few KB each).
+MAX_CAPTURE_BYTES = 64 * 2**20
 
 
 @dataclass
@@ -101,6 +105,27 @@ class RawBatch:
     replayed: bool = False
     ts: float | None = None
     restart: bool = False
+
+
+@dataclass
+class StreamMarker:
+    """Something the watch counted that left no batch to keep, kept in a capture beside the batches (a
+    ``marker`` line, ``capture.py``) so that a replay counts it as the watch did: ``what`` is "malformed"
+    (``seq`` None when no number could be read; ``refused``: ZMQ refused it unread, too big), "duplicate",
+    "jump" (an impossible sequence jump) or "join" (``count`` batches published before the watch began;
+    ``starts_at``: the view starts at ``seq`` without them). ``text`` is what the watch said."""
+    rank: int
+    what: str
+    seq: int | None
+    recv_ts: float
+    text: str = ""
+    count: int = 1
+    refused: bool = False
+    starts_at: bool = False
+
+
+# a marker's share of the capture's byte budget (its fields besides the text)
+_MARKER_BYTES = 128
 
 
 @dataclass
@@ -138,7 +163,10 @@ class KVEventSubscriber:
         max_blocks: distinct blocks the mirror holds (``cache_mirror.MAX_BLOCKS``: its memory cap).
         handshake_timeout_s: a peer that accepts TCP but has not finished ZMQ's handshake by then is not a
             publisher (``zmq.HANDSHAKE_IVL``).
-        max_capture: raw batches kept for a capture (oldest dropped first; ``capture_dropped`` counts).
+        max_capture: raw batches (and markers) kept for a capture (oldest dropped first; ``capture_dropped``
+            counts the batches dropped).
+        max_capture_bytes: the payload bytes kept for a capture (``MAX_CAPTURE_BYTES``, 64 MiB; a marker
+            counts its text plus 128): past it the oldest are dropped, counted in ``capture_dropped``.
         on_raw: called in the subscriber's thread with each RawBatch (e.g. a recorder writing a file).
 
     Raises ValueError naming a malformed endpoint (``config.check_endpoint``) or one ZMQ refuses, before the
@@ -147,7 +175,7 @@ class KVEventSubscriber:
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "", rank: int = 0,
                  max_events: int = 200_000, max_message_bytes: int = 256 * 2**20, max_capture: int = 50_000,
-                 on_raw=None, replay_timeout_s: float = 1.0, max_blocks: int = MAX_BLOCKS,
+                 max_capture_bytes: int | None = None, on_raw=None, replay_timeout_s: float = 1.0, max_blocks: int = MAX_BLOCKS,
                  handshake_timeout_s: float = 5.0) -> None:
         check_endpoint(endpoint, "KV events endpoint")
         if replay_endpoint is not None:
@@ -162,7 +190,11 @@ class KVEventSubscriber:
         self._stop = threading.Event()
         self.mirror = PrefixCacheMirror(rank=rank, max_blocks=max_blocks)
         self._view_copy: tuple[int, PrefixCacheMirror] | None = None  # (version, copy) for view()
-        self.capture: deque[RawBatch] = deque(maxlen=max_capture)
+        # RawBatch and StreamMarker in the order they happened; bounded by count and by bytes
+        self.capture: deque[RawBatch | StreamMarker] = deque()
+        self._max_capture = max_capture
+        self._max_capture_bytes = MAX_CAPTURE_BYTES if max_capture_bytes is None else max_capture_bytes
+        self.capture_bytes = 0
         self.capture_dropped = 0
         self.received = self.replayed = self.malformed = self.gaps = self.lost = 0
         # a join point (the first batch seen, live or replayed) with a number above 0: the batches before it
@@ -235,7 +267,22 @@ class KVEventSubscriber:
     def raw_batches(self) -> list[RawBatch]:
         """The raw batches kept so far (for a capture), oldest first."""
         with self._lock:
+            return [r for r in self.capture if isinstance(r, RawBatch)]
+
+    def capture_items(self) -> list[RawBatch | StreamMarker]:
+        """The raw batches and markers kept so far, in the order they happened: what a capture holds."""
+        with self._lock:
             return list(self.capture)
+
+    def _keep(self, item: RawBatch | StreamMarker) -> None:
+        """Under the lock: keep ``item`` for a capture, dropping the oldest past either bound."""
+        self.capture.append(item)
+        self.capture_bytes += _size(item)
+        while self.capture and (len(self.capture) > self._max_capture
+                                or self.capture_bytes > self._max_capture_bytes):
+            old = self.capture.popleft()
+            self.capture_bytes -= _size(old)
+            self.capture_dropped += isinstance(old, RawBatch)
 
     @property
     def last_error(self) -> str | None:
@@ -348,7 +395,8 @@ class KVEventSubscriber:
         limit = self._max_message_bytes
         self._malformed(f"a message ZMQ refused unread: over the size limit of {limit:,} bytes "
                         f"(max_message_bytes), or not valid ZMQ framing; ZMQ dropped the connection for it, "
-                        f"so the subscriber reconnected (batches sent meanwhile are a gap)")
+                        f"so the subscriber reconnected (the first batch missing after it is taken for this "
+                        f"message; any others sent meanwhile are a gap)", refused=True)
         try:
             self._sub.disconnect(self.endpoint)
         except zmq.ZMQError:
@@ -361,8 +409,7 @@ class KVEventSubscriber:
         with self._lock:
             self.mirror.mark_stale(f"{RESTARTED} (the connection to {self.endpoint} dropped and came back: a "
                                    f"restarted publisher; the view clears at its first batch)")
-        self._error(f"the publisher at {self.endpoint} restarted (it went away and a new one answered): "
-                    f"{RESTARTED}")
+        self._error(f"the publisher at {self.endpoint} restarted (it went away and a new one answered)")
         self._restart_pending = True
         self._last_seq = None
         self._live_last = None
@@ -390,7 +437,7 @@ class KVEventSubscriber:
         try:
             batch = decode_batch(frames[2], max_events=self._max_events)
         except MalformedBatch as exc:
-            self._malformed(f"batch {seq}: {exc}")
+            self._malformed(f"batch {seq}: {exc}", seq=seq)
             self._last_seq = seq
             return seq
         raw = RawBatch(rank=self.rank, seq=seq, recv_ts=time.time(), payload=frames[2], replayed=replayed,
@@ -405,9 +452,7 @@ class KVEventSubscriber:
             self.received += 1
             self.replayed += replayed
             self.last_batch_at = raw.recv_ts
-            if len(self.capture) == self.capture.maxlen:
-                self.capture_dropped += 1
-            self.capture.append(raw)
+            self._keep(raw)
         self._last_seq = seq
         if self._on_raw is not None:
             self._on_raw(raw)
@@ -420,7 +465,7 @@ class KVEventSubscriber:
         until the next live batch tells whether it was real (``_settle_jump``)."""
         if self._live_last is not None and seq <= self._live_last:
             self._skipped("duplicates", f"batch {seq}: a duplicate or out-of-order batch (sequence number {seq} after "
-                            f"{self._live_last} on a connection that never dropped); the view is kept")
+                            f"{self._live_last} on a connection that never dropped); the view is kept", seq=seq)
             return False
         last = self._last_seq if self._last_seq is not None else self._live_last
         if last is not None and seq - last - 1 > MAX_SEQ_JUMP:
@@ -432,10 +477,7 @@ class KVEventSubscriber:
         last = self._last_seq
         if last is None:
             if seq > 0 and self.replay_endpoint is None:
-                with self._lock:
-                    self.before_watch += seq
-                    self.mirror.starts_at = seq
-                self.note(f"joined at batch {seq}: the view starts there; batches 0-{seq - 1} came before this "
+                self._joined(seq, seq, f"joined at batch {seq}: the view starts there; batches 0-{seq - 1} came before this "
                           f"watch (not counted as lost) and there is no replay endpoint to ask for them, so blocks "
                           f"they stored are unknown (their removals are counted as unknown, their children drawn "
                           f"as roots)")
@@ -443,17 +485,22 @@ class KVEventSubscriber:
                 # joined a running publisher: fetch what it still buffers, so the view starts complete
                 r = self._replay(0, seq)
                 if not r.answered:
-                    with self._lock:
-                        self.before_watch += seq
-                        self.mirror.starts_at = seq
-                    self.note(f"joined at batch {seq}; the replay socket {self.replay_endpoint} did not answer "
-                              f"within {self._replay_timeout_ms / 1000:g} s, so batches 0-{seq - 1}, published "
-                              f"before this watch (not counted as lost), are missing")
+                    self._joined(seq, seq, f"joined at batch {seq}; the replay socket {self.replay_endpoint} did "
+                                 f"not answer within {self._replay_timeout_ms / 1000:g} s, so batches 0-{seq - 1}, "
+                                 f"published before this watch (not counted as lost), are missing")
                     return True
                 self._count_unbuffered(0, r, before_watch=True)
-                self.note(f"joined at batch {seq}; {plural(r.applied, 'earlier batch', 'earlier batches')} came from "
-                          f"the replay socket")
+                text = (f"joined at batch {seq}; {plural(r.applied, 'earlier batch', 'earlier batches')} came from "
+                        f"the replay socket")
+                with self._lock:
+                    self.mirror.join_note = text
+                self.note(text)
             return True
+        if seq > last + 1:
+            with self._lock:
+                if self.mirror.take_refused(last + 1):
+                    self._log_notes()
+                    last = self._last_seq = last + 1
         if seq > last + 1:
             recovered = self._replay(last + 1, seq).applied
             with self._lock:
@@ -474,7 +521,8 @@ class KVEventSubscriber:
         if seq != held_seq + 1:
             self._skipped("jumps", f"batch {held_seq}: sequence number jumped from {last} to {held_seq}: not "
                           f"counted as lost (more than {MAX_SEQ_JUMP:,} batches at once, more than vLLM's replay "
-                          f"buffer holds, and the next batch, {seq}, did not continue from it: not a real gap)")
+                          f"buffer holds, and the next batch, {seq}, did not continue from it: not a real gap)",
+                          seq=held_seq)
             return
         self.note(f"batch {seq} continued from batch {held_seq}: the jump from {last} was real (the publisher "
                   f"skipped or dropped the batches between, e.g. at its high-water mark for a subscriber that fell "
@@ -512,12 +560,26 @@ class KVEventSubscriber:
             with self._lock:
                 if before_watch:
                     self.before_watch += r.skipped
+                    self._keep(StreamMarker(self.rank, "join", start + r.skipped, time.time(), count=r.skipped))
                 else:
                     self.lost += r.skipped
             when = " (published before this watch began: not counted as lost)" if before_watch else ""
             self.note(f"batches {start}-{start + r.skipped - 1}{when} are no longer buffered by the publisher (its "
                       f"replay buffer starts later): blocks they stored that are still cached are missing from "
                       f"this view")
+
+    def _joined(self, seq: int, count: int, text: str) -> None:
+        """The watch joined at ``seq`` with ``count`` batches before it that it will not have: said, counted in
+        ``before_watch``, kept as a marker for a capture, and kept by the mirror as its join note."""
+        marker = StreamMarker(self.rank, "join", seq, time.time(), text=text, count=count, starts_at=True)
+        with self._lock:
+            self.before_watch += count
+            self.mirror.starts_at = seq
+            self.mirror.join_note = text
+            self._keep(marker)
+        self.note(text)
+        if self._on_raw is not None:
+            self._on_raw(marker)
 
     def note(self, text: str) -> None:
         with self._lock:
@@ -605,14 +667,22 @@ class KVEventSubscriber:
             r.applied += self.received - before
         return "done", expected
 
-    def _malformed(self, text: str) -> None:
-        self._skipped("malformed", text)
+    def _malformed(self, text: str, seq: int | None = None, refused: bool = False) -> None:
+        self._skipped("malformed", text, seq, refused)
 
-    def _skipped(self, counter: str, text: str) -> None:
-        """Count a skipped message in ``counter`` (malformed | duplicates | jumps) and say it in the log."""
+    def _skipped(self, counter: str, text: str, seq: int | None = None, refused: bool = False) -> None:
+        """Count a skipped message in ``counter`` (malformed | duplicates | jumps), say it in the log and keep a
+        marker for a capture (a replay counts it the same way)."""
+        marker = StreamMarker(self.rank, _MARKER_KIND[counter], seq, time.time(), text=f"skipped {text}",
+                              refused=refused)
         with self._lock:
             setattr(self, counter, getattr(self, counter) + 1)
+            if refused:
+                self.mirror.refused_pending += 1
+            self._keep(marker)
         self._error(f"skipped {text}")
+        if self._on_raw is not None:
+            self._on_raw(marker)
 
     def _error(self, text: str) -> None:
         with self._lock:
@@ -626,3 +696,11 @@ class KVEventSubscriber:
             pass
         self._monitor.close(linger=0)
         self._sub.close(linger=0)
+
+
+_MARKER_KIND = {"malformed": "malformed", "duplicates": "duplicate", "jumps": "jump"}
+
+
+def _size(item: RawBatch | StreamMarker) -> int:
+    """An item's share of the capture's byte budget."""
+    return len(item.payload) if isinstance(item, RawBatch) else _MARKER_BYTES + len(item.text)

@@ -52,7 +52,8 @@ def add_parsers(sub) -> None:
 
 def summary_line(rank: int, s: BatchSummary) -> str:
     tag = "  (replayed)" if s.replayed else ""
-    clear = "  all blocks cleared" if s.cleared else ""
+    clear = ("  view reset: the publisher restarted" if s.restarted else
+             "  all blocks cleared" if s.cleared else "")
     return (f"rank {rank}  #{s.seq:<6} +{s.stored:<4} stored  -{s.removed:<4} removed{clear}  "
             f"cache {s.num_blocks:,} blocks = {s.num_tokens:,} tokens{tag}")
 
@@ -81,30 +82,41 @@ def state_lines(mirror: PrefixCacheMirror, decode=None, max_roots: int = 8) -> l
                      f"block{'s' * (subtree != 1)}{text}")
     if len(roots) > max_roots:
         lines.append(f"  ... {len(roots) - max_roots} more roots")
-    lines += [f"  note: {n}" for n in mirror.notes[-5:]]
+    last = mirror.notes[-5:]
+    if mirror.join_note and mirror.join_note not in last:  # where the view joined stays in the final state
+        lines.append(f"  note: {mirror.join_note}")
+    lines += [f"  note: {n}" for n in last]
     if mirror.unknown_removals:
+        what = plural(mirror.unknown_removals, "removal")
         if mirror.first_seq == 0 and mirror.starts_at is None and mirror.lost_batches == 0:
-            lines.append(f"  note: {mirror.unknown_removals} removals of blocks never stored (unknown hashes: "
-                         f"this watch saw every batch from #0)")
+            lines.append(f"  note: {what} of blocks never stored (unknown hashes: this watch saw every batch "
+                         f"from #0)")
         else:
-            lines.append(f"  note: {mirror.unknown_removals} removals of blocks stored before the watch began "
-                         f"(or in batches it missed)")
+            lines.append(f"  note: {what} of blocks stored before the watch began (or in batches it missed)")
     return lines
 
 
 def stream_line(v, state: str | None = None) -> str:
     """A subscriber's counts (``kv_subscriber.SubscriberView``) in one line, for the final summary;
     ``state``: the last one seen while watching (the view's own says "stopped" once the watch ended)."""
-    line = (f"  stream: {plural(v.received, 'batch applied', 'batches applied')} ({v.replayed:,} from the replay "
-            f"socket), {v.malformed:,} malformed, {v.duplicates:,} duplicate or out of order, "
-            f"{plural(v.jumps, 'impossible sequence jump')}, {plural(v.gaps, 'gap')}, "
-            f"{plural(v.lost, 'batch', 'batches')} lost")
-    if v.before_watch:  # a late join: the batches before its first one are not lost, they predate the watch
-        line += (f", {plural(v.before_watch, 'batch', 'batches')} published before the watch began (not counted "
+    return counts_line(v.received, v.replayed, v.malformed, v.duplicates, v.jumps, v.gaps, v.lost,
+                       v.before_watch, v.mirror) + f"; last state {state or v.state}"
+
+
+def counts_line(received: int, replayed: int, malformed: int, duplicates: int, jumps: int, gaps: int, lost: int,
+                before_watch: int, mirror: PrefixCacheMirror) -> str:
+    """The stream's counts in one line: the same words for a live watch (its subscriber's counts) and for a
+    replay of its capture (counted from the capture's batches and marker lines, ``capture.py``)."""
+    line = (f"  stream: {plural(received, 'batch applied', 'batches applied')} ({replayed:,} from the replay "
+            f"socket), {malformed:,} malformed, {duplicates:,} duplicate or out of order, "
+            f"{plural(jumps, 'impossible sequence jump')}, {plural(gaps, 'gap')}, "
+            f"{plural(lost, 'batch', 'batches')} lost")
+    if before_watch:  # a late join: the batches before its first one are not lost, they predate the watch
+        line += (f", {plural(before_watch, 'batch', 'batches')} published before the watch began (not counted "
                  f"as lost)")
-    if v.mirror.capped_out:
-        line += f", {v.mirror.capped_out:,} blocks dropped from the view by its {v.mirror.max_blocks:,}-block cap"
-    return line + f"; last state {state or v.state}"
+    if mirror.capped_out:
+        line += f", {mirror.capped_out:,} blocks dropped from the view by its {mirror.max_blocks:,}-block cap"
+    return line
 
 
 def _subtree_size(h: str, kids: dict) -> int:
@@ -159,8 +171,7 @@ def watch(args, out=None) -> int:
     decode = _decoder(args.tokenizer)
     writer = (CaptureWriter(args.record, new_header("python -m engine watch", args.endpoints, model=args.tokenizer))
               if args.record else None)
-    on_raw = ((lambda raw: writer.write(raw.rank, raw.seq, raw.recv_ts, raw.payload, raw.replayed, raw.ts,
-                                        raw.restart)) if writer else None)
+    on_raw = writer.add if writer else None  # batches and markers (what a replay counts)
     replays = args.replay_endpoint or [None] * len(args.endpoints)
     subs = [KVEventSubscriber(e, r, topic=args.topic, rank=i, on_raw=on_raw)
             for i, (e, r) in enumerate(zip(args.endpoints, replays))]
@@ -220,25 +231,44 @@ def replay(args, out=None) -> int:
     mirrors = replayer.state(0).mirrors
     errors: list[str] = []
     previous = None
+    jump_waited = 0.0  # seconds waited in all for clock jumps, at most MAX_WAIT_S in all
     for b in capture.batches:
         if args.speed and previous is not None:
             wait = replay_gap(previous, b) / args.speed
             if wait > MAX_WAIT_S:  # e.g. a server idle for hours, or a bogus ts: say it, do not hang
+                allowed = max(0.0, MAX_WAIT_S - jump_waited)
                 print(f"(the server's clock jumps {wait * args.speed:,.0f} s before batch {b.seq}: waiting "
-                      f"{MAX_WAIT_S:g} s instead of {wait:,.0f} s)", file=out, flush=True)
-                wait = MAX_WAIT_S
+                      f"{allowed:g} s instead of {wait:,.0f} s; jumps wait at most {MAX_WAIT_S:g} s in all)",
+                      file=out, flush=True)
+                wait = allowed
+                jump_waited += allowed
             time.sleep(wait)
         previous = b
-        n_errors = len(errors)
-        CaptureReplay.apply_batch(mirrors, errors, b)
-        for e in errors[n_errors:]:
-            print(e, file=out)
-        if len(errors) == n_errors:
-            print(summary_line(b.rank, mirrors[b.rank].history[-1]), file=out, flush=True)
+        _replay_one(mirrors, errors, b, out)
+    n_errors = len(errors)
+    for m in capture.trailing:
+        CaptureReplay.apply_marker(mirrors, errors, m)
+    for e in errors[n_errors:]:
+        print(e, file=out)
     for m in mirrors.values():
         for line in state_lines(m, decode):
             print(line, file=out)
-        skipped = sum(e.startswith(f"rank {m.rank} ") for e in errors)
-        print(f"  stream: {plural(m.num_batches, 'batch applied', 'batches applied')}, {skipped:,} unreadable "
-              f"(skipped), {plural(m.gaps, 'gap')}, {plural(m.lost_batches, 'batch', 'batches')} lost", file=out)
+        print(counts_line(m.num_batches, m.num_replayed, m.malformed, m.duplicates, m.jumps, m.gaps,
+                          m.lost_batches, m.before_watch, m), file=out)
     return 0
+
+
+def _replay_one(mirrors: dict, errors: list[str], b, out) -> None:
+    """Apply one capture batch (after its markers) and print what the watch printed for them: notes, skipped
+    messages and the batch's line, in order."""
+    n_errors = len(errors)
+    notes = {r: m.num_notes for r, m in mirrors.items()}
+    applied = CaptureReplay.apply_batch(mirrors, errors, b)
+    for r, m in mirrors.items():
+        new = m.num_notes - notes.get(r, 0)
+        for n in (m.notes[-new:] if new > 0 else []):
+            print(f"rank {r}  note: {n}", file=out)
+    for e in errors[n_errors:]:
+        print(e, file=out)
+    if applied:
+        print(summary_line(b.rank, mirrors[b.rank].history[-1]), file=out, flush=True)

@@ -28,7 +28,7 @@ import streamlit as st
 from engine import EMBEDDED_MODEL, limits
 from engine.capture import CaptureReplay, capture_from_raw, dumps_capture, new_header, read_capture
 from engine.config import check_endpoint
-from engine.kv_subscriber import KVEventSubscriber
+from engine.kv_subscriber import MAX_CAPTURE_BYTES, KVEventSubscriber
 from engine.server_metrics import fetch_metrics
 from viz.server import (STREAM_COUNTS_HELP, VLLM_EVENTS_FLAG, plural, batch_activity_figure, batch_line,
                         cache_size_figure, mirror_warnings, prefix_tree_figure, rank_numbers, server_numbers,
@@ -122,12 +122,20 @@ class LiveSet:
         values = self.poller.latest()[0] if self.poller else None
         return (values or {}).get("num_gpu_blocks")
 
+    def capture_cut(self) -> str | None:
+        """None, or how the capture was cut: each subscriber keeps at most 50,000 batches and 64 MiB of
+        payloads (``kv_subscriber.MAX_CAPTURE_BYTES``), dropping the oldest first."""
+        dropped = sum(s.capture_dropped for s in self.subs)
+        if not dropped:
+            return None
+        return (f"the capture was cut: the first {plural(dropped, 'batch was', 'batches were')} dropped (each "
+                f"subscriber keeps at most 50,000 batches and {MAX_CAPTURE_BYTES // 2**20} MiB of payloads)")
+
     def capture_text(self) -> str:
         """What was received so far as a capture (``engine.capture``'s JSON lines), with the /metrics
         scrapes; what the "Download capture" button sends."""
-        raws = [r for s in self.subs for r in s.raw_batches()]
-        dropped = sum(s.capture_dropped for s in self.subs)
-        notes = [f"the first {dropped:,} batches were dropped (more than each subscriber keeps)"] if dropped else []
+        raws = [r for s in self.subs for r in s.capture_items()]  # batches and markers (what a replay counts)
+        notes = [self.capture_cut()] if self.capture_cut() else []
         block_sizes = {s.view().mirror.block_size for s in self.subs} - {None}
         header = new_header("the Server page (live)", self.endpoints,
                             block_size=block_sizes.pop() if len(block_sizes) == 1 else None,
@@ -404,6 +412,9 @@ def live_mode() -> None:
     st.fragment(run_every=REFRESH_S if live.running else None)(live_view)(live)
     # outside the timer: its data is made when clicked (what was received by then), and a button re-made
     # every second could lose the click
+    cut = live.capture_cut()
+    if cut:
+        st.caption(cut[0].upper() + cut[1:] + ": a replay of it starts later than this view.")
     st.download_button("Download capture", live.capture_text, file_name="kv_capture.jsonl",
                        mime="application/jsonl", key="server_download", on_click="ignore",
                        help="Everything received so far (and the /metrics scrapes) as a capture to replay here "

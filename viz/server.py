@@ -140,7 +140,10 @@ def batch_line(rank: int, summary, position: int | None = None, total: int | Non
     blocks = 640 tokens`` (the position only when given). vLLM sends BlockRemoved when it evicts a cached
     block to reuse its memory."""
     where = f"batch {position:,} of {total:,}: " if position is not None and total is not None else ""
-    if summary.cleared:
+    if getattr(summary, "restarted", False):
+        removed = (f"removed {summary.removed:,}; view reset: the publisher restarted (its cache starts empty, "
+                   f"the blocks shown before were dropped)")
+    elif summary.cleared:
         removed = f"removed {summary.removed:,}: all blocks cleared (AllBlocksCleared: the prefix cache was reset)"
     else:
         removed = f"removed {summary.removed:,} (evicted)" if summary.removed else "removed none"
@@ -312,7 +315,9 @@ def prefix_tree_figure(mirror, decode: Callable[[list[int]], str] | None = None,
                              textposition="top center", textfont={"size": 12}, marker=marker,
                              hovertext=hover, hoverinfo="text", showlegend=False, name="blocks"))
     total = lay["total"]
-    trees = len(lay["roots"])
+    # the trees of the whole view, as ``watch`` counts its prefix roots (``cache_mirror.children``), not only
+    # of the blocks drawn (a capped drawing of 1,500 blocks holds a few of a view's 100 trees)
+    trees = len(lay["roots"]) if total <= len(shown) else len(mirror.children().get(None, []))
     head = title or (f"{rank}{plural(total, 'prefix', 'prefixes')} in {plural(trees, 'tree')} "
                      f"({plural(mirror.num_blocks, 'block')} = {plural(mirror.num_tokens, 'token')})")
     sub = []

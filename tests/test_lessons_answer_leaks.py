@@ -134,3 +134,47 @@ def test_an_answer_phrase_is_two_words_or_more():
         Exercise("e", "q", "choice", "a", options=["a", "b"], answer_phrases=["keeps"])
     with pytest.raises(ValueError, match="one string"):
         Exercise("e", "q", "choice", "a", options=["a", "b"], answer_phrases="keeps both")
+
+
+# ------------------------------------- the README's lesson screenshot (issue 23, second learner trial)
+SHOT_ACTIONS = {"fill", "press", "click", "dblclick", "type", "check", "set_checked", "select_option", "tap",
+                "press_sequentially", "set_input_files", "dispatch_event"}
+
+
+def _screenshot_script():
+    import ast
+
+    source = (ROOT / "scripts" / "screenshots.py").read_text(encoding="utf-8")
+    tree = ast.parse(source)
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "lesson_shot")
+    shot = next(n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "LESSON_SHOT")
+    return fn, ast.literal_eval(shot.value)
+
+
+def test_the_lesson_screenshot_answers_nothing(built):
+    """The README shows docs/screenshot_lesson.png: the script that takes it only opens and scrolls the lesson
+    (typing an answer or pressing a button would put the engine's answer in the README), and the question it
+    frames is the lesson's first after its heading, so no earlier reveal is needed to reach it."""
+    import ast
+
+    fn, shot = _screenshot_script()
+    acts = sorted({n.func.attr for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+                  & SHOT_ACTIONS)
+    assert not acts, f"the lesson screenshot {', '.join(acts)}s something, which may reveal an answer"
+    lesson = next(l for l in LESSONS if l.url_path == shot["page"] or f"lesson-{l.number}" == shot["page"])
+    facts, exs = built[lesson.slug]
+    section = lesson.body.split(f"### {shot['heading']}", 1)[1]
+    first = next(v for k, v in split_body(section) if k == "exercise")
+    assert exs[first].question.startswith(shot["question"]), (first, exs[first].question)
+    assert (ROOT / shot["path"]).exists()
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert shot["path"] in readme
+
+
+def test_the_screenshot_check_sees_a_script_that_answers(tmp_path):
+    import ast
+
+    bad = ast.parse("def lesson_shot(page, url):\n    box = page.get_by_placeholder('x')\n    box.fill('2, 2')\n"
+                    "    box.press('Enter')\n")
+    acts = {n.func.attr for n in ast.walk(bad) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+    assert acts & SHOT_ACTIONS == {"fill", "press"}

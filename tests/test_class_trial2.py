@@ -258,3 +258,50 @@ def test_a_bad_progress_code_is_said_on_the_lesson_pages_until_the_first_answer(
         assert len(errors) == 1 and said in errors[0], errors
         assert errors[0].startswith("The lesson progress in this page's link could not be restored: ")
         assert "The lessons start without saved progress" in errors[0]
+
+
+# ---- item 6: wording of custom scenarios and of a link refused for its size ----
+
+def _batch_link(**settings) -> str:
+    import json
+
+    from engine import url_codec
+
+    data = json.loads((ROOT / "assets" / "scenarios" / "batch.json").read_text())
+    data["name"] = "custom"
+    data["settings"].update(settings)
+    data["requests"][0]["max_tokens"] = 7  # not the preset any more
+    return url_codec.pack(json.dumps(data, separators=(",", ":")).encode())
+
+
+def test_a_custom_links_requests_are_queued_by_the_scenario_not_the_preset():
+    """Trial 2, item 6: a custom link's run said "6 requests are queued by the preset" beside Preset: custom."""
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_file(APP, default_timeout=180)
+    at.query_params["scenario"] = _batch_link()
+    at.run()
+    assert not at.exception and at.session_state["lab"].settings.preset == "custom"
+    [info] = [i.value for i in at.info if i.value.startswith("Nothing has run yet")]
+    assert "requests are queued by the scenario file or link" in info and "by the preset" not in info
+
+
+def test_a_link_refused_for_its_kv_size_says_the_default_preset_is_shown(monkeypatch):
+    """Trial 2, item 6: every other refused link ended "the Playground shows its default preset instead"; one
+    refused for its KV size (on a class server) did not."""
+    from streamlit.testing.v1 import AppTest
+
+    from engine import limits
+
+    monkeypatch.setenv(limits.CLASS_SERVER_ENV, "1")
+    for name in (limits.ALLOWED_MODELS_ENV, limits.SESSION_MEMORY_ENV, limits.HISTORY_STEPS_ENV,
+                 limits.IDLE_MINUTES_ENV, limits.SEATS_ENV, limits.CLASS_MEMORY_ENV, limits.MEMORY_STATE_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(limits.SESSION_MEMORY_ENV, "40")  # the trial's share: 40 MiB a session
+    at = AppTest.from_file(APP, default_timeout=180)
+    at.query_params["scenario"] = _batch_link(num_blocks=4096, max_model_len=512, reservation=512)
+    at.run()
+    assert not at.exception
+    [error] = [e.value for e in at.error if e.value.startswith("This link's scenario cannot be opened")]
+    assert error.endswith("; the Playground shows its default preset instead"), error
+    assert at.session_state["lab"].settings.preset == "batch"

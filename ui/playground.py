@@ -566,7 +566,8 @@ def nothing_yet(lab) -> None:
     queued, added = len(lab.pending), len(lab.order)
     said = []
     if queued:
-        said.append(f"{queued} request{' is' if queued == 1 else 's are'} queued by the preset")
+        by = "the preset" if lab.settings.preset != "custom" else "the scenario file or link"  # Preset: custom
+        said.append(f"{queued} request{' is' if queued == 1 else 's are'} queued by {by}")
     if added:
         said.append(f"{added} request{' was' if added == 1 else 's were'} added")
     st.info("Nothing has run yet. Press **Step** (or PageDown) to run the first engine step"

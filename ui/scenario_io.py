@@ -41,6 +41,7 @@ from .state import build_lab, get_lab, preset_settings, scenario_settings
 
 LINK_PARAM = "scenario"
 STEP_PARAM = "step"
+KEPT = "the Playground keeps the run it had"  # after a refused scenario file (a refused link: the default preset)
 MAX_LINK_STEPS = 2000  # steps a link may ask to run when it opens (seconds on the embedded model)
 OPENED = "scenario_link_opened"  # the session's first Playground run has read the URL
 ERROR = "scenario_error"  # what went wrong opening a link or a file, said once on the next run
@@ -187,7 +188,8 @@ def open_scenario_link() -> None:
         st.session_state[ERROR] = f"This link's step cannot be opened: {exc}."
         steps = 0
     if not build_lab(settings):  # said here: the default lab built next would clear build_lab's lab_error
-        st.session_state[ERROR] = f"This link's scenario cannot be opened: {st.session_state.pop('lab_error', '')}"
+        st.session_state[ERROR] = (f"This link's scenario cannot be opened: {st.session_state.pop('lab_error', '')}; "
+                                   f"the Playground shows its default preset instead")
         return
     lab = get_lab()
     ran = run_steps(lab, steps)
@@ -325,7 +327,7 @@ def _uploaded(key: str) -> None:
         scenario = parse_text(upload.getvalue(), fmt)
         settings = scenario_settings(scenario, lab.settings.model if lab is not None else EMBEDDED_MODEL)
     except ValueError as exc:
-        st.session_state[ERROR] = f"{upload.name} cannot be opened: {exc}"
+        st.session_state[ERROR] = f"{upload.name} cannot be opened: {exc}; {KEPT}"
         return
     if not build_lab(settings):  # the previous lab stays
-        st.session_state[ERROR] = f"{upload.name} cannot be opened: {st.session_state.pop('lab_error', '')}"
+        st.session_state[ERROR] = f"{upload.name} cannot be opened: {st.session_state.pop('lab_error', '')}; {KEPT}"

@@ -335,14 +335,21 @@ def exercises(ctx) -> dict[str, Exercise]:
 
 
 # ------------------------------------------------------------------------------------------- reveals
+def run_bytes_rows(ctx) -> list[dict]:
+    """The run-bytes reveal's table: one row per engine step; the bytes written as the text writes them
+    (104,448, not 104448)."""
+    g = _tiny(ctx)
+    return [{"step": s, "kind": k, "tokens fed in (K/V stored)": n, "tokens stored so far": t,
+             "bytes of KV": f"{t * g.bytes_per_token:,}"} for s, k, n, t in stored_tokens(_run(ctx))]
+
+
 def reveal_run_bytes(ctx) -> None:
     import pandas as pd
     import streamlit as st
 
-    g = _tiny(ctx)
-    rows = [{"step": s, "kind": k, "tokens fed in (K/V stored)": n, "tokens stored so far": t,
-             "bytes of KV": t * g.bytes_per_token} for s, k, n, t in stored_tokens(_run(ctx))]
-    st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
+    rows = run_bytes_rows(ctx)
+    # every row shown, none behind a scroll bar (Streamlit draws a row in 35 px, plus the header)
+    st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch", height=35 * (len(rows) + 1) + 3)
     st.caption("From the engine's step records: the tokens each step computed, one row per step.")
 
 

@@ -507,13 +507,22 @@ def cost_rows(ctx) -> list[dict]:
     return rows
 
 
+def cost_table(rows: list[dict]) -> list[dict]:
+    """``cost_rows`` turned on its side: one row per quantity, one column per policy, so the table is three
+    columns wide and fits a 1280-pixel screen (nine columns were cut off at the right)."""
+    policies = [r["policy"] for r in rows]
+    return [{"": key, **{p: (f"{r[key]:,}" if isinstance(r[key], int) else str(r[key])) for p, r in zip(policies, rows)}}
+            for key in rows[0] if key != "policy"]
+
+
 def widget_cost(ctx) -> None:
     import pandas as pd
     import streamlit as st
 
     with st.container(border=True):
         st.markdown("**What each policy's preemptions cost in these runs**")
-        st.dataframe(pd.DataFrame(cost_rows(ctx)), hide_index=True, width="stretch")
+        table = cost_table(cost_rows(ctx))
+        st.dataframe(pd.DataFrame(table), hide_index=True, width="stretch", height=35 * (len(table) + 1) + 3)
         st.caption("Counts and bytes come from the runs' events (re-admissions, swap-outs and swap-ins; a block is "
                    f"{ctx.run(block_bytes):,} bytes of keys and values in this model's KV tensors). Wall times are "
                    "this machine's, measured by the engine around each step (`StepRecord.elapsed_s`) when these runs "

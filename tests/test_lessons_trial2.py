@@ -242,3 +242,34 @@ def test_lesson2_waste_widget_colours_keep_clear_of_the_waste_colours():
     for rid, c in zip(ids, colours):
         assert min(_rgb_distance(c, w) for w in (INTERNAL, EXTERNAL, RESERVED)) >= 100, (rid, c)
     assert len(l2.picture_order([f"R{i}" for i in range(1, 65)])) < 64 + 48  # no endless skipping
+
+
+# ------------------------------------------------------------- finding 9: display at 1280 x 800
+def test_lesson1_step_table_shows_every_row_and_bytes_with_separators(ctx, monkeypatch):
+    import streamlit as st
+
+    l1 = importlib.import_module("lessons.l1_kv_cache")
+    rows = l1.run_bytes_rows(ctx)
+    assert len(rows) >= 12
+    g = l1._tiny(ctx)
+    for r in rows:
+        assert r["bytes of KV"] == f"{r['tokens stored so far'] * g.bytes_per_token:,}"
+    assert any("," in r["bytes of KV"] for r in rows)
+    heights = []
+    monkeypatch.setattr(st, "dataframe", lambda df, **k: heights.append(k.get("height")))
+    monkeypatch.setattr(st, "caption", lambda *a, **k: None)
+    l1.reveal_run_bytes(ctx)
+    assert heights and heights[0] is not None and heights[0] >= 35 * (len(rows) + 1), heights
+
+
+def test_lesson5_cost_table_is_three_columns_with_every_figure(ctx):
+    l5 = importlib.import_module("lessons.l5_out_of_memory")
+    rows = l5.cost_rows(ctx)
+    table = l5.cost_table(rows)
+    assert all(len(r) == 1 + len(rows) for r in table)  # a label column and one per policy
+    for r in rows:
+        for key, value in r.items():
+            if key == "policy":
+                continue
+            line = next(t for t in table if t[""] == key)
+            assert line[r["policy"]] == (f"{value:,}" if isinstance(value, int) else str(value))

@@ -74,7 +74,8 @@ def decode(code: str) -> SavedProgress:
         said = f" (its version is {json.dumps(version)[:40]})" if isinstance(payload, dict) and "v" in payload else ""
         raise ValueError(f"the progress code is not a version-{VERSION} code of this app{said}")
     if unknown := sorted(set(payload) - FIELDS):  # a code this app did not write: nothing of it would be restored
-        names = ", ".join(repr(k[:40]) for k in unknown[:5]) + (f" and {len(unknown) - 5:,} more" if len(unknown) > 5 else "")
+        names = ", ".join(repr(k[:40]) for k in unknown[:5])
+        names += f" and {len(unknown) - 5:,} more" if len(unknown) > 5 else ""
         raise ValueError(f"the progress code holds field{'s' * (len(unknown) != 1)} {names} that this app does "
                          f"not write (its fields are {', '.join(sorted(FIELDS))}): it was not made by this app")
     answers, first = {}, {}

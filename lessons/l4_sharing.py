@@ -320,9 +320,9 @@ def _variation_exercises() -> dict[str, Exercise]:
                         f"After A's copy, block {first_two[1]} is still shared by B and C (count "
                         f"{before_writes[1] - 1}), so B copies too."),
                    *([Slip("every-write-copied", v2_answer[:2] + [n_writers],
-                           f"The counts are right, and they say why there are fewer copies: by the last write "
-                           f"block {first_two[1]}'s count is {v2_answer[1]}, so the last writer owns it alone and "
-                           "writes in place, without a copy.")]
+                           f"The counts are right, but not every write copies: by the last write block "
+                           f"{first_two[1]}'s count is {v2_answer[1]}, so the last writer owns it alone and writes "
+                           "in place, without a copy.")]
                      if v2_answer[2] != n_writers and v2_answer[:2] + [n_writers] != v2_all_copy else [])]),
         "v3_free": Exercise(
             "v3_free", "**Variation 3.** Back to the end of the practice (A and B have written). Now A finishes: "

@@ -233,7 +233,8 @@ class Lab:
     ignored_why: str = ""  # why the last ignored press did nothing
     notices: int = 0  # what presses did that the page says once (``notice``: the last), e.g. no event left
     notice: str = ""
-    next_said: tuple[int | None, str] | None = None  # (step on screen, what) of the last Next event that found none
+    # (step on screen, what, the stage's one-line form) of the last Next event that found none
+    next_said: tuple[int | None, str, str] | None = None
     failure: str | None = None  # a step that raised: the engines may be half-stepped, so nothing more runs
     # names this lab to the browser's press counter: a total counted for another lab is never run here
     token: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
@@ -548,11 +549,18 @@ class Lab:
             return False
         return True
 
-    def _ignore(self, why: str, said_on: int | None = None) -> str:
-        self.ignored += 1
+    def _ignore(self, why: str, said_on: int | None = None, short: str | None = None) -> str:
+        """A press that did nothing: counted in ``ignored`` and said (``ignored_why``). With ``said_on`` (a
+        Next event at a finished run's end: the step on screen) it is an answer, not an ignored press: not
+        counted in ``ignored`` (the page's "N presses ignored" toast), said once as a ``notice`` and beside
+        the step (``next_said``; ``short``: the stage's one-line form)."""
         self.ignored_why = why
-        if said_on is not None:  # a Next event that found none: said on the stage too (``next_said``)
-            self.next_said = (said_on, why)
+        if said_on is None:
+            self.ignored += 1
+        else:
+            self.notices += 1
+            self.notice = why
+            self.next_said = (said_on, why, short or why)
         return "ignored"
 
     def take_presses(self, token, total, log) -> int:
@@ -682,14 +690,18 @@ class Lab:
             if not self.has_work() or self.failure is not None:
                 return self._ignore(f"Next event: no copy-on-write, prefix-cache hit, preemption or swap after "
                                     f"step {self._shown_step():,}, and the run has finished",
-                                    said_on=self._shown_step())
+                                    said_on=self._shown_step(),
+                                    short=f"Next event: none after step {self._shown_step():,}; the run has "
+                                          f"finished")
         if self.failure is not None:
             return self._ignore("the engines stopped after an error; press Reset")
         if not self.has_work():
             if kind == "next" and total:  # what N was asked: no event is left (not only that nothing runs)
                 return self._ignore(f"Next event: no copy-on-write, prefix-cache hit, preemption or swap is left "
                                     f"after step {self._shown_step():,}: the run has finished (Reset runs it "
-                                    f"again)", said_on=self._shown_step())
+                                    f"again)", said_on=self._shown_step(),
+                                    short=f"Next event: none after step {self._shown_step():,}; the run has "
+                                          f"finished")
             return self._ignore("all requests have finished (Reset runs them again)" if total
                                 else "nothing to run; add a request first")
         shown = self._shown_step()  # the step on screen (None: nothing yet), kept while searching on
@@ -713,11 +725,13 @@ class Lab:
             where = f"still showing step {shown:,}"
         if self.has_work():
             self._say(f"Next event: none in the next {ran:,} steps (run and recorded, up to step "
-                      f"{self.steps_run:,}); {where}: press N again to look further")
+                      f"{self.steps_run:,}); {where}: press N again to look further",
+                      f"Next event: none up to step {self.steps_run:,} (recorded); N looks further")
         else:
             self._say(f"Next event: no copy-on-write, prefix-cache hit, preemption or swap is left: the remaining "
                       f"{ran:,} steps ran to the end (recorded up to step {self.steps_run:,}: the slider and "
-                      f"Step show them); {where}")
+                      f"Step show them); {where}",
+                      f"Next event: none is left (the run ended at step {self.steps_run:,}, recorded)")
         return "none-left"
 
     def _shown_step(self) -> int | None:
@@ -726,10 +740,10 @@ class Lab:
             return None
         return self.history[self.cursor if self.cursor >= 0 else -1][0].step
 
-    def _say(self, what: str) -> None:
+    def _say(self, what: str, short: str | None = None) -> None:
         self.notices += 1
         self.notice = what
-        self.next_said = (self._shown_step(), what)
+        self.next_said = (self._shown_step(), what, short or what)
 
     def said_on(self, record: StepRecord) -> str | None:
         """What the last Next event that found no event said (``next_said``), while the step it was said on
@@ -737,6 +751,13 @@ class Lab:
         missed: at a finished run's end N showed only the last step's sentence, issue 23)."""
         said = self.next_said
         return said[1] if said is not None and said[0] == record.step else None
+
+    def said_short_on(self, record: StepRecord) -> str | None:
+        """``said_on`` in one short line, for the presenter view's column beside the strip (the long one,
+        three or four lines there, made the figures above it shorter: the block tables then dropped logical
+        blocks on the same step, issue 24's trial)."""
+        said = self.next_said
+        return said[2] if said is not None and said[0] == record.step else None
 
     def step_budget(self) -> int | None:
         """The paged engine's token budget per step in vLLM V1 (``max_num_batched_tokens``, tokens); None in

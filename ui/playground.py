@@ -376,7 +376,7 @@ def controls(lab, present: bool = False) -> None:
     said so. On a beam-search step Step first shows its beam selection and Back its copies again
     (``Lab.phases``): the button then reads "Selection". In a browser the stage's counter (``ui.state.stage_keys``) takes
     their clicks and the keys over and hands them to the lab in order."""
-    said_ignored(lab)
+    said_ignored(lab, present)
     if lab.failure is not None:
         st.error(f"The engines stopped: {lab.failure}. Nothing more runs in this lab: press **Reset**.")
     history, index, has_work = lab.frame()
@@ -443,9 +443,11 @@ def _reset() -> None:
         build_lab(lab.settings)
 
 
-def said_ignored(lab) -> None:
+def said_ignored(lab, present: bool = False) -> None:
     """Presses that did nothing are said, once: a toast with how many and why; so is what a press did that
-    the screen does not show (``Lab.notice``)."""
+    the screen does not show (``Lab.notice``), in the Playground's view. The presenter view has no notice
+    toast: it covered the first sentence and the block tables' title for seconds, and the line beside the
+    step says it (``Lab.said_short_on``)."""
     seen = st.session_state.get("ignored_seen")
     if seen is None or seen[0] != lab.token:
         seen = (lab.token, 0)
@@ -458,7 +460,7 @@ def said_ignored(lab) -> None:
     told = st.session_state.get("notices_seen")
     if told is None or told[0] != lab.token:
         told = (lab.token, 0)
-    if lab.notices > told[1]:
+    if lab.notices > told[1] and not present:
         st.toast(lab.notice + ".", icon=":material/info:", duration="long")
     st.session_state["notices_seen"] = (lab.token, lab.notices)
 
@@ -507,7 +509,7 @@ def views(lab, present: bool = False) -> None:
     latest = history[-1][0].step  # the engines' step number (a class server may have dropped older records)
     st.caption(f"step {paged.step} of {latest} ({step_label(paged)}; {SEMANTICS_SHORT[paged.semantics]}); "
                f"{'replaying recorded steps' if index < total - 1 else 'latest'}"
-               + ("" if has_work else "; all requests finished"))
+               + ("; all requests finished" if presenter.finished_on(history, index, has_work) else ""))
     if said := lab.said_on(paged):  # what Next event found (none left), while its step is on screen
         st.caption(f"**{said}.**")
     if said := presenter.playing_line(lab):  # in the fragment: Play's timer redraws it with the rate

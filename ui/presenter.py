@@ -132,12 +132,18 @@ def numbers(lab, paged, contiguous, moment: dict | None = None) -> list[str]:
     return lines
 
 
-def few_sentences(paged, contiguous, budget: int | None) -> list[str]:
+def few_sentences(paged, contiguous, budget: int | None, phase: int | None = None) -> list[str]:
     """The step in at most ``SENTENCES`` sentences, the moment first (``step_sentences(key_first=True)``);
-    the last says how many more decisions the Playground view lists."""
+    the last says how many more decisions the Playground view lists. ``phase``: the moment of a beam step on
+    screen (``Lab.phase_of``): 0, the copies, says the copies and writes, not yet the selection (the next
+    press shows it); 1, the selection, says it first. None: both (the selection second)."""
     said = step_sentences(paged, contiguous, budget, limit=10**6, key_first=True, group_from=2)
     beam = next((i for i, x in enumerate(said) if x.startswith("beam selection")), None)
-    if beam:  # a beam step says its two phases (the copies, the selection) the picture shows
+    if beam is not None and phase is not None:  # the sentences of the moment the pictures show
+        selection = said.pop(beam)
+        if phase >= 1:
+            said.insert(0, selection)
+    elif beam:  # a beam step says its two phases (the copies, the selection) the picture shows
         said.insert(1, said.pop(beam))
     shown = said[:SENTENCES]
     if len(said) > SENTENCES:
@@ -193,6 +199,15 @@ def stage_pool_figure(paged, previous, order: list[str], size: dict, decode, wid
     return phased(paged, previous, one, size["font"], phase=phase)
 
 
+def finished_on(history: list, index: int, has_work: bool) -> bool:
+    """Whether "all requests finished" is true of recorded step ``index`` (-1: the latest) of ``history``:
+    no work left and no later step recorded. Looking back (N ran on to the end and stayed on its step), the
+    requests running in the numbers beside it have not finished (the trial read "all requests finished"
+    beside "2 running")."""
+    index = index if index >= 0 else len(history) - 1
+    return not has_work and index >= len(history) - 1
+
+
 def step_line(paged, last_step: int, has_work: bool) -> str:
     """The step on screen: "step N of M · its kind · the semantics"."""
     return (f"step {paged.step} of {last_step} · {step_label(paged)} · {SEMANTICS_SHORT[paged.semantics]}"
@@ -201,10 +216,11 @@ def step_line(paged, last_step: int, has_work: bool) -> str:
 
 def column_lines(lab, paged, contiguous, moment: dict, last_step: int, has_work: bool) -> list[tuple[str, str]]:
     """The column beside the contiguous strip, top to bottom, as (kind, text): "step N of M" first, so it stays
-    on screen whatever follows; what Next event found (``Lab.said_on``); the numbers (``numbers``); while
+    on screen whatever follows; what Next event found, in one short line (``Lab.said_short_on``: the long
+    form, three lines there, shrank the figures above on the same step); the numbers (``numbers``); while
     Play runs, its rate; the lab's notes."""
     out = [("caption", step_line(paged, last_step, has_work))]
-    if said := lab.said_on(paged):
+    if said := lab.said_short_on(paged):
         out.append(("caption", f"**{said}.**"))
     out += [("numbers", line) for line in numbers(lab, paged, contiguous, moment)]
     if said := playing_line(lab):
@@ -213,18 +229,34 @@ def column_lines(lab, paged, contiguous, moment: dict, last_step: int, has_work:
     return out
 
 
+# The room kept in the column beside the strip for what Next event says (``Lab.said_short_on``), whether or not
+# it is said: the figures above keep their size on the step when N answers (the block tables of one step
+# dropped from 8 to 5 logical blocks when the line came, issue 24's trial). As long as its longest form.
+SAID_RESERVE = "**Next event: none after step 00,000; the run has finished.**"
+
+
+def sized_column(lab, paged, column: list[tuple[str, str]]) -> list[str]:
+    """The column's texts the figures are sized for (``presenter_sizes``): those shown, and room for the
+    line Next event may say (``SAID_RESERVE``) when it is not shown."""
+    texts = [text for _, text in column]
+    return texts if lab.said_short_on(paged) else texts[:1] + [SAID_RESERVE] + texts[1:]
+
+
 def views(lab, history: list, index: int, has_work: bool, decode) -> None:
     """The presenter's screen for recorded step ``index`` of ``history`` (see the module docstring). A beam
     step is drawn in the lab's phase (``Lab.phase_of``): the pool, the block tables, the numbers and the
     titles all of one moment, moved by the stage's presses (a clicker's PageDown shows the selection)."""
     paged, contiguous = history[index]
     previous = history[index - 1][0] if index > 0 else None
+    # "all requests finished" is of the step on screen: looking back (N ran on to the end and stayed on its
+    # step), the requests running in the numbers beside it are not finished
+    has_work = not finished_on(history, index, has_work)
     phase = lab.phase_of(paged)
     moment = phase_moment(paged, previous, phase)
-    sentences = few_sentences(paged, contiguous, lab.step_budget())
+    sentences = few_sentences(paged, contiguous, lab.step_budget(), phase if lab.phases(paged) > 1 else None)
     column = column_lines(lab, paged, contiguous, moment, history[-1][0].step, has_work)
     vp = viewport() or {}
-    size = presenter_sizes(vp.get("h"), vp.get("w"), sentences, [text for _, text in column])
+    size = presenter_sizes(vp.get("h"), vp.get("w"), sentences, sized_column(lab, paged, column))
     with st.container(key="present_words"):
         st.markdown(words_markdown(sentences))
     left, right = st.columns([1, 1])

@@ -78,8 +78,15 @@ def _changed_blocks(events) -> set[int]:
 
 def _shown_rows(sequences, selected: str | None, max_rows: int) -> tuple[list, int]:
     """Sequences that hold blocks (running: GPU table; swapped: CPU swap-pool table), the highlighted
-    request's first, at most ``max_rows``; and how many were left out."""
+    request's first, at most ``max_rows``; and how many were left out. A request's sequences (n samples,
+    beams) are drawn in the order of their ids (``_beam_key``), the requests in the order they first appear:
+    the rows keep their places from one moment to the next (a beam step's copies and its selection, the next
+    step), where the engine's order of sequences moves with every fork (b0, b5, b7, b8 then b8, b7, b0, b9)."""
     live = [s for s in sequences if s.block_table and s.status in ("running", "swapped")]
+    first: dict[str, int] = {}
+    for s in live:
+        first.setdefault(request_id_of(s.seq_id), len(first))
+    live.sort(key=lambda s: (first[request_id_of(s.seq_id)], _beam_key(s.seq_id)))
     if selected:
         live = [s for s in live if request_id_of(s.seq_id) == selected] + \
                [s for s in live if request_id_of(s.seq_id) != selected]

@@ -1,0 +1,118 @@
+"""On stage, what the second speaker trial found (issue 24): a presenter with a clicker at 1280x720.
+
+2. a beam step's moment 1 (the copies) said the beam selection already, and both moments said the same
+   sentences: each moment's sentences are of that moment;
+3. the block tables' rows moved between a beam step's two moments and the next step (b0, b5, b7, b8 then
+   b8, b7, b0, b9): a request's sequences keep their order (by id), surviving rows keep their places;
+4. N at a run's end, staying on its step: "all requests finished" beside "2 running", a toast counting the
+   answer as an ignored press, and the figures shrunk by the long line beside the step (the block tables
+   dropped logical blocks on the same step): every number on screen is of the step shown.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import EMBEDDED_MODEL, SamplingParams
+from engine.model_loader import load_shared
+from ui.lab import Lab, LabSettings
+from ui.state import preset_settings
+from viz.block_table import block_table_picture, selection_phases
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_shared(EMBEDDED_MODEL)
+
+
+@pytest.fixture(scope="module")
+def beam_run(loaded):
+    """The beam-search preset run to its end (every step recorded)."""
+    lab = Lab.create(preset_settings("beam-search"), loaded)
+    lab.press("end")
+    return lab
+
+
+# ------------------------------------------------------------------ 2. each moment says its own sentences
+def test_each_moment_of_a_beam_step_says_that_moment(beam_run):
+    from ui.presenter import few_sentences
+
+    beams = [(i, p) for i, (p, _) in enumerate(beam_run.history) if beam_run.phases(p) == 2]
+    assert beams
+    for i, record in beams:
+        copies = few_sentences(record, None, None, phase=0)
+        selection = few_sentences(record, None, None, phase=1)
+        assert not any("beam selection" in x for x in copies), copies  # moment 1: the copies and writes only
+        assert selection[0].startswith("beam selection"), selection  # moment 2: the selection first
+        assert copies != selection
+
+
+# ---------------------------------------------------------------------- 3. rows keep their places
+def _rows(snapshot, events, order):
+    return [r["seq_id"] for r in block_table_picture(snapshot, events, order)["rows"]]
+
+
+def _same_relative_order(a: list[str], b: list[str]) -> bool:
+    return [x for x in a if x in b] == [x for x in b if x in a]
+
+
+def test_block_table_rows_keep_their_places_across_moments_and_steps(beam_run):
+    moments = []  # every moment on stage in order: a beam step's copies, its selection, then the next step
+    history = beam_run.history
+    for i, (record, _) in enumerate(history):
+        phases = selection_phases(record, history[i - 1][0] if i else None)
+        for m in phases or [{"snapshot": record.snapshot, "events": record.events}]:
+            moments.append(_rows(m["snapshot"], m["events"], beam_run.order))
+    assert len(moments) > len(history)  # beam steps were seen
+    for before, after in zip(moments, moments[1:]):
+        assert _same_relative_order(before, after), (before, after)
+
+
+# ------------------------------------------------------------------ 4. N at the end: one true state
+@pytest.fixture()
+def stayed(loaded):
+    """N pressed on step 2 of a request with many steps left: the rest ran to the end, step 2 still shown."""
+    lab = Lab.create(LabSettings(model=EMBEDDED_MODEL, preset="custom", num_blocks=16), loaded)
+    lab.add_request("ROMEO. " * 20, SamplingParams(max_tokens=90, temperature=0.0, ignore_eos=True))
+    lab.step()
+    lab.step()
+    assert lab.press("next") == "none-left" and not lab.has_work()
+    return lab
+
+
+def test_the_answer_to_n_at_the_end_is_not_an_ignored_press(stayed):
+    notices = stayed.notices
+    assert stayed.press("next") == "ignored"  # nothing moved: N again, looking back at the finished run
+    assert stayed.ignored == 0  # ... but it was answered (beside the step), not ignored
+    assert stayed.notices == notices + 1 and "the run has finished" in stayed.notice
+
+
+def test_all_requests_finished_is_said_of_the_step_shown_only(stayed):
+    from ui.presenter import column_lines, finished_on
+
+    history, index, has_work = stayed.frame()
+    paged = history[index][0]
+    assert paged.step == 2 and paged.snapshot.running and not has_work
+    assert not finished_on(history, index, has_work)  # the request on screen is running
+    lines = [t for _, t in column_lines(stayed, paged, None, None, history[-1][0].step,
+                                        not finished_on(history, index, has_work))]
+    assert not any("all requests finished" in t for t in lines) and "1 running" in " ".join(lines)
+    assert finished_on(history, len(history) - 1, has_work) and finished_on(history, -1, has_work)
+
+
+def test_the_line_beside_the_step_leaves_the_figures_their_size(stayed):
+    """The stage's line is short: the pool row (the pool and the block tables) keeps its height at 1280x720
+    with it, so the block tables show the same logical blocks of the same step."""
+    from ui.presenter import column_lines, few_sentences, sized_column
+    from viz.presenter import presenter_sizes
+
+    history, index, has_work = stayed.frame()
+    paged, contiguous = history[index]
+    column = column_lines(stayed, paged, contiguous, None, history[-1][0].step, True)
+    assert any("Next event" in t for _, t in column)
+    words = few_sentences(paged, contiguous, None)
+    said = presenter_sizes(720, 1280, words, sized_column(stayed, paged, column))
+    stayed.next_said = None  # the same step before N answered
+    column = column_lines(stayed, paged, contiguous, None, history[-1][0].step, True)
+    assert not any("Next event" in t for _, t in column)
+    assert presenter_sizes(720, 1280, words, sized_column(stayed, paged, column)) == said

@@ -11,7 +11,7 @@ moves by at most e^(2d/T) - 1 at temperature T (``batch_invariance.cdf_shift_bou
 closer than that shift to the boundary between two tokens' cumulative probabilities can pick the other
 token. ``lessons/batch_invariance.py`` measures it (one thread, temperature 1, 116 requests of 64 tokens,
 in one batch and each alone; ``lessons/data/batch_invariance.json``): the logits differed by up to 2.8e-05,
-which moves a cumulative probability by at most 5.5e-05; 0 of 116 seeded replies changed, and
+which moves a cumulative probability by at most 5.6e-05 (e^(2 x 2.8e-05) - 1); 0 of 116 seeded replies changed, and
 greedy replies did not differ. On another machine, thread count or workload a draw can land within that
 shift of a boundary, and the seeded reply changes. vLLM on GPUs is not batch-invariant either.
 """

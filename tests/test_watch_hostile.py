@@ -609,7 +609,8 @@ def test_watch_receives_a_400000_block_run_from_the_labs_publisher_and_reports_t
                      r"out of order, 0 impossible sequence jumps, 0 gaps, 0 batches lost, 300,000 blocks dropped "
                      r"from the view by its 100,000-block cap", text), text[-2000:]
     assert "rank 0: 100,000 cached blocks (100,000 distinct)" in text and "stored 400,000" in text
-    assert "rank 0  note: batch 100: the view holds at most 100,000 distinct blocks (its memory cap)" in text
+    assert ("rank 0  note: batch 100: the view holds at most 100,000 distinct blocks and 4,000,000 token ids (its "
+            "memory cap)") in text
     assert sum(line.startswith("rank 0  #") for line in text.splitlines()) == 400  # every batch printed
     assert copies["n"] <= 1, copies  # the final state only, never while watching
 

@@ -355,6 +355,13 @@ def _x(batches: list) -> tuple[list, str]:
     return list(range(len(batches))), "batch (in the order received; the sequence numbers restarted)"
 
 
+def _reset_words(b) -> str:
+    """', all cleared' (AllBlocksCleared), ', view reset (the publisher restarted)' or ''."""
+    if getattr(b, "restarted", False):
+        return ", view reset (the publisher restarted)"
+    return ", all cleared" if b.cleared else ""
+
+
 def batch_activity_figure(history, max_batches: int = MAX_BATCH_BARS, title: str | None = None) -> go.Figure:
     """Blocks stored (up, blue) and removed (down, vermillion: evictions, or a reset) per batch, over the
     publisher's sequence numbers; a batch that cleared the cache (AllBlocksCleared) is marked with an x, a
@@ -362,7 +369,7 @@ def batch_activity_figure(history, max_batches: int = MAX_BATCH_BARS, title: str
     batches, total = _latest(history, max_batches)
     xs, xtitle = _x(batches)
     hover = [f"#{b.seq}{' (replayed)' if b.replayed else ''}: +{b.stored:,} stored, -{b.removed:,} removed"
-             f"{', all cleared' if b.cleared else ''}; cache {b.num_blocks:,} blocks after" for b in batches]
+             f"{_reset_words(b)}; cache {b.num_blocks:,} blocks after" for b in batches]
     fig = go.Figure()
     # batches recovered from the replay socket are hatched, in traces of their own (a legend shows one pattern)
     for replayed in (False, True):
@@ -384,7 +391,9 @@ def batch_activity_figure(history, max_batches: int = MAX_BATCH_BARS, title: str
     if cleared:
         fig.add_trace(go.Scatter(x=[x for x, _ in cleared], y=[0] * len(cleared), mode="markers",
                                  name="all blocks cleared", marker={"symbol": "x", "size": 12, "color": "#000000"},
-                                 hovertext=[f"#{b.seq}: AllBlocksCleared" for _, b in cleared], hoverinfo="text"))
+                                 hovertext=[f"#{b.seq}: " + ("view reset: the publisher restarted"
+                                                                          if getattr(b, "restarted", False) else
+                                                                          "AllBlocksCleared") for _, b in cleared], hoverinfo="text"))
     shown = f" (the last {len(batches):,} of {total:,})" if total > len(batches) else ""
     fig.update_layout(
         title={"text": title or f"Blocks stored (up) and removed (down) per batch{shown}", "font": {"size": 14}},

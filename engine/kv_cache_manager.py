@@ -62,24 +62,24 @@ class KVCacheManager:
         enable_prefix_caching: reuse full blocks of identical prefixes (needs token ids on allocate/append).
         event_log: where decisions are logged (the engine's); default a log of the manager's own.
         evict_uncached_first: the pool's free order (``BlockPool.free_blocks``): vLLM V1's when True.
+        group_kinds: the manager class of each KV cache group, the first full attention (the paper's
+            operations and the block tables shown are that group's).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 event_log: EventLog | None = None, evict_uncached_first: bool = False) -> None:
+                 event_log: EventLog | None = None, evict_uncached_first: bool = False,
+                 group_kinds: tuple[type[SingleTypeKVCacheManager], ...] = (FullAttentionManager,)) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.log = event_log if event_log is not None else EventLog()
         self.pool = BlockPool(num_blocks, block_size, self.log, evict_uncached_first)
         # one manager per KV cache group; a hybrid model's sliding-window group would be a second class
-        self.managers: list[SingleTypeKVCacheManager] = [FullAttentionManager(self.pool, enable_prefix_caching)]
+        self.managers: list[SingleTypeKVCacheManager] = [kind(self.pool, enable_prefix_caching) for kind in group_kinds]
         self.full = self.managers[0]
+        self.block_tables: dict[str, list[int]] = self.full.req_to_blocks  # the full-attention group's tables
         self.num_tokens: dict[str, int] = {}
         self.token_ids: dict[str, list[int]] = {}
         self.pending_ops: list[tuple[str, int, int]] = []
-
-    @property
-    def block_tables(self) -> dict[str, list[int]]:
-        return self.full.req_to_blocks
 
     @property
     def stats(self) -> dict:
@@ -297,7 +297,10 @@ class KVCacheManager:
         beyond its prefix-cache hit on ``token_ids``, plus the hit blocks that sit free (ref count 0) and
         would leave the free queue. Changes nothing."""
         hits = [] if seq_id in self.block_tables or token_ids is None else self.match_prefix(token_ids)
-        return sum(m.get_num_blocks_to_allocate(seq_id, num_tokens, hits) for m in self.managers)
+        need = 0
+        for m in self.managers:
+            need += m.get_num_blocks_to_allocate(seq_id, num_tokens, hits)
+        return need
 
     def allocate_slots(self, seq_id: str, token_ids: list[int], num_new_tokens: int,
                        preempted: bool = False) -> int:

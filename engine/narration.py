@@ -90,4 +90,4 @@ _WRITERS = {
 def sentence(kind: EventKind, request_id: str | None, blocks: list[int], data: dict, facts: dict) -> str:
     """The event in one plain sentence. Raises KeyError for a kind the pool never emits (the scheduler and
     the contiguous baseline pass their own sentences)."""
-    return _WRITERS[EventKind(kind)](request_id, blocks, data, facts)
+    return _WRITERS[kind](request_id, blocks, data, facts)  # an EventKind is its str

@@ -15,6 +15,7 @@ region, ``block_size`` 1, with ``region_start`` the first slot of the sequence's
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class SchedulerOutput:
     def total_num_scheduled_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.scheduled)
 
-    @property
+    @cached_property
     def req_ids(self) -> list[str]:
         """The requests that ran, each once, in batch order."""
         return list(dict.fromkeys(s.req_id for s in self.scheduled))

@@ -70,8 +70,7 @@ class _SkipSpy(FullAttentionManager):
 def test_a_kind_of_kv_cache_group_is_a_class_with_the_four_operations():
     with pytest.raises(TypeError):
         SingleTypeKVCacheManager(BlockPool(2, 2, EventLog()))  # abstract: a kind must say how it hits and skips
-    km = KVCacheManager(8, 2, enable_prefix_caching=True)
-    km.managers[0] = km.full = _SkipSpy(km.pool, True)
+    km = KVCacheManager(8, 2, enable_prefix_caching=True, group_kinds=(_SkipSpy,))
     ids = list(range(7))
     assert km.allocate_slots("a", ids, 3) == 0
     assert km.allocate_slots("a", ids, 3) == 0

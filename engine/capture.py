@@ -9,14 +9,19 @@ Format: JSON lines (one object per line, UTF-8), so a capture can be read with a
     {"kind": "batch", "rank": int, "seq": int, "t": float, "ts": float, "replayed": bool, "payload": base64,
      "restart": true}
     {"kind": "metrics", "rank": int, "t": float, "values": {name: number}}     (optional, /metrics scrapes)
-    {"kind": "marker", "rank": int, "t": float, "what": "malformed" | "duplicate" | "jump" | "join",
-     "seq": int | null, "count": int, "text": str, "refused": true, "starts_at": true}   (optional)
+    {"kind": "marker", "rank": int, "t": float, "what": "malformed" | "duplicate" | "jump" | "join" | "gap" |
+     "lost", "seq": int | null, "count": int, "text": str, "refused": true, "starts_at": true,
+     "recovered": int}   (optional)
 
 A ``marker`` line is something the watch counted that left no batch to keep (``kv_subscriber.StreamMarker``):
 a malformed message (``seq`` null when no number could be read; ``refused``: ZMQ refused it unread, so the
 first batch missing after it is taken for it), a duplicate or out-of-order batch, an impossible sequence jump,
-or the join point of a late watch (``count`` batches published before it; ``starts_at``: the view starts at
-``seq``). A replay counts them as the watch did, so it reports the same malformed, duplicate, jump, gap, lost
+the join point of a late watch (``count`` batches published before it; ``starts_at``: the view starts at
+``seq``), a gap (``count`` batches from ``seq`` missed live, ``recovered`` of them replayed: a gap the replay
+socket filled leaves no hole in the capture, yet the watch counted it) or batches lost on a reconnect. A
+header with ``"markers": true`` (the watch and the Server page write it) says gaps are in marker lines: a
+replay counts those and infers none from holes in the sequence numbers; captures without it (older ones,
+``peer/record_capture.py``) are read as before, a hole being a gap. A replay counts them as the watch did, so it reports the same malformed, duplicate, jump, gap, lost
 and before-the-watch counts; a reader keeps each marker with the batch line after it (``CaptureBatch.markers``,
 or ``Capture.trailing`` after the last batch).
 
@@ -57,7 +62,7 @@ VERSION = 1
 MAX_CAPTURE_BYTES = 256 * 2**20  # read_capture refuses bigger files before reading them
 MAX_SEQ = 2**64 - 1  # a sequence number is 8 bytes big-endian on the wire
 MAX_RANK = 4095      # data-parallel ranks (vLLM numbers them from 0; no deployment comes near 4,096)
-MARKER_KINDS = ("malformed", "duplicate", "jump", "join")
+MARKER_KINDS = ("malformed", "duplicate", "jump", "join", "gap", "lost")
 
 
 @dataclass
@@ -111,13 +116,16 @@ def marker_line(m: dict) -> str:
     obj = {"kind": "marker", "rank": m["rank"], "t": round(m.get("t", 0.0), 6), "what": m["what"],
            "seq": m.get("seq"), "count": m.get("count", 1), "text": m.get("text", "")}
     obj.update({k: True for k in ("refused", "starts_at") if m.get(k)})
+    if m.get("recovered"):
+        obj["recovered"] = m["recovered"]
     return json.dumps(obj)
 
 
 def marker_dict(marker, t: float) -> dict:
     """A ``kv_subscriber.StreamMarker`` as a marker line's fields, ``t`` seconds into the capture."""
     return {"rank": marker.rank, "t": t, "what": marker.what, "seq": marker.seq, "count": marker.count,
-            "text": marker.text, "refused": marker.refused, "starts_at": marker.starts_at}
+            "text": marker.text, "refused": marker.refused, "starts_at": marker.starts_at,
+            "recovered": getattr(marker, "recovered", 0)}
 
 
 def dumps_capture(capture: Capture) -> str:
@@ -271,14 +279,20 @@ def _marker(n: int, obj: dict) -> dict:
                          f"{', '.join(MARKER_KINDS)}")
     if seq is not None and (not isinstance(seq, int) or isinstance(seq, bool)):
         raise ValueError(f"line {n}: marker field 'seq' is {seq!r}")
-    if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= MAX_SEQ + 1:
-        raise ValueError(f"line {n}: marker field 'count' is {count!r}, expected a number of batches")
+    recovered = obj.get("recovered", 0)
+    for name, value in (("count", count), ("recovered", recovered)):
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_SEQ + 1:
+            raise ValueError(f"line {n}: marker field {name!r} is {value!r}, expected a number of batches")
+    if recovered > count:
+        raise ValueError(f"line {n}: marker field 'recovered' is {recovered}, more than its count {count}")
+    if obj["what"] in ("gap", "lost") and seq is None:
+        raise ValueError(f"line {n}: a {obj['what']} marker without 'seq'")
     if not isinstance(obj.get("t", 0.0), (int, float)) or not isinstance(obj.get("text", ""), str):
         raise ValueError(f"line {n}: marker field 't' or 'text' is not a number / a string")
     _check_numbers(n, "marker", obj["rank"], seq)
     return {"rank": obj["rank"], "t": float(obj.get("t", 0.0)), "what": obj["what"], "seq": seq, "count": count,
             "text": obj.get("text", ""), "refused": obj.get("refused") is True,
-            "starts_at": obj.get("starts_at") is True and seq is not None}
+            "starts_at": obj.get("starts_at") is True and seq is not None, "recovered": recovered}
 
 
 # --- replay ---------------------------------------------------------------------------------------------
@@ -301,6 +315,7 @@ class CaptureReplay:
 
     def __init__(self, capture: Capture, every: int = 64, max_checkpoints: int = 128) -> None:
         self.capture = capture
+        self.infer_gaps = not capture.header.get("markers")  # see the module docstring
         self.every = every
         self.max_checkpoints = max_checkpoints
         self._checkpoints: dict[int, tuple[dict[int, PrefixCacheMirror], list[str]]] = {
@@ -315,7 +330,7 @@ class CaptureReplay:
         state = self._state(position)
         if position == len(self) and self.capture.trailing:
             for m in self.capture.trailing:
-                self.apply_marker(state.mirrors, state.errors, m)
+                self.apply_marker(state.mirrors, state.errors, m, self.infer_gaps)
         return state
 
     def _state(self, position: int) -> ReplayState:
@@ -326,7 +341,7 @@ class CaptureReplay:
         mirrors = {r: m.copy() for r, m in mirrors0.items()}
         errors = list(errors0)
         for k in range(base, position):
-            self.apply_batch(mirrors, errors, self.capture.batches[k])
+            self.apply_batch(mirrors, errors, self.capture.batches[k], self.infer_gaps)
             if (k + 1) % self.every == 0 and k + 1 not in self._checkpoints:
                 self._checkpoints[k + 1] = ({r: m.copy() for r, m in mirrors.items()}, list(errors))
                 self._thin()
@@ -338,13 +353,23 @@ class CaptureReplay:
             self._checkpoints = {k: v for k, v in self._checkpoints.items() if k % self.every == 0}
 
     @staticmethod
-    def apply_marker(mirrors: dict[int, PrefixCacheMirror], errors: list[str], m: dict) -> None:
+    def apply_marker(mirrors: dict[int, PrefixCacheMirror], errors: list[str], m: dict,
+                     infer_gaps: bool = True) -> None:
         """Count one marker line as the watch that wrote it did (``kv_subscriber.StreamMarker``): a join sets
         ``before_watch`` (and where the view starts); a skipped message goes to ``errors`` and its count; a
         malformed batch whose number was read arrived (a gap before it is a gap, it is not one)."""
         rank, seq = m["rank"], m.get("seq")
         mirror = mirrors.setdefault(rank, PrefixCacheMirror(rank=rank))
         text = m.get("text") or f"skipped a {m['what']} message" + (f" (batch {seq})" if seq is not None else "")
+        if m["what"] == "gap":  # the watch's own count, replayed batches included (see the module docstring)
+            mirror.note_gap(seq, seq + m.get("count", 0), m.get("recovered", 0))
+            mirror.last_seq = seq + m.get("count", 0) - 1
+            return
+        if m["what"] == "lost":
+            mirror.lost_batches += m.get("count", 0)
+            mirror.note(f"batches {seq}-{seq + m.get('count', 0) - 1} are no longer buffered by the publisher "
+                        f"(lost on a reconnect)")
+            return
         if m["what"] == "join":
             mirror.before_watch += m.get("count", 0)
             if m.get("starts_at"):
@@ -361,16 +386,19 @@ class CaptureReplay:
             if m.get("refused"):
                 mirror.refused_pending += 1
             elif seq is not None:
-                _gap_before(mirror, seq)
+                if infer_gaps:
+                    _gap_before(mirror, seq)
                 mirror.last_seq = seq  # it arrived (unreadable): not a gap in the sequence
 
     @staticmethod
-    def apply_batch(mirrors: dict[int, PrefixCacheMirror], errors: list[str], b: CaptureBatch) -> bool:
+    def apply_batch(mirrors: dict[int, PrefixCacheMirror], errors: list[str], b: CaptureBatch,
+                    infer_gaps: bool = True) -> bool:
         """Apply one capture batch to its rank's mirror, after the markers just before it: an unreadable one
         goes to ``errors`` (a jump before it is still a gap), a sequence number not above the last is a
-        publisher restart, a jump is a gap (nothing can be replayed). True if it was applied."""
+        publisher restart, a jump is a gap (nothing can be replayed) unless ``infer_gaps`` is False (a capture
+        whose gaps are in marker lines). True if it was applied."""
         for m in b.markers:
-            CaptureReplay.apply_marker(mirrors, errors, m)
+            CaptureReplay.apply_marker(mirrors, errors, m, infer_gaps)
         mirror = mirrors.setdefault(b.rank, PrefixCacheMirror(rank=b.rank))
         try:
             batch = decode_batch(b.payload)
@@ -378,7 +406,7 @@ class CaptureReplay:
             where = f" (line {b.line} of the capture)" if b.line is not None else ""
             errors.append(f"rank {b.rank} batch {b.seq}: skipped, {exc}{where}")
             mirror.malformed += 1
-            if not b.restart:
+            if not b.restart and infer_gaps:
                 _gap_before(mirror, b.seq)
             mirror.last_seq = b.seq  # it arrived (unreadable): not a gap in the sequence
             return False
@@ -386,7 +414,7 @@ class CaptureReplay:
             mirror.restart(b.seq)  # the watcher saw the publisher go and come back
         elif mirror.last_seq is not None and b.seq <= mirror.last_seq:
             mirror.restart(b.seq)  # a capture holds each batch once, in the order applied: a restart
-        else:
+        elif infer_gaps:
             _gap_before(mirror, b.seq)
         mirror.apply(b.seq, batch.ts, batch.events, replayed=b.replayed)
         return True

@@ -112,8 +112,11 @@ class StreamMarker:
     """Something the watch counted that left no batch to keep, kept in a capture beside the batches (a
     ``marker`` line, ``capture.py``) so that a replay counts it as the watch did: ``what`` is "malformed"
     (``seq`` None when no number could be read; ``refused``: ZMQ refused it unread, too big), "duplicate",
-    "jump" (an impossible sequence jump) or "join" (``count`` batches published before the watch began;
-    ``starts_at``: the view starts at ``seq`` without them). ``text`` is what the watch said."""
+    "jump" (an impossible sequence jump), "join" (``count`` batches published before the watch began;
+    ``starts_at``: the view starts at ``seq`` without them), "gap" (batches ``seq`` .. ``seq + count - 1`` missed
+    live, ``recovered`` of them from the replay socket: those are the replayed batches before it) or "lost"
+    (``count`` batches from ``seq`` the replay socket no longer held on a reconnect). ``text`` is what the watch
+    said."""
     rank: int
     what: str
     seq: int | None
@@ -122,6 +125,7 @@ class StreamMarker:
     count: int = 1
     refused: bool = False
     starts_at: bool = False
+    recovered: int = 0
 
 
 # a marker's share of the capture's byte budget (its fields besides the text)
@@ -507,6 +511,8 @@ class KVEventSubscriber:
                 self.gaps += 1
                 self.lost += seq - (last + 1) - recovered
                 self.mirror.note_gap(last + 1, seq, recovered)
+            self._emit(StreamMarker(self.rank, "gap", last + 1, time.time(), count=seq - last - 1,
+                                    recovered=recovered))
         return True
 
     def _settle_jump(self, seq: int) -> None:
@@ -532,6 +538,8 @@ class KVEventSubscriber:
             self.gaps += 1
             self.lost += held_seq - (last + 1) - recovered
             self.mirror.note_gap(last + 1, held_seq, recovered)
+        self._emit(StreamMarker(self.rank, "gap", last + 1, time.time(), count=held_seq - last - 1,
+                                recovered=recovered))
         self._live_last = held_seq
         self._apply(held_seq, frames, replayed=False)
 
@@ -560,13 +568,21 @@ class KVEventSubscriber:
             with self._lock:
                 if before_watch:
                     self.before_watch += r.skipped
-                    self._keep(StreamMarker(self.rank, "join", start + r.skipped, time.time(), count=r.skipped))
                 else:
                     self.lost += r.skipped
+            self._emit(StreamMarker(self.rank, "join" if before_watch else "lost", start, time.time(),
+                                    count=r.skipped))
             when = " (published before this watch began: not counted as lost)" if before_watch else ""
             self.note(f"batches {start}-{start + r.skipped - 1}{when} are no longer buffered by the publisher (its "
                       f"replay buffer starts later): blocks they stored that are still cached are missing from "
                       f"this view")
+
+    def _emit(self, marker: StreamMarker) -> None:
+        """Keep a marker for a capture and hand it to ``on_raw`` (e.g. ``watch --record``'s writer)."""
+        with self._lock:
+            self._keep(marker)
+        if self._on_raw is not None:
+            self._on_raw(marker)
 
     def _joined(self, seq: int, count: int, text: str) -> None:
         """The watch joined at ``seq`` with ``count`` batches before it that it will not have: said, counted in

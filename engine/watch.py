@@ -169,7 +169,9 @@ def watch(args, out=None) -> int:
         raise ValueError(f"{len(args.replay_endpoint)} --replay-endpoint for {len(args.endpoints)} endpoints: "
                          f"give one per endpoint, in the same order")
     decode = _decoder(args.tokenizer)
-    writer = (CaptureWriter(args.record, new_header("python -m engine watch", args.endpoints, model=args.tokenizer))
+    # markers: the stream's counts are in marker lines (``capture.py``), so a replay counts what this watch did
+    writer = (CaptureWriter(args.record, {**new_header("python -m engine watch", args.endpoints,
+                                                       model=args.tokenizer), "markers": True})
               if args.record else None)
     on_raw = writer.add if writer else None  # batches and markers (what a replay counts)
     replays = args.replay_endpoint or [None] * len(args.endpoints)
@@ -244,10 +246,10 @@ def replay(args, out=None) -> int:
                 jump_waited += allowed
             time.sleep(wait)
         previous = b
-        _replay_one(mirrors, errors, b, out)
+        _replay_one(mirrors, errors, b, out, replayer.infer_gaps)
     n_errors = len(errors)
     for m in capture.trailing:
-        CaptureReplay.apply_marker(mirrors, errors, m)
+        CaptureReplay.apply_marker(mirrors, errors, m, replayer.infer_gaps)
     for e in errors[n_errors:]:
         print(e, file=out)
     for m in mirrors.values():
@@ -258,12 +260,12 @@ def replay(args, out=None) -> int:
     return 0
 
 
-def _replay_one(mirrors: dict, errors: list[str], b, out) -> None:
+def _replay_one(mirrors: dict, errors: list[str], b, out, infer_gaps: bool = True) -> None:
     """Apply one capture batch (after its markers) and print what the watch printed for them: notes, skipped
     messages and the batch's line, in order."""
     n_errors = len(errors)
     notes = {r: m.num_notes for r, m in mirrors.items()}
-    applied = CaptureReplay.apply_batch(mirrors, errors, b)
+    applied = CaptureReplay.apply_batch(mirrors, errors, b, infer_gaps)
     for r, m in mirrors.items():
         new = m.num_notes - notes.get(r, 0)
         for n in (m.notes[-new:] if new > 0 else []):

@@ -235,3 +235,36 @@ def test_replay_clock_jumps_wait_at_most_60_s_in_all(tmp_path, monkeypatch):
     assert replay_cli(Namespace(file=str(path), speed=10_000.0, tokenizer=None), out=out) == 0
     assert 60.0 <= sum(slept) <= 60.0 + 1e-6, slept
     assert out.getvalue().count("the server's clock jumps") == 3
+
+
+def test_a_gap_the_replay_socket_filled_is_counted_on_replay_as_live():
+    """A gap whose batches all came back from the replay socket leaves no hole in the capture; the watch
+    counted it (1 gap, 0 lost), so the capture's gap marker makes the replay count it too (it saw 0 gaps)."""
+    from engine.capture import capture_from_raw
+    from engine.kv_publisher import KVEventPublisher
+    from test_watch_hostile import raw_pub, subscribed
+
+    p = KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")  # its PUB: nobody listens
+    pub, port = raw_pub()  # the live stream the watch hears
+    for i in range(10):
+        p.publish([stored(i + 1)])
+    p.flush()
+    sub = KVEventSubscriber(f"tcp://127.0.0.1:{port}", p.replay_endpoint)
+    try:
+        subscribed(sub)
+        assert sub.wait_for(lambda v: v.received == 10, 5), sub.view()  # the catch-up: 0-9 replayed
+        for i in range(10, 20):
+            p.publish([stored(i + 1)])
+        p.flush()
+        msgs = [frames(s, encode_batch([stored(s + 1)])) for s in (10, 15, 16)]  # 11-14 missed live
+        assert send_until(pub, sub, msgs, lambda v: v.received == 17), sub.view()
+        v = sub.view()
+        assert (v.gaps, v.lost, v.replayed) == (1, 0, 14)
+        header = {**new_header("test", [sub.endpoint]), "markers": True}
+        capture = read_capture(dumps_capture(capture_from_raw(sub.capture_items(), header)).encode())
+    finally:
+        sub.stop()
+        pub.close()
+        p.close()
+    m = CaptureReplay(capture).state(len(capture.batches)).mirrors[0]
+    assert (m.num_batches, m.gaps, m.lost_batches, m.num_replayed) == (17, 1, 0, 14)

@@ -140,6 +140,7 @@ class LiveSet:
         header = new_header("the Server page (live)", self.endpoints,
                             block_size=block_sizes.pop() if len(block_sizes) == 1 else None,
                             num_gpu_blocks=self.num_gpu_blocks(), notes=notes)
+        header["markers"] = True  # the stream's counts are in marker lines (engine.capture)
         capture = capture_from_raw(raws, header)
         if self.poller is not None and raws:
             t0 = min(r.recv_ts for r in raws)

@@ -21,9 +21,9 @@ the join point of a late watch (``count`` batches published before it; ``starts_
 socket filled leaves no hole in the capture, yet the watch counted it) or batches lost on a reconnect. A
 header with ``"markers": true`` (the watch and the Server page write it) says gaps are in marker lines: a
 replay counts those and infers none from holes in the sequence numbers; captures without it (older ones,
-``peer/record_capture.py``) are read as before, a hole being a gap. A replay counts them as the watch did, so it reports the same malformed, duplicate, jump, gap, lost
-and before-the-watch counts; a reader keeps each marker with the batch line after it (``CaptureBatch.markers``,
-or ``Capture.trailing`` after the last batch).
+``peer/record_capture.py``) are read as before, a hole being a gap. So a replay reports the same malformed,
+duplicate, jump, gap, lost and before-the-watch counts as the watch; a reader keeps each marker with the batch
+line after it (``CaptureBatch.markers``, or ``Capture.trailing`` after the last batch).
 
 ``payload`` is the msgpack payload exactly as received (``kv_events.decode_batch`` reads it), so a capture
 keeps whatever the server sent, including fields the lab does not read; ``t`` is seconds since the first

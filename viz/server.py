@@ -356,10 +356,10 @@ def _x(batches: list) -> tuple[list, str]:
 
 
 def _reset_words(b) -> str:
-    """', all cleared' (AllBlocksCleared), ', view reset (the publisher restarted)' or ''."""
+    """', all cleared (AllBlocksCleared)', ', view reset (the publisher restarted)' or ''."""
     if getattr(b, "restarted", False):
         return ", view reset (the publisher restarted)"
-    return ", all cleared" if b.cleared else ""
+    return ", all cleared (AllBlocksCleared)" if b.cleared else ""
 
 
 def batch_activity_figure(history, max_batches: int = MAX_BATCH_BARS, title: str | None = None) -> go.Figure:
@@ -391,9 +391,7 @@ def batch_activity_figure(history, max_batches: int = MAX_BATCH_BARS, title: str
     if cleared:
         fig.add_trace(go.Scatter(x=[x for x, _ in cleared], y=[0] * len(cleared), mode="markers",
                                  name="all blocks cleared", marker={"symbol": "x", "size": 12, "color": "#000000"},
-                                 hovertext=[f"#{b.seq}: " + ("view reset: the publisher restarted"
-                                                                          if getattr(b, "restarted", False) else
-                                                                          "AllBlocksCleared") for _, b in cleared], hoverinfo="text"))
+                                 hovertext=[f"#{b.seq}: {_reset_words(b)[2:]}" for _, b in cleared], hoverinfo="text"))
     shown = f" (the last {len(batches):,} of {total:,})" if total > len(batches) else ""
     fig.update_layout(
         title={"text": title or f"Blocks stored (up) and removed (down) per batch{shown}", "font": {"size": 14}},

@@ -256,14 +256,18 @@ def test_paging_and_preemption_do_not_change_the_outputs(ctx):
         assert run.outputs[r].output_token_ids == roomy.outputs[r].output_token_ids, r
 
 
-def test_first_visit_is_quick(ctx):
-    import time
+def test_first_visit_is_quick(ctx, monkeypatch):
+    """A first visit runs three small runs, not a workload: its cost counted in engine steps (123 today, ~1-3 s on
+    2 cores), not timed, so a loaded machine cannot fail it (a 10 s limit failed at load 16)."""
+    from engine.llm_engine import LLMEngine
 
+    steps = []
+    step = LLMEngine.step
+    monkeypatch.setattr(LLMEngine, "step", lambda self: steps.append(1) or step(self))
     fresh = LessonContext(loaded=ctx.loaded)
-    start = time.perf_counter()
     l9.exercises(fresh)
     l9.facts(fresh)
-    assert time.perf_counter() - start < 10  # ~1-3 s on 2 busy cores; generous against a loaded machine
+    assert 0 < len(steps) <= 150, len(steps)
 
 
 # ----------------------------------------------------------------------------------------------- the page

@@ -116,3 +116,24 @@ def test_the_line_beside_the_step_leaves_the_figures_their_size(stayed):
     column = column_lines(stayed, paged, contiguous, None, history[-1][0].step, True)
     assert not any("Next event" in t for _, t in column)
     assert presenter_sizes(720, 1280, words, sized_column(stayed, paged, column)) == said
+
+
+# --------------------------------------------------------------- 6. nothing of the controls over the stage
+@pytest.mark.slow
+def test_the_stage_has_no_play_tooltip_and_a_one_line_toggle():
+    """On stage the Play button's tooltip "(P)" covered the first sentence, and at 1280 the toggle's label
+    wrapped over the frame's border: no tooltip there, the label on one line at a smaller type."""
+    from streamlit.testing.v1 import AppTest
+
+    from test_app import APP
+
+    at = AppTest.from_file(APP, default_timeout=300)
+    at.query_params["present"] = "1"
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.button(key="stage_play").help
+    css = next(m.value for m in at.markdown if "st-key-present_toggle" in m.value)
+    assert "white-space: nowrap" in css.split("st-key-present_toggle")[1].split("}")[0]
+    at2 = AppTest.from_file(APP, default_timeout=300)
+    at2.run()
+    assert "(P)" in at2.button(key="stage_play").help  # the Playground's view keeps it

@@ -400,7 +400,8 @@ def controls(lab, present: bool = False) -> None:
                 help=f"Run every step left, at once (at most {MAX_RUN_STEPS:,} per press); then scrub back with the "
                      f"slider.")
     c[4].button("Pause" if lab.playing else "Play", key="stage_play", on_click=_toggle_play, width="stretch",
-                help="Step automatically at the chosen speed (P)")
+                help=None if present else "Step automatically at the chosen speed (P)")  # on stage its tooltip
+    # covered the first sentence (issue 24's trial)
     # Reset in its callback, before the stage takes its slot (under Pow2 / Oracle it first runs the requests
     # headless to learn their lengths); the stage then finds a new lab and the whole page runs again
     c[5].button("Reset", width="stretch", on_click=_reset, help="Rebuild the engines with the same settings")

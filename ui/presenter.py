@@ -61,6 +61,8 @@ section[data-testid="stSidebar"], [data-testid="stSidebarCollapsedControl"], hea
 [data-testid="stMain"] [data-testid="stButton"] button *
   {{ white-space: normal !important; text-overflow: clip !important; overflow: visible !important;
      overflow-wrap: normal !important; }}
+.st-key-present_toggle [data-testid="stWidgetLabel"] p {{ font-size: {toggle}px !important;
+  white-space: nowrap !important; }}
 </style>
 """
 
@@ -102,7 +104,9 @@ def sizes() -> dict:
 
 def style_page() -> None:
     font = sizes()["font"]
-    st.markdown(CSS.format(words=round(font * 1.15), numbers=round(font * 1.05), font=font), unsafe_allow_html=True)
+    # the toggle's label on one line in its narrow column (at 1280 it wrapped over the frame's border)
+    st.markdown(CSS.format(words=round(font * 1.15), numbers=round(font * 1.05), font=font,
+                           toggle=round(font * 0.75)), unsafe_allow_html=True)
 
 
 def numbers(lab, paged, contiguous, moment: dict | None = None) -> list[str]:

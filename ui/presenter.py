@@ -61,6 +61,9 @@ section[data-testid="stSidebar"], [data-testid="stSidebarCollapsedControl"], hea
 [data-testid="stMain"] [data-testid="stButton"] button *
   {{ white-space: normal !important; text-overflow: clip !important; overflow: visible !important;
      overflow-wrap: normal !important; }}
+[class*="st-key-steady_"] {{ display: grid !important; grid-template-columns: minmax(0, 1fr) !important; }}
+[class*="st-key-steady_"] > div {{ grid-area: 1 / 1 !important; width: 100% !important; }}
+[class*="st-key-steady_"] > div:first-child {{ z-index: 1; }}
 .st-key-present_toggle [data-testid="stWidgetLabel"] p {{ font-size: {toggle}px !important;
   white-space: nowrap !important; }}
 </style>
@@ -246,6 +249,42 @@ def sized_column(lab, paged, column: list[tuple[str, str]]) -> list[str]:
     return texts if lab.said_short_on(paged) else texts[:1] + [SAID_RESERVE] + texts[1:]
 
 
+STEADY_STATE = "steady_charts"  # session state: per stacked chart, (parity, the figure on top, its spec, below)
+
+
+def steady_chart(fig, name: str, config: dict | None = None) -> None:
+    """``st.plotly_chart`` for a figure that changes with every step, without a blank frame between steps.
+
+    Streamlit gives a chart an element id hashed from its figure (even with a ``key``), the browser keys the
+    chart's component by that id, and the component reads the figure only when it mounts: every new step
+    mounts a new chart, which is empty (white) until plotly.js has drawn it; a speaker's trial caught the pool,
+    the block tables and the strip blank on 3 of ~33 screenshots during Play. So two charts are stacked in one
+    grid cell (the CSS's ``st-key-steady_*``): on top (first, so a reader of the page finds it first), the
+    new step's figure under one key; below it, the previous step's under the key and id it had on top before
+    (the browser keeps that chart, drawn, and moves it below), covered once the new one is drawn (its paper is
+    opaque white). Measured in Chromium: the chart below is the very DOM node drawn the step before. The same figure again (a rerun with
+    nothing new: the Play timer, the window's size) draws both exactly as before, so nothing mounts."""
+    import plotly.io as pio
+
+    fig.update_layout(paper_bgcolor="#FFFFFF")  # the chart on top hides the one below once drawn
+    spec = pio.to_json(fig, validate=False)
+    charts = st.session_state.setdefault(STEADY_STATE, {})
+    last = charts.get(name)
+    if last is None:
+        parity, below = 0, None
+    elif last[2] == spec:
+        parity, fig, below = last[0], last[1], last[3]  # the very same objects: the same ids, nothing mounts
+    else:
+        parity, below = 1 - last[0], last[1]
+        if below.layout.height != fig.layout.height:  # a taller one below would show under the new one's edge
+            below = None
+    charts[name] = (parity, fig, spec, below)
+    with st.container(key=f"steady_{name}"):
+        st.plotly_chart(fig, width="stretch", key=f"{name}_{parity}", config=config)
+        if below is not None:
+            st.plotly_chart(below, width="stretch", key=f"{name}_{1 - parity}", config=config)
+
+
 def views(lab, history: list, index: int, has_work: bool, decode) -> None:
     """The presenter's screen for recorded step ``index`` of ``history`` (see the module docstring). A beam
     step is drawn in the lab's phase (``Lab.phase_of``): the pool, the block tables, the numbers and the
@@ -266,11 +305,11 @@ def views(lab, history: list, index: int, has_work: bool, decode) -> None:
     left, right = st.columns([1, 1])
     with left, st.container(key="present_pool"):
         width = vp.get("w", 1280) / 2 - 60  # the pool's column: half the window, less padding
-        st.plotly_chart(stage_pool_figure(paged, previous, lab.order, size, decode, width, phase), width="stretch",
-                        key="present_pool_fig", config={"displayModeBar": False})
+        steady_chart(stage_pool_figure(paged, previous, lab.order, size, decode, width, phase), "present_pool_fig",
+                     config={"displayModeBar": False})
     with right, st.container(key="present_tables"):
-        st.plotly_chart(block_table_picture(lab, paged, size, decode, previous, phase), width="stretch",
-                        key="present_tables_fig", config={"displayModeBar": False})
+        steady_chart(block_table_picture(lab, paged, size, decode, previous, phase), "present_tables_fig",
+                     config={"displayModeBar": False})
     low_left, low_right = st.columns([3, 2])
     with low_left, st.container(key="present_contiguous"):
         if contiguous is not None:
@@ -278,9 +317,8 @@ def views(lab, history: list, index: int, has_work: bool, decode) -> None:
             fig = contiguous_region_figure(layout, lab.order, lab.contiguous_final_lengths())
             fig.update_layout(title_text=f"contiguous baseline: {layout_line(contiguous.snapshot)}",
                               margin={"t": 36, "b": 36})
-            st.plotly_chart(projector_style(fig, height=size["strip"], min_font=size["font"], scale=1.0),
-                            width="stretch",
-                            key="present_region_fig", config={"displayModeBar": False})
+            steady_chart(projector_style(fig, height=size["strip"], min_font=size["font"], scale=1.0),
+                         "present_region_fig", config={"displayModeBar": False})
         else:
             st.info(" ".join(lab.notes) or "No contiguous baseline for these settings.")
     with low_right, st.container(key="present_numbers"):

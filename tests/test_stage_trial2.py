@@ -122,7 +122,7 @@ def test_the_line_beside_the_step_leaves_the_figures_their_size(stayed):
 @pytest.mark.slow
 def test_the_stage_has_no_play_tooltip_and_a_one_line_toggle():
     """On stage the Play button's tooltip "(P)" covered the first sentence, and at 1280 the toggle's label
-    wrapped over the frame's border: no tooltip there, the label on one line at a smaller type."""
+    wrapped over the frame's border: no tooltip there, the label on one line in a wider column."""
     from streamlit.testing.v1 import AppTest
 
     from test_app import APP
@@ -134,6 +134,7 @@ def test_the_stage_has_no_play_tooltip_and_a_one_line_toggle():
     assert not at.button(key="stage_play").help
     css = next(m.value for m in at.markdown if "st-key-present_toggle" in m.value)
     assert "white-space: nowrap" in css.split("st-key-present_toggle")[1].split("}")[0]
+    assert at.toggle(key="present_toggle").value
     at2 = AppTest.from_file(APP, default_timeout=300)
     at2.run()
     assert "(P)" in at2.button(key="stage_play").help  # the Playground's view keeps it

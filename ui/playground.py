@@ -382,7 +382,10 @@ def controls(lab, present: bool = False) -> None:
     history, index, has_work = lab.frame()
     total = len(history)
     st.session_state["cursor"] = lab.cursor  # a mirror for reading; the lab keeps the cursor with the steps
-    c = st.columns([1.0, 1.2, 1.4, 1.4, 1.0, 1.0, 2.2, 1.6], vertical_alignment="center")
+    # on stage the toggle's column is wider: "Presenter view" at the projector's 18 px wrapped over the frame's
+    # border at 1280 (issue 24's trial); its label stays on one line (``ui.presenter.CSS``)
+    c = st.columns([1.0, 1.2, 1.4, 1.4, 1.0, 1.0, 1.6, 2.2] if present else [1.0, 1.2, 1.4, 1.4, 1.0, 1.0, 2.2, 1.6],
+                   vertical_alignment="center")
     c[0].button("Back", key="stage_back", on_click=_press, args=("back",), width="stretch", disabled=total < 2,
                 help="Show the previous step (PageUp). Recorded, not re-run.")
     replaying = 0 <= index < total - 1

@@ -64,8 +64,7 @@ section[data-testid="stSidebar"], [data-testid="stSidebarCollapsedControl"], hea
 [class*="st-key-steady_"] {{ display: grid !important; grid-template-columns: minmax(0, 1fr) !important; }}
 [class*="st-key-steady_"] > div {{ grid-area: 1 / 1 !important; width: 100% !important; }}
 [class*="st-key-steady_"] > div:first-child {{ z-index: 1; }}
-.st-key-present_toggle [data-testid="stWidgetLabel"] p {{ font-size: {toggle}px !important;
-  white-space: nowrap !important; }}
+.st-key-present_toggle [data-testid="stWidgetLabel"] p {{ white-space: nowrap !important; }}
 </style>
 """
 
@@ -107,9 +106,7 @@ def sizes() -> dict:
 
 def style_page() -> None:
     font = sizes()["font"]
-    # the toggle's label on one line in its narrow column (at 1280 it wrapped over the frame's border)
-    st.markdown(CSS.format(words=round(font * 1.15), numbers=round(font * 1.05), font=font,
-                           toggle=round(font * 0.75)), unsafe_allow_html=True)
+    st.markdown(CSS.format(words=round(font * 1.15), numbers=round(font * 1.05), font=font), unsafe_allow_html=True)
 
 
 def numbers(lab, paged, contiguous, moment: dict | None = None) -> list[str]:

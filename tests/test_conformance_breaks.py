@@ -17,7 +17,7 @@ import dataclasses
 import pytest
 
 from engine import EMBEDDED_MODEL
-from engine.llm_engine import LLMEngine
+from engine.scheduler import Scheduler
 from engine.scheduler_v1 import SchedulerV1
 from peer import conformance
 from peer.cases import build_cases
@@ -53,12 +53,12 @@ def _checks(loaded, name: str, edit=lambda case: case) -> dict[str, str]:
 
 def test_length_tested_before_stop_tokens_is_caught(loaded, monkeypatch):
     assert _checks(loaded, "finish-reasons-B32") == {}  # the case passes unbroken
-    original = LLMEngine._finish_reason
+    original = Scheduler._finish_reason  # the scheduler's update_from_output decides a finish (SchedulerV1's too)
 
     def length_first(self, req, seq, token):
         return "length" if seq.num_tokens >= req.max_len else original(self, req, seq, token)
 
-    monkeypatch.setattr(LLMEngine, "_finish_reason", length_first)
+    monkeypatch.setattr(Scheduler, "_finish_reason", length_first)
     failed = _checks(loaded, "finish-reasons-B32")
     assert set(failed) == {"same requests finished, step by step, with the same finish_reason",
                            "same finish_reason and stop_reason per completion"}, failed

@@ -124,9 +124,22 @@ def link_settings(value: str, model: str = EMBEDDED_MODEL) -> LabSettings:
 
 def looks_like_a_name(value: str) -> bool:
     """Whether a link's ``scenario`` value reads as a preset's name rather than a packed scenario: a short
-    word of letters, digits, "-" and "_" not starting with "eN" (the base64 of zlib's header, which every
-    packed scenario starts with: ``engine.url_codec.pack``)."""
-    return len(value) <= 40 and re.fullmatch(r"[A-Za-z0-9_-]+", value) is not None and not value.startswith("eN")
+    word of letters, digits, "-" and "_" that does not start with a zlib header in base64 (every packed
+    scenario does: ``engine.url_codec.pack``; "eN" at its level, "eJ" at zlib's default, and so on)."""
+    return len(value) <= 40 and re.fullmatch(r"[A-Za-z0-9_-]+", value) is not None and not _zlib_header(value)
+
+
+def _zlib_header(value: str) -> bool:
+    """Whether ``value``'s first 4 base64 characters decode to a zlib stream's header (RFC 1950: method 8,
+    a window of at most 32 KiB, and CMF * 256 + FLG a multiple of 31)."""
+    import base64
+    import binascii
+
+    try:
+        head = base64.urlsafe_b64decode(value[:4])
+    except (binascii.Error, ValueError):
+        return False
+    return len(head) >= 2 and head[0] & 0x0F == 8 and head[0] >> 4 <= 7 and (head[0] * 256 + head[1]) % 31 == 0
 
 
 def no_such_preset(name: str) -> str:

@@ -4,7 +4,6 @@ progress codes, and the wording of custom scenarios."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import stat
@@ -21,11 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
 
 
-def _launcher():
-    spec = importlib.util.spec_from_file_location("class_server", ROOT / "scripts" / "class_server.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from test_class_workers import _launcher  # noqa: E402  (scripts/class_server.py loaded as a module)
 
 
 # ---- item 1: a scenario file over 16 KiB is uploaded through nginx, run as root or not ----

@@ -20,15 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 l8 = importlib.import_module("lessons.l8_prefix_caching")
 
 
-def _memo():
-    cache: dict = {}
-
-    def run(fn, *args):
-        key = (getattr(fn, "key", None) or f"{fn.__module__}.{fn.__qualname__}", args)
-        if key not in cache:
-            cache[key] = fn(*args)
-        return cache[key]
-    return run
+from test_lesson_8 import memo as _memo  # noqa: E402  (a run cache like the app's)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ sampled every second throughout:
    against the configured memory, and the RSS ``--after`` seconds after they closed.
 
 ``--calibrate`` instead measures what a recorded step keeps (tracemalloc) for the runs in
-``engine.limits.recorded_step_bytes``'s table and prints it next to the formula's bound.
+``ui.class_limits.recorded_step_bytes``'s table and prints it next to the formula's bound.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ ERROR_RE = re.compile(rb"(This link[^\x00-\x1f]{0,400})")
 def heavy_scenario(n: int, num_blocks: int, requests: int = 64, max_tokens: int = 400, max_model_len: int = 1024):
     """A scenario of ``requests`` requests with ``n`` samples each, ``max_tokens`` tokens each (``ignore_eos``:
     every sample runs to its end) on a pool of ``num_blocks`` blocks of 16."""
-    from engine.scenario_file import parse_scenario
+    from engine.scenarios.scenario_file import parse_scenario
 
     return parse_scenario({
         "name": f"heavy-{requests}x{n}", "settings": {"num_blocks": num_blocks, "block_size": 16,
@@ -66,7 +66,7 @@ def heaviest_link(loaded, budget: int):
     of 64 requests x n (64, 32, 16, 8, 4, 2, 1) on 4,096 ... 64 blocks of 16, the admitted one charging the
     most before its first step (pools, engines' state, page, the fewest recorded steps). Returns (scenario,
     plan)."""
-    from engine import limits
+    from ui import class_limits as limits
     from ui.class_server import session_plan
     from ui.state import scenario_settings
 
@@ -242,9 +242,10 @@ class Result:
 
 def measure(sessions: int, session_mb: float, duration: float, after: float, tabs: int,
             ttl_wait: float = 0.0) -> Result:
-    from engine import EMBEDDED_MODEL, limits
+    from engine import EMBEDDED_MODEL
+    from ui import class_limits as limits
     from engine.model_loader import load_shared
-    from engine.scenario_file import encode_link
+    from engine.scenarios.scenario_file import encode_link
 
     env = {limits.CLASS_SERVER_ENV: "1", limits.SEATS_ENV: str(sessions), limits.SESSION_MEMORY_ENV: f"{session_mb:g}"}
     os.environ.update(env)  # the server inherits it (start_server), and heaviest_link plans with it here
@@ -343,9 +344,9 @@ def section(results: list[Result], duration: float, options: str = "") -> str:
         f"one after another and close; then {r.sessions} sessions open the heaviest scenario link the caps admit "
         f"at once (`heaviest_link`: of 64 requests x n on up to 4,096 blocks, the one charged the most before "
         f"its first step) and close after {duration:g} s. Every session is charged before anything is "
-        f"allocated (`ui.class_server.session_plan`, `engine.limits.plan_session`): its KV pools, the engines' "
+        f"allocated (`ui.class_server.session_plan`, `ui.class_limits.plan_session`): its KV pools, the engines' "
         f"state for its sequences, Streamlit's session, and its recorded steps at the calibrated bound "
-        f"(`engine.limits.recorded_step_bytes`); the steps kept are capped to what fits. A closed tab's lab is "
+        f"(`ui.class_limits.recorded_step_bytes`); the steps kept are capped to what fits. A closed tab's lab is "
         f"released 10 s after its websocket went (`PAL_CLOSED_SECONDS`) and the heap trimmed (`malloc_trim`).",
         "",
         *[line for i, res in enumerate(results) for line in run_text(res, f"Run {i + 1}") + [""]],
@@ -354,13 +355,14 @@ def section(results: list[Result], duration: float, options: str = "") -> str:
 
 # ------------------------------------------------------------------------------------------ calibration
 def calibrate() -> str:
-    """Measure what a recorded step keeps (tracemalloc) for the table in ``engine.limits.recorded_step_bytes``."""
+    """Measure what a recorded step keeps (tracemalloc) for the table in ``ui.class_limits.recorded_step_bytes``."""
     import gc
     import tracemalloc
 
-    from engine import EMBEDDED_MODEL, limits
+    from engine import EMBEDDED_MODEL
+    from ui import class_limits as limits
     from engine.model_loader import load_shared
-    from engine.scenario_file import parse_scenario
+    from engine.scenarios.scenario_file import parse_scenario
     from ui.lab import Lab
     from ui.state import scenario_settings
 

@@ -127,7 +127,6 @@ def bench_decode(batch, ctx, block_size, with_baseline=True, graphs=False, **lau
 
 def bench_engine(batches, max_tokens=128):
     from engine import EngineConfig, LLMEngine, SamplingParams
-
     rows = []
     for backend in ("triton", "torch"):
         for batch in batches:

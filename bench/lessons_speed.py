@@ -18,7 +18,7 @@ the lesson (timed):
   * "repeat visit": the same session back on the page after the overview (its runs kept).
 Compare, each ``compare=True`` scenario (seed 0, the paper's semantics): the model loaded first (untimed),
 "Run all" clicked (timed to the finished page); "paged" and "contiguous" are the engine runs inside it
-(``engine.workloads.run_workload`` timed per call); "again" is another session clicking "Run all" with the
+(``engine.scenarios.workloads.run_workload`` timed per call); "again" is another session clicking "Run all" with the
 same settings afterwards.
 """
 
@@ -107,7 +107,7 @@ def one_lesson(number: int, model_loaded: bool) -> dict:
 def one_compare(name: str) -> dict:
     """A Compare run of ``name`` (seed 0, the paper's semantics) in this fresh process, then another
     session's run of the same settings."""
-    import engine.workloads as workloads
+    import engine.scenarios.workloads as workloads
 
     _load_model()
     spent = {"paged": 0.0, "contiguous": 0.0}
@@ -119,7 +119,7 @@ def one_compare(name: str) -> dict:
             return run_workload(engine, *args, **kwargs)
         finally:
             spent[engine.config.allocator] += time.perf_counter() - t0
-    workloads.run_workload = timed  # the page imports it from engine.workloads on every run
+    workloads.run_workload = timed  # the page imports it from engine.scenarios.workloads on every run
 
     def click(at) -> float:
         at.switch_page("ui/compare.py")
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result), flush=True)
         return 0
 
-    from engine.scenarios import SCENARIOS
+    from engine.scenarios.presets import SCENARIOS
     from lessons import catalog
 
     load = os.getloadavg()[0]

@@ -14,7 +14,7 @@ deterministic from ``--seed``; every engine setting the same on both sides):
 * ``shared-system-prompt``: 36 requests of 3-160 prompt tokens, half of them starting with one shared
   70-90-token system prompt, 48-64 output tokens each; block 32, 1,024 blocks (no memory pressure),
   max_model_len 512. Prompts are real text cut to length with the embedded model's tokenizer.
-* ``chat-workload``: the lab's scenario (``engine.scenarios``, seed 0, as ``bench/workload.py`` builds it):
+* ``chat-workload``: the lab's scenario (``engine.scenarios.presets``, seed 0, as ``bench/workload.py`` builds it):
   its 32 prompts' token ids and max_tokens, sent greedy with ``ignore_eos`` (the scenario samples at
   temperature 0.8). Its pool is 2,048 token slots (128 blocks of 16): both engines get those slots as 64
   blocks of 32, because vLLM's CPU attention takes only block sizes that are a multiple of 32 (block 16:
@@ -98,12 +98,12 @@ class BenchWorkload:
 
 
 def _text_slice(source: list[int], start: int, n: int) -> list[int]:
-    """``n`` tokens of ``source`` from ``start``, wrapping around (as ``engine.workloads`` does)."""
+    """``n`` tokens of ``source`` from ``start``, wrapping around (as ``engine.scenarios.workloads`` does)."""
     return [source[(start + j) % len(source)] for j in range(n)]
 
 
 def _source_ids(tokenize) -> list[int]:
-    from engine.workloads import SOURCE_TEXT
+    from engine.scenarios.workloads import SOURCE_TEXT
 
     return list(tokenize(SOURCE_TEXT))
 
@@ -111,7 +111,7 @@ def _source_ids(tokenize) -> list[int]:
 def shared_system_prompt(tokenize, seed: int = 0, num_requests: int = 36) -> BenchWorkload:
     """``num_requests`` requests of 3-160 prompt tokens; half (every request with ``shared_prefix`` > 0) start
     with one 70-90-token system prompt (the library system of ``peer/workload.py``, cut to length), the rest
-    is text of ``engine.workloads.SOURCE_TEXT`` from a distinct random offset; 48-64 output tokens each."""
+    is text of ``engine.scenarios.workloads.SOURCE_TEXT`` from a distinct random offset; 48-64 output tokens each."""
     import numpy as np
 
     from peer.workload import SYSTEMS
@@ -144,7 +144,7 @@ def shared_system_prompt(tokenize, seed: int = 0, num_requests: int = 36) -> Ben
 def chat_workload(tokenize, seed: int = 0) -> BenchWorkload:
     """The lab's ``chat-workload`` scenario: its prompts' token ids and max_tokens, greedy, ``ignore_eos``. Its
     2,048 slots as 64 blocks of 32 (vLLM's CPU attention needs block sizes that are multiples of 32)."""
-    from engine.scenarios import get_scenario
+    from engine.scenarios.presets import get_scenario
 
     scenario = get_scenario("chat-workload")
     wl = scenario.make(seed, tokenize)
@@ -225,7 +225,6 @@ def summarize(wall_s: float, steps: int, tokens: int, ttft: list[float]) -> dict
 
 def lab_config(wl: BenchWorkload):
     from engine import EMBEDDED_MODEL, EngineConfig
-
     return EngineConfig(model=EMBEDDED_MODEL, semantics="v1", block_size=wl.block_size, num_blocks=wl.num_blocks,
                         max_model_len=wl.max_model_len, max_num_seqs=wl.max_num_seqs,
                         max_num_batched_tokens=wl.max_num_batched_tokens, device="cpu", dtype="float32",
@@ -238,7 +237,6 @@ def run_lab(wl: BenchWorkload, loaded, threads: int, records: bool,
     import torch
 
     from engine import LLMEngine, SamplingParams
-
     torch.set_num_threads(threads)
     reqs = wl.requests if requests is None else requests
     engine = LLMEngine(lab_config(wl), loaded=loaded)

@@ -24,8 +24,8 @@ from bench.report import write_section  # noqa: E402
 from engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.cli import contiguous_summary, paged_summary  # noqa: E402
 from engine.config import CONTIGUOUS_POLICIES  # noqa: E402
-from engine.scenarios import get_scenario  # noqa: E402
-from engine.workloads import learn_final_lengths, run_workload  # noqa: E402
+from engine.scenarios.presets import get_scenario  # noqa: E402
+from engine.scenarios.workloads import learn_final_lengths, run_workload  # noqa: E402
 
 WATERMARKS = (0.0, 0.01, 0.05, 0.1)
 POLICY_NAMES = {"max": "Orca (Max)", "max_tokens": "prompt + max_tokens", "pow2": "Orca (Pow2)",

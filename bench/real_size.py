@@ -60,7 +60,6 @@ def _sync(device: str) -> None:
 
 def run_lab(model, tokenizer, device: str, dtype: str, ids: list[list[int]], max_tokens: int) -> dict:
     from engine import EngineConfig, LLMEngine, SamplingParams
-
     batch, total = len(ids), len(ids[0]) + max_tokens
     blocks = batch * -(-total // 16) + 16
     engine = LLMEngine(EngineConfig(semantics="v1", device=device, dtype=dtype, block_size=16, num_blocks=blocks,

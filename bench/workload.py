@@ -32,8 +32,8 @@ import torch  # noqa: E402
 
 from bench.report import write_section  # noqa: E402
 from engine import EngineConfig, LLMEngine, metrics  # noqa: E402
-from engine.scenarios import get_scenario  # noqa: E402
-from engine.workloads import run_workload  # noqa: E402
+from engine.scenarios.presets import get_scenario  # noqa: E402
+from engine.scenarios.workloads import run_workload  # noqa: E402
 
 
 def run_engine(scenario, seed: int, allocator: str, **overrides) -> dict:
@@ -204,7 +204,6 @@ def main(argv=None) -> int:
         from transformers import AutoModelForCausalLM
 
         from engine import EMBEDDED_MODEL
-
         model = AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL, dtype=torch.float32).eval()
         refs["transformers generate, one at a time"] = hf_one_at_a_time(model, paged["workload"])
         print("generate", refs["transformers generate, one at a time"], flush=True)

@@ -19,12 +19,13 @@ import sys
 import time
 from pathlib import Path
 
-from . import metrics, watch
+from . import metrics
+from .watch import command as watch
 from .config import (CONTIGUOUS_POLICIES, EMBEDDED_MODEL, FINAL_LENGTH_POLICIES, SCHEDULING_POLICIES, SEMANTICS,
                      EngineConfig)
 from .records import StepRecord, write_trace
-from .scenarios import SCENARIOS, get_scenario
-from .workloads import learn_final_lengths, run_workload
+from .scenarios.presets import SCENARIOS, get_scenario
+from .scenarios.workloads import learn_final_lengths, run_workload
 
 MIB = 1024 * 1024
 

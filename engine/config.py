@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import limits
+from ui import class_limits as limits
 
 # The embedded default model that the project trains itself (assets/tiny_model/train.py).
 EMBEDDED_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny_model")
@@ -192,7 +192,7 @@ class EngineConfig:
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         self._check_semantics()
         self._check_kv_events()
-        limits.check_config(self)  # a class server's caps and model lock (engine/limits.py); none elsewhere
+        limits.check_config(self)  # a class server's caps and model lock (ui/class_limits.py); none elsewhere
 
     def _check_kv_events(self) -> None:
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):

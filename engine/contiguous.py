@@ -19,7 +19,7 @@ How much a request reserves is the policy (the vLLM paper's baselines, Kwon et a
 - "pow2": the next power of two of the request's true final length (over-reserves by up to 2x);
 - "oracle": exactly the true final length (prompt + the tokens it will really generate).
 "pow2" and "oracle" need the final length in advance: the caller learns it from a paged run of the same
-requests (``engine.workloads.run_workload(..., final_lens=...)``).
+requests (``engine.scenarios.workloads.run_workload(..., final_lens=...)``).
 
 Several sequences per request (parallel sampling ``n``, beam search ``beam_width``): nothing is shared, so
 each sequence has a row of its own, the policy's reservation, and a fork copies. This is how servers

@@ -26,7 +26,8 @@ import torch
 
 import kernels
 
-from . import beam_search, limits
+from . import beam_search
+from ui import class_limits as limits
 from .allocator import KVAllocator
 from .block_manager import BlockManager
 from .contiguous import ContiguousAllocator
@@ -222,7 +223,7 @@ class LLMEngine:
                 unchanged.
         """
         params = self._check_params(params)
-        # a class server's cap per engine (engine/limits.py); V1 adds n child requests at once
+        # a class server's cap per engine (ui/class_limits.py); V1 adds n child requests at once
         limits.check_request_count(len(self.requests), params.n if self.semantics == "v1" else 1)
         rid = request_id if request_id is not None else self._auto_ids(1)[0]
         for request in self._make_requests(prompt, params, rid, final_len, priority):

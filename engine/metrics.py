@@ -126,7 +126,7 @@ def prefix_cache_stats(stats: dict) -> dict:
 
 
 def server_hit_rate_pct(server_metrics: dict) -> float | None:
-    """A vLLM server's own prefix-cache hit rate from its /metrics (``engine.server_metrics``): hits /
+    """A vLLM server's own prefix-cache hit rate from its /metrics (``engine.watch.server_metrics``): hits /
     queries in tokens at first admission (vLLM's PrefixCacheStats), in percent; None before any query."""
     queries = server_metrics.get("prefix_cache_queries")
     return None if not queries else round(pct(server_metrics.get("prefix_cache_hits", 0.0), queries), 2)

@@ -3,8 +3,8 @@
 Rules: safetensors weights only (``use_safetensors=True``), never ``trust_remote_code``. A model is a
 local directory or a hub id; a hub id that is not cached on a machine without network fails with one
 line that names the embedded default model. A hub model whose safetensors files total more than
-``engine.limits.max_download_bytes()`` (``PAL_MAX_DOWNLOAD_MB``, default 2 GiB) is refused from the hub's
-file list before its weights are fetched; a class server (``engine.limits``) loads only the embedded model
+``ui.class_limits.max_download_bytes()`` (``PAL_MAX_DOWNLOAD_MB``, default 2 GiB) is refused from the hub's
+file list before its weights are fetched; a class server (``ui.class_limits``) loads only the embedded model
 and its allow-list, and never a hub id.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import limits
+from ui import class_limits as limits
 from .config import EMBEDDED_MODEL
 
 # Model types whose decoder layers have the Llama shape the model runner drives (pre-norm, q/k/v/o
@@ -254,7 +254,7 @@ def load_shared(model: str, device: str = "auto", dtype: str | None = None):
 
     ``device`` ("auto", "cpu", "cuda") and ``dtype`` (None: float32 on the CPU, bfloat16 on CUDA) are
     resolved before the cache is consulted, so "auto" and the device it names share one copy; so is the
-    model: a local folder by its real path (``engine.limits.resolved_model_path``), so every spelling of one
+    model: a local folder by its real path (``ui.class_limits.resolved_model_path``), so every spelling of one
     folder (``./x``, ``x/``, ``~/x``, a symlink to it) shares one copy. A failed load is not cached (the
     next call tries again).
 

@@ -83,7 +83,7 @@ def workload(tokenizer, greedy: bool = False, w: dict = WORKLOAD):
     """The (prompt token ids, params) pairs: request i uses text i % 5 cut to one of the prompt lengths and
     seed ``first_seed + i`` (greedy: temperature 0)."""
     from engine import SamplingParams
-    from engine.scenarios import exact_prompt
+    from engine.scenarios.presets import exact_prompt
 
     tokenize = lambda t: tokenizer(t, add_special_tokens=False)["input_ids"]  # noqa: E731
     lengths = w["prompt_lengths"]

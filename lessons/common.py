@@ -154,7 +154,7 @@ def run_engine(loaded, requests: list[tuple[Any, SamplingParams]], max_steps: in
 
 def scenario_requests(loaded, name: str) -> list[tuple[Any, SamplingParams]]:
     """The (prompt, params) pairs of scenario ``name`` (seed 0) for the shared model's tokenizer."""
-    from engine.scenarios import get_scenario
+    from engine.scenarios.presets import get_scenario
 
     tokenizer = loaded[1]
     workload = get_scenario(name).make(0, lambda t: tokenizer(t, add_special_tokens=False)["input_ids"])
@@ -164,7 +164,7 @@ def scenario_requests(loaded, name: str) -> list[tuple[Any, SamplingParams]]:
 def scenario_run(loaded, name: str, **overrides) -> EngineRun:
     """Run scenario ``name`` (seed 0, every request at once) with its engine settings, then ``overrides``:
     the same requests and pool the Playground loads for that preset."""
-    from engine.scenarios import get_scenario
+    from engine.scenarios.presets import get_scenario
 
     config = {k: v for k, v in get_scenario(name).engine_defaults.items() if k != "reservation_tokens"}
     config.update(overrides)

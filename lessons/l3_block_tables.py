@@ -18,7 +18,7 @@ from lessons import kv_math
 from lessons.common import manager_snapshot, scenario_run
 from lessons.exercise import Exercise, Slip
 
-LIFE = "life-of-a-request"  # the scenario (engine/scenarios.py) the Playground button loads too
+LIFE = "life-of-a-request"  # the scenario (engine/scenarios/presets.py) the Playground button loads too
 BUSY = {"num_blocks": 12, "block_size": 16, "tokens": [48, 48, 48, 48], "freed": ["R2", "R4"], "new": 70}
 WHERE_T = 37  # the token the exercise asks about (a question, not an answer)
 TRADE_TOKENS = 600

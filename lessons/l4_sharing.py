@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
 from engine.metrics import blocks_for
-from engine.scenarios import get_scenario
+from engine.scenarios.presets import get_scenario
 from lessons.common import manager_snapshot, scenario_run
 from lessons.exercise import Exercise, Slip
 
@@ -133,7 +133,7 @@ def _copies(stages: list[Stage]) -> int:
 
 
 def _system_prompt_tokens(tokenizer) -> int:
-    from engine.scenarios import SYSTEM_PROMPT
+    from engine.scenarios.presets import SYSTEM_PROMPT
 
     return len(tokenizer(SYSTEM_PROMPT, add_special_tokens=False)["input_ids"])
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 from engine import EngineConfig, LLMEngine
 from engine.metrics import blocks_for, preemption_cost
 from engine.records import plural
-from engine.scenarios import get_scenario
+from engine.scenarios.presets import get_scenario
 from lessons import batch_invariance
 from lessons.common import EngineRun, run_engine, scenario_requests, scenario_run
 from lessons.exercise import Exercise, Slip
 
-SCENARIO = "memory-pressure"  # engine/scenarios.py; the Playground button loads the same preset
+SCENARIO = "memory-pressure"  # engine/scenarios/presets.py; the Playground button loads the same preset
 ROOMY_BLOCKS = 64  # a pool big enough that nobody is preempted: the reference for the outputs
 POLICIES = {"recompute (tight pool)": "recompute", "swap (tight pool)": "swap", "roomy pool (no pressure)": "roomy"}
 TINY_SWAP = 1  # swap-pool blocks in the fallback question: fewer than any running request holds then

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from engine import SamplingParams
 from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS_V1
-from engine.scenarios import exact_prompt
+from engine.scenarios.presets import exact_prompt
 from lessons import batch_invariance
 from lessons.common import EngineRun, run_engine
 from lessons.exercise import Exercise, Slip

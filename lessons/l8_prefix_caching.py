@@ -18,7 +18,7 @@ from engine import SamplingParams
 from engine.block_manager import NONE_HASH, BlockManager, block_hash
 from engine.metrics import pct, prefix_cache_stats
 from engine.records import plural
-from engine.scenarios import SYSTEM_PROMPT, exact_prompt
+from engine.scenarios.presets import SYSTEM_PROMPT, exact_prompt
 from lessons.common import run_engine
 from lessons.exercise import Exercise, Slip
 

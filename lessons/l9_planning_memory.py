@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 from engine import SamplingParams
-from engine.scenarios import PRESSURE_LONG_TEXT, PRESSURE_TEXTS, exact_prompt
+from engine.scenarios.presets import PRESSURE_LONG_TEXT, PRESSURE_TEXTS, exact_prompt
 from lessons import kv_math
 from lessons.common import EngineRun, run_engine
 from lessons.exercise import Exercise, Slip

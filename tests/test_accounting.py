@@ -92,7 +92,6 @@ def test_a_reply_with_stop_tokens_has_no_length_known_in_advance(make_engine, te
     """ignore_eos alone fixes the final length (prompt + max_tokens); stop tokens can still end it early, so
     the oracle must be told the length rather than assume the longest."""
     from engine import SamplingParams
-
     assert SamplingParams(ignore_eos=True).length_known
     assert not SamplingParams(ignore_eos=True, stop_token_ids=[5]).length_known
     engine = make_engine(block_size=4, num_blocks=32, max_model_len=64, allocator="contiguous",

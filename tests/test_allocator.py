@@ -5,8 +5,6 @@ from __future__ import annotations
 import pytest
 
 from engine import SamplingParams
-
-
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_block_count_new_block_timing_and_release(block_size, make_engine, text_ids):
     engine = make_engine(block_size=block_size, num_blocks=512 // block_size + 8, enable_prefix_caching=False)

@@ -9,7 +9,6 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from engine import EMBEDDED_MODEL
-
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
 PAGES = ["ui/playground.py", "ui/compare.py", "ui/lessons.py", "ui/model_info.py", "ui/server.py"]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from engine import scenario_file as sf
+from engine.scenarios import scenario_file as sf
 from ui.lab import fit_semantics
 from ui.scenario_io import lab_scenario
 from ui.state import preset_settings

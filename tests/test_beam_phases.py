@@ -13,8 +13,8 @@ import re
 import pytest
 
 from engine import EngineConfig, LLMEngine
-from engine.scenarios import SCENARIOS
-from engine.workloads import run_workload
+from engine.scenarios.presets import SCENARIOS
+from engine.scenarios.workloads import run_workload
 from viz.block_table import block_table_figure, block_table_picture, selection_events, selection_phases
 
 

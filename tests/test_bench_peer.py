@@ -50,7 +50,7 @@ def test_shared_system_prompt_workload(tokenize):
 
 
 def test_chat_workload_is_the_scenario_greedy(tokenize):
-    from engine.scenarios import get_scenario
+    from engine.scenarios.presets import get_scenario
 
     wl = bp.chat_workload(tokenize)
     scenario = get_scenario("chat-workload").make(0, tokenize)

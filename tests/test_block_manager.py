@@ -7,8 +7,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import BlockManager, NoFreeBlocksError
-
-
 def practice(prompt_len: int) -> BlockManager:
     bm = BlockManager(num_blocks=8, block_size=4)
     bm.allocate("A", prompt_len)

@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from engine import BlockManager, NoFreeBlocksError
-
 # a small alphabet makes identical prefixes (prefix-cache hits) frequent
 tokens = st.lists(st.integers(0, 2), min_size=1, max_size=14)
 

@@ -11,8 +11,7 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 
 from conftest import CHROMIUM
-from engine import scenario_file as sf
-
+from engine.scenarios import scenario_file as sf
 pytestmark = [pytest.mark.browser,
               pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Chromium is not installed")]
 

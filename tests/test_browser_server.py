@@ -58,8 +58,8 @@ def test_the_live_stream_shows_up_in_the_page(app_url, tmp_path):
     from playwright.sync_api import sync_playwright
 
     from engine import EngineConfig, LLMEngine
-    from engine.capture import read_capture
-    from engine.scenarios import get_scenario
+    from engine.watch.capture import read_capture
+    from engine.scenarios.presets import get_scenario
     from test_ui_server import _run_workload_steps
 
     engine = LLMEngine(EngineConfig(semantics="v1", device="cpu", dtype="float32", block_size=16, num_blocks=64,
@@ -136,9 +136,9 @@ def test_a_real_vllm_server_live_in_the_page(app_url, tmp_path):
     shows vLLM's own hit rate from /metrics."""
     from playwright.sync_api import sync_playwright
 
-    from engine.kv_subscriber import KVEventSubscriber
+    from engine.watch.kv_subscriber import KVEventSubscriber
     from engine.metrics import server_hit_rate_pct
-    from engine.server_metrics import fetch_metrics
+    from engine.watch.server_metrics import fetch_metrics
     from peer import vllm_server, workload
 
     why = vllm_server.server_available()

@@ -1,5 +1,5 @@
 """Issue 23, item 14: one student cannot take a class server's memory. Everything a session keeps is charged
-to its share before its lab runs (``engine.limits.plan_session``: pools, engines' state, Streamlit's session,
+to its share before its lab runs (``ui.class_limits.plan_session``: pools, engines' state, Streamlit's session,
 recorded steps at a calibrated bound), refused or capped by name; dropped steps are really freed; a closed
 tab's lab is released without waiting for Streamlit, and the freed memory goes back to the OS."""
 
@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import EMBEDDED_MODEL, SamplingParams, limits
+from engine import EMBEDDED_MODEL, SamplingParams
+from ui import class_limits as limits
 from engine.model_loader import load_shared
-from engine.scenario_file import parse_scenario
+from engine.scenarios.scenario_file import parse_scenario
 
 MIB = 2**20
 

@@ -1,4 +1,4 @@
-"""The class server (``engine/limits.py``, ``ui/class_server.py``): sizes refused before any allocation, on
+"""The class server (``ui/class_limits.py``, ``ui/class_server.py``): sizes refused before any allocation, on
 every server and below a class server's caps and per-session budget; the model locked to the embedded model
 and an allow-list; one cached copy of the weights per real folder; the recorded history bounded with a note on
 the page; idle sessions' labs released; nothing fetched from outside the server (a real browser)."""
@@ -15,7 +15,8 @@ from urllib.parse import urlparse
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from engine import EMBEDDED_MODEL, EngineConfig, SamplingParams, limits
+from engine import EMBEDDED_MODEL, EngineConfig, SamplingParams
+from ui import class_limits as limits
 from engine import llm_engine, model_loader
 from engine.model_loader import ModelLoadError, load_shared
 
@@ -84,7 +85,7 @@ def test_class_caps_refuse_each_field_by_name_before_allocation(class_mode, no_a
 
 def test_class_caps_admit_every_preset(class_mode, loaded):
     """The caps refuse nothing the app itself runs: every preset's lab builds on a class server."""
-    from engine.scenarios import SCENARIOS
+    from engine.scenarios.presets import SCENARIOS
     from ui.lab import Lab
     from ui.state import preset_settings
 
@@ -340,7 +341,7 @@ def test_the_page_requests_nothing_from_outside_the_server(class_url):
 def test_a_scenario_file_over_the_request_cap_is_refused_whole(monkeypatch):
     """A class server refuses a file with more requests than its cap when the lab is built (nothing queued),
     not at the arrival step where the cap would be reached."""
-    from engine.scenario_file import load_preset
+    from engine.scenarios.scenario_file import load_preset
     from ui.lab import Lab
     from ui.state import scenario_settings
 

@@ -1,5 +1,5 @@
 """Issue 23 (trial findings), the class server's memory guarantee: every session reserves its share of the
-server's memory in one registry shared by all worker processes (``engine.limits.ShareRegistry``, a flock'd
+server's memory in one registry shared by all worker processes (``ui.class_limits.ShareRegistry``, a flock'd
 file), before its lab runs; the reservations never add up to more than the total; a released session gives
 its share back; a crashed worker's reservations are dropped (its process is gone) and any reservation not
 renewed for ``LEASE_S`` expires. Before, each worker computed its share alone from the memory free at that
@@ -14,8 +14,9 @@ import time
 
 import pytest
 
-from engine import EMBEDDED_MODEL, limits
-from engine.limits import MIB, NoShareFree, ShareRegistry
+from engine import EMBEDDED_MODEL
+from ui import class_limits as limits
+from ui.class_limits import MIB, NoShareFree, ShareRegistry
 
 
 @pytest.fixture
@@ -226,7 +227,6 @@ def test_the_workers_total_is_measured_before_they_start(monkeypatch):
     """Each worker measuring the free memory itself, after starting, counted the other workers' PyTorch and
     model (not loaded yet) as free: the script measures once, before, and hands every worker one total."""
     from engine import memory
-
     script = _script()
     monkeypatch.delenv(limits.CLASS_MEMORY_ENV, raising=False)
     monkeypatch.setattr(memory, "available_host_memory_bytes", lambda: 4096 * MIB)

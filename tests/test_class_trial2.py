@@ -118,8 +118,7 @@ APP = str(ROOT / "app.py")
 @pytest.fixture
 def full_class(monkeypatch, tmp_path):
     """A class server of 2 seats and 200 MiB for sessions, both seats held by other sessions."""
-    from engine import limits
-
+    from ui import class_limits as limits
     monkeypatch.setenv(limits.CLASS_SERVER_ENV, "1")
     for name in (limits.ALLOWED_MODELS_ENV, limits.SESSION_MEMORY_ENV, limits.HISTORY_STEPS_ENV,
                  limits.IDLE_MINUTES_ENV, limits.CLOSED_SECONDS_ENV):
@@ -184,7 +183,7 @@ def test_a_step_in_range_is_read_whole():
 
 def test_a_link_naming_no_preset_lists_the_presets():
     """Trial 2, item 4: ?scenario=nosuchpreset said "the scenario link is damaged (cut short or mistyped?)"."""
-    from engine.scenarios import SCENARIOS
+    from engine.scenarios.presets import SCENARIOS
     from ui.scenario_io import link_settings
 
     with pytest.raises(ValueError) as refused:
@@ -216,8 +215,7 @@ def test_the_page_says_a_step_is_out_of_range_and_opens_the_run_at_step_0():
 # ---- item 5: a bad ?progress= code is said on the lesson pages, naming the code, until the first answer ----
 
 def _trial_code(payload: bytes) -> str:
-    from engine import url_codec
-
+    from engine.scenarios import url_codec
     return url_codec.pack(payload)
 
 
@@ -260,8 +258,7 @@ def test_a_bad_progress_code_is_said_on_the_lesson_pages_until_the_first_answer(
 def _batch_link(**settings) -> str:
     import json
 
-    from engine import url_codec
-
+    from engine.scenarios import url_codec
     data = json.loads((ROOT / "assets" / "scenarios" / "batch.json").read_text())
     data["name"] = "custom"
     data["settings"].update(settings)
@@ -286,8 +283,7 @@ def test_a_link_refused_for_its_kv_size_says_the_default_preset_is_shown(monkeyp
     refused for its KV size (on a class server) did not."""
     from streamlit.testing.v1 import AppTest
 
-    from engine import limits
-
+    from ui import class_limits as limits
     monkeypatch.setenv(limits.CLASS_SERVER_ENV, "1")
     for name in (limits.ALLOWED_MODELS_ENV, limits.SESSION_MEMORY_ENV, limits.HISTORY_STEPS_ENV,
                  limits.IDLE_MINUTES_ENV, limits.SEATS_ENV, limits.CLASS_MEMORY_ENV, limits.MEMORY_STATE_ENV):

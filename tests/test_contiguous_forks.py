@@ -12,7 +12,7 @@ import torch
 
 from engine import SamplingParams
 from engine.contiguous import ContiguousAllocator
-from engine.workloads import Workload, WorkloadRequest, learn_final_lengths, run_workload
+from engine.scenarios.workloads import Workload, WorkloadRequest, learn_final_lengths, run_workload
 from tests.conftest import capture_logits
 
 SAMPLES = SamplingParams(n=3, max_tokens=10, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True)

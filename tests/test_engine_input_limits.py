@@ -21,7 +21,8 @@ import pytest
 import torch
 
 import engine as engine_pkg
-from engine import EMBEDDED_MODEL, EngineConfig, LLMEngine, SamplingParams, limits
+from engine import EMBEDDED_MODEL, EngineConfig, LLMEngine, SamplingParams
+from ui import class_limits as limits
 from engine.config import MAX_N_SEQUENCES
 from engine.model_loader import load_model
 from engine.sequence import FINISHED

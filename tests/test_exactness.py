@@ -12,7 +12,6 @@ import torch
 from conftest import capture_logits
 
 from engine import SamplingParams
-
 MAX_NEW = 20
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
 

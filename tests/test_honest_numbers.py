@@ -23,9 +23,9 @@ from engine.block_manager import BlockManager
 from engine.cli import contiguous_summary, main
 from engine.contiguous import ContiguousAllocator
 from engine.records import EventKind
-from engine.scenarios import get_scenario
+from engine.scenarios.presets import get_scenario
 from engine.sequence import Request, Sequence
-from engine.workloads import run_workload
+from engine.scenarios.workloads import run_workload
 from test_scheduler import Driver
 
 CHAT = get_scenario("chat-workload")

@@ -96,7 +96,6 @@ def test_write_kv_matches_reference_and_skips_padding(num_kv_heads, head_dim):
 
 def test_engine_with_triton_backend_matches_torch_backend(make_engine, text_ids):
     from engine import SamplingParams
-
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = [text_ids[:5], text_ids[:11]]
     ref = make_engine(block_size=3, num_blocks=32, attention_backend="torch").generate(prompts, params)
@@ -129,7 +128,6 @@ def test_prefill_on_gpu(dtype, block_size, group, head_dim, ctx_lens, q_lens):
 @pytest.mark.gpu
 def test_engine_on_gpu_matches_cpu_reference(model_path, text_ids):
     from engine import EngineConfig, LLMEngine, SamplingParams
-
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = [text_ids[:n] for n in (1, 15, 16, 17, 48)]
     cpu = LLMEngine(EngineConfig(model=model_path, device="cpu", block_size=16, num_blocks=64))
@@ -143,7 +141,6 @@ def test_engine_on_gpu_matches_cpu_reference(model_path, text_ids):
 def test_swap_beam_and_prefix_cache_on_gpu_match_cpu(model_path, text_ids):
     """Copy-on-write, swap to pinned CPU memory and back, and prefix-cache hits on the GPU."""
     from engine import EngineConfig, LLMEngine, SamplingParams
-
     def run(device):
         common = dict(model=model_path, device=device, dtype="float32", block_size=4)
         swap = LLMEngine(EngineConfig(num_blocks=14, max_model_len=32, preemption_mode="swap", **common))

@@ -13,14 +13,14 @@ import zmq
 
 from engine import EngineConfig, SamplingParams
 from engine.block_manager import NONE_HASH, block_hash
-from engine.cache_mirror import PrefixCacheMirror
-from engine.capture import (Capture, CaptureBatch, CaptureReplay, CaptureWriter, dumps_capture, new_header,
+from engine.watch.cache_mirror import PrefixCacheMirror
+from engine.watch.capture import (Capture, CaptureBatch, CaptureReplay, CaptureWriter, dumps_capture, new_header,
                             read_capture)
 from engine.kv_events import MalformedBatch, decode_batch, encode_batch, external_hash, hash_key
 from engine.kv_publisher import KVEventPublisher
-from engine.kv_subscriber import KVEventSubscriber
-from engine.watch import replay as replay_cli
-from engine.watch import watch as watch_cli
+from engine.watch.kv_subscriber import KVEventSubscriber
+from engine.watch.command import replay as replay_cli
+from engine.watch.command import watch as watch_cli
 
 
 def stored(tokens: list[int], block_size: int, parent: str = NONE_HASH) -> tuple[dict, list[str]]:
@@ -631,7 +631,7 @@ def test_metrics_parse_and_a_page_that_is_not_metrics():
     import threading as th
 
     from engine.metrics import cached_share_pct, server_hit_rate_pct, server_kv_usage_pct, usable_pool_blocks
-    from engine.server_metrics import fetch_metrics, parse_metrics
+    from engine.watch.server_metrics import fetch_metrics, parse_metrics
 
     text = ('# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{block_size="32",num_gpu_blocks="33"} 1.0\n'
             '# TYPE vllm:prefix_cache_queries counter\nvllm:prefix_cache_queries_total{engine="0"} 200.0\n'

@@ -40,7 +40,7 @@ def test_every_preset_is_the_same_run_in_the_cli_and_the_app():
     """A scenario's engine settings are the same whether the CLI, the Playground or Compare builds it (the
     app used to default max_model_len to 256 where the CLI derived it from the pool)."""
     from engine.cli import build_parser, engine_config
-    from engine.scenarios import SCENARIOS
+    from engine.scenarios.presets import SCENARIOS
     from ui.state import preset_settings
 
     for name, scenario in SCENARIOS.items():

@@ -13,8 +13,8 @@ import pytest
 from engine import EngineConfig, LLMEngine
 from engine.block_manager import BlockManager, TrackedList
 from engine.records import POOL_LIST_FIELDS, Snapshot, make_snapshot
-from engine.scenarios import SCENARIOS
-from engine.workloads import run_workload
+from engine.scenarios.presets import SCENARIOS
+from engine.scenarios.workloads import run_workload
 
 PAPER_ONLY = {"swap", "parallel-sampling", "beam-search"}
 # hundreds of steps each, and nothing the others do not exercise (their other semantics stays)
@@ -121,7 +121,6 @@ def test_finished_requests_leave_the_per_step_loops(loaded_model):
     engine = LLMEngine(EngineConfig(device="cpu", semantics="v1", block_size=16, num_blocks=256, max_model_len=128),
                        loaded=loaded_model)
     from engine import SamplingParams
-
     for i in range(6):
         engine.add_request([9 + i] * 10, SamplingParams(max_tokens=2 + i, temperature=0.0, ignore_eos=True))
     seen = []

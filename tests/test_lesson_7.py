@@ -14,7 +14,7 @@ from streamlit.testing.v1 import AppTest
 
 from engine import EMBEDDED_MODEL
 from engine.model_loader import load_model
-from engine.scenarios import SCENARIOS
+from engine.scenarios.presets import SCENARIOS
 from lessons import catalog
 from lessons import l7_continuous_batching as l7
 from lessons.common import LessonContext

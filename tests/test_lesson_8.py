@@ -55,7 +55,7 @@ def facts(ctx) -> dict:
 
 # ------------------------------------------------------------------------------------------ structure
 def test_lesson_is_in_the_catalog_with_an_existing_playground_preset():
-    from engine.scenarios import SCENARIOS
+    from engine.scenarios.presets import SCENARIOS
     from ui.state import preset_settings
 
     assert any(l.slug == SLUG and l.number == 8 for l in catalog())

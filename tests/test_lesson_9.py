@@ -15,7 +15,7 @@ from streamlit.testing.v1 import AppTest
 
 from engine import EMBEDDED_MODEL
 from engine.model_loader import load_model
-from engine.scenarios import SCENARIOS
+from engine.scenarios.presets import SCENARIOS
 from lessons import catalog, kv_math
 from lessons.common import LessonContext
 from lessons.exercise import Exercise, format_value

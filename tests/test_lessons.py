@@ -11,7 +11,7 @@ from streamlit.testing.v1 import AppTest
 
 from engine import EMBEDDED_MODEL
 from engine.model_loader import load_model
-from engine.scenarios import LESSON_LENGTHS
+from engine.scenarios.presets import LESSON_LENGTHS
 from lessons import catalog, kv_math, parse_front_matter
 from lessons.common import LessonContext
 from lessons.exercise import Exercise, format_value, parse_int_list

@@ -17,7 +17,7 @@ from streamlit.testing.v1 import AppTest
 
 from engine import EMBEDDED_MODEL
 from engine.model_loader import load_model
-from engine.scenarios import LESSON_LENGTHS
+from engine.scenarios.presets import LESSON_LENGTHS
 from lessons import catalog
 from lessons.common import LessonContext
 from lessons.exercise import TAGS, Exercise, format_value

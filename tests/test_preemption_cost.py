@@ -64,7 +64,7 @@ def test_a_run_without_preemption_costs_nothing():
 def test_on_an_engine_run_the_swapped_blocks_come_back_and_match_the_kv_tensors(make_engine):
     """The swap scenario on the real engine: blocks out = blocks in, bytes from the engine's own tensors."""
     from engine import SamplingParams
-    from engine.scenarios import BATCH_PROMPTS
+    from engine.scenarios.presets import BATCH_PROMPTS
 
     engine = make_engine(block_size=8, num_blocks=16, max_model_len=96, preemption_mode="swap",
                          swap_space_blocks=64, watermark=0.0)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 
 from engine import SamplingParams, StepRecord, read_trace, write_trace
-
-
 def test_records_round_trip_through_json_lines(make_engine, text_ids, tmp_path):
     engine = make_engine(block_size=4, num_blocks=16)
     records = []

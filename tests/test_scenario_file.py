@@ -1,4 +1,4 @@
-"""Scenario files and links (engine/scenario_file.py) and the Playground's runs of them (ui/lab.py, ui/state.py,
+"""Scenario files and links (engine/scenarios/scenario_file.py) and the Playground's runs of them (ui/lab.py, ui/state.py,
 ui/scenario_io.py without a page): validation names the bad field, JSON / YAML / link round trips, the size
 limits, the shipped preset files equal the registry, and a file's run is the preset's run."""
 
@@ -13,10 +13,10 @@ import zlib
 import pytest
 
 from engine import EMBEDDED_MODEL, SamplingParams
-from engine import scenario_file as sf
+from engine.scenarios import scenario_file as sf
 from engine.model_loader import load_shared
-from engine.scenarios import SCENARIOS, get_scenario
-from engine.workloads import Workload, WorkloadRequest
+from engine.scenarios.presets import SCENARIOS, get_scenario
+from engine.scenarios.workloads import Workload, WorkloadRequest
 from ui.lab import Lab
 from ui.scenario_io import lab_scenario, link_query, link_settings, link_steps, runs_shipped_preset
 from ui.state import preset_settings, scenario_settings
@@ -233,9 +233,9 @@ def test_the_block_limit_is_the_engines():
 # ------------------------------------------------------------------------------------ shipped presets
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_each_shipped_file_is_what_the_registry_gives(name, tokenize):
-    """``python -m engine.scenario_file --write-presets`` would write the same bytes: the files cannot drift."""
+    """``python -m engine.scenarios.scenario_file --write-presets`` would write the same bytes: the files cannot drift."""
     path = sf.preset_path(name)
-    assert path.is_file(), f"{path} missing: run python -m engine.scenario_file --write-presets"
+    assert path.is_file(), f"{path} missing: run python -m engine.scenarios.scenario_file --write-presets"
     expected = sf.registry_file(name, tokenize)
     assert sf.load_preset(name) == expected
     assert path.read_text() == sf.dump_scenario(expected, "json")

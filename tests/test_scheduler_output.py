@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine
-from engine.scenarios import SCENARIOS
+from engine.scenarios.presets import SCENARIOS
 from engine.scheduler_output import ScheduledSeqData, SchedulerOutput
-from engine.workloads import run_workload
+from engine.scenarios.workloads import run_workload
 
 ENGINE = Path(__file__).resolve().parent.parent / "engine"
 

@@ -1,6 +1,6 @@
 """The lab watching a real vLLM server: vLLM's OpenAI-compatible server (``peer/vllm_server.py``, in the
 ``.peer-venv`` environment) runs the shared-prefix workload with KV events on; the lab's subscriber
-(``engine/kv_subscriber.py``) rebuilds its prefix cache from the events, and the test holds that view
+(``engine/watch/kv_subscriber.py``) rebuilds its prefix cache from the events, and the test holds that view
 against the lab's own V1 engine on the same requests: the same blocks stored and removed, batch by batch,
 identified by content (the token prefix each block ends, since the two hash functions differ), the same
 final cache, the same prefix-cache hits as vLLM's /metrics; a capture of the stream replays to the same
@@ -13,11 +13,11 @@ import time
 import pytest
 
 from engine import EMBEDDED_MODEL, EngineConfig, LLMEngine, SamplingParams
-from engine.cache_mirror import PrefixCacheMirror, by_content
-from engine.capture import CaptureReplay, capture_from_raw, dumps_capture, new_header, read_capture
+from engine.watch.cache_mirror import PrefixCacheMirror, by_content
+from engine.watch.capture import CaptureReplay, capture_from_raw, dumps_capture, new_header, read_capture
 from engine.kv_events import decode_batch, encode_batch
-from engine.kv_subscriber import KVEventSubscriber
-from engine.server_metrics import fetch_metrics
+from engine.watch.kv_subscriber import KVEventSubscriber
+from engine.watch.server_metrics import fetch_metrics
 
 pytestmark = [pytest.mark.peer, pytest.mark.slow]
 

@@ -18,9 +18,9 @@ import time
 import pytest
 import zmq
 
-from engine.cache_mirror import PrefixCacheMirror
+from engine.watch.cache_mirror import PrefixCacheMirror
 from engine.kv_events import decode_batch, encode_batch
-from engine.url_codec import pack
+from engine.scenarios.url_codec import pack
 from lessons import progress
 
 
@@ -84,7 +84,7 @@ def test_distinct_hashes_get_distinct_labels_in_the_tree():
 
 
 def test_the_server_page_and_watch_print_the_same_label_for_the_same_root():
-    from engine.watch import state_lines
+    from engine.watch.command import state_lines
     from viz.server import prefix_tree_figure
 
     m = mirror_with_colliding_prefixes()
@@ -108,7 +108,7 @@ def fed_view():
     """A KVEventSubscriber (no replay endpoint) fed, by a raw PUB: batch 40 (a late join), 41, 41 again (a
     duplicate), 10**12 (an impossible jump: the next does not continue from it), 42, 45 (a gap: 43 and 44
     lost), 46 not msgpack (malformed), 47. Returns its view once batch 47 is applied."""
-    from engine.kv_subscriber import KVEventSubscriber
+    from engine.watch.kv_subscriber import KVEventSubscriber
 
     pub = zmq.Context.instance().socket(zmq.PUB)
     pub.setsockopt(zmq.LINGER, 0)

@@ -10,7 +10,6 @@ import torch
 from conftest import capture_logits
 
 from engine import SamplingParams
-
 GREEDY = dict(temperature=0.0)
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.cache_mirror import by_content
-from engine.capture import CaptureReplay, read_capture
+from engine.watch.cache_mirror import by_content
+from engine.watch.capture import CaptureReplay, read_capture
 from engine.kv_events import decode_batch, encode_batch
 from peer.workload import shared_prefix_requests
 
@@ -55,7 +55,7 @@ def test_the_lab_reproduces_the_real_servers_events(capture):
 
 def test_the_capture_keeps_the_servers_time_for_a_paced_replay(capture):
     # written before captures had a ``ts`` field: the replay reads each batch's own time from its payload
-    from engine.capture import replay_gap, server_time
+    from engine.watch.capture import replay_gap, server_time
 
     stamps = [server_time(b) for b in capture.batches]
     assert all(s is not None for s in stamps) and stamps == sorted(stamps)

@@ -17,7 +17,7 @@ import pytest
 
 from engine import EMBEDDED_MODEL
 from engine.model_loader import load_shared
-from engine.scenarios import SCENARIOS
+from engine.scenarios.presets import SCENARIOS
 from ui.lab import Lab, fit_semantics
 from ui.state import applied_settings, form_values, preset_settings
 

@@ -44,7 +44,6 @@ def test_configure_gc_raises_the_threshold_once(monkeypatch):
     import gc
 
     from engine import threads
-
     calls = []
     monkeypatch.setattr(threads, "_gc_configured", False)
     monkeypatch.setattr(gc, "collect", lambda *a: calls.append("collect") or 0)

@@ -16,7 +16,6 @@ from engine.records import EVENT_DATA, EventKind
 @pytest.fixture(scope="module")
 def sample_record(model_path):
     from engine import EngineConfig, LLMEngine
-
     engine = LLMEngine(EngineConfig(model=model_path, device="cpu", block_size=4, num_blocks=16))
     engine.add_request("ROMEO. ", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     return engine.step().to_dict()

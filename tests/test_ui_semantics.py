@@ -263,7 +263,7 @@ def test_settings_in_v1_reach_the_paged_engine_only_and_match_the_cli():
     note says why; a budget below 256 caps max_num_seqs, which V1 requires), the contiguous one is the
     paper's without V1's budget, and the CLI's ``--semantics v1`` builds the same paged config."""
     from engine.cli import build_parser, engine_config
-    from engine.scenarios import SCENARIOS
+    from engine.scenarios.presets import SCENARIOS
     from ui.lab import fit_semantics
     from ui.state import preset_settings
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.cache_mirror import PrefixCacheMirror
+from engine.watch.cache_mirror import PrefixCacheMirror
 
 ROOT = Path(__file__).resolve().parent.parent
 CAPTURE = ROOT / "tests" / "data" / "kv_capture_small.jsonl"
@@ -25,7 +25,6 @@ PAGE = "ui/server.py"
 # ------------------------------------------------------------------------------------ the test capture
 def _engine_config(**fields):
     from engine import EngineConfig
-
     return EngineConfig(semantics="v1", device="cpu", dtype="float32", kv_events_endpoint="tcp://127.0.0.1:0",
                         kv_events_replay_endpoint="tcp://127.0.0.1:0", **fields)
 
@@ -57,9 +56,9 @@ def make_small_capture(path: str | Path) -> dict:
     branches); rank 1 runs "batch" in 12 blocks (evictions), then resets its prefix cache (an
     AllBlocksCleared) and runs two more requests. Returns counts for the log."""
     from engine import LLMEngine, SamplingParams
-    from engine.capture import capture_from_raw, dumps_capture, new_header
-    from engine.kv_subscriber import KVEventSubscriber
-    from engine.scenarios import get_scenario
+    from engine.watch.capture import capture_from_raw, dumps_capture, new_header
+    from engine.watch.kv_subscriber import KVEventSubscriber
+    from engine.scenarios.presets import get_scenario
 
     e0 = LLMEngine(_engine_config(block_size=16, num_blocks=64, max_model_len=256))
     e1 = LLMEngine(_engine_config(block_size=16, num_blocks=12, max_model_len=128), (e0.model, e0.tokenizer))
@@ -360,7 +359,7 @@ def test_the_page_loads_in_both_modes():
 
 
 def test_replay_step_back_and_scrub_show_the_capture_state():
-    from engine.capture import CaptureReplay, read_capture
+    from engine.watch.capture import CaptureReplay, read_capture
 
     replay = CaptureReplay(read_capture(CAPTURE))
     total = len(replay)
@@ -482,8 +481,8 @@ def test_nothing_listening_is_unreachable_and_stop_ends_the_thread(live_app):
 
 def test_live_view_follows_the_engine_and_reconnect_never_doubles_threads(live_app, tmp_path):
     from engine import LLMEngine
-    from engine.capture import read_capture
-    from engine.scenarios import get_scenario
+    from engine.watch.capture import read_capture
+    from engine.scenarios.presets import get_scenario
 
     at = live_app
     engine = LLMEngine(_engine_config(block_size=16, num_blocks=64, max_model_len=256))
@@ -599,7 +598,7 @@ def metrics_url():
 def test_metrics_give_the_pool_share_and_the_servers_own_counters(live_app, metrics_url):
     from engine import metrics
     from engine.kv_publisher import KVEventPublisher
-    from engine.server_metrics import parse_metrics
+    from engine.watch.server_metrics import parse_metrics
 
     at = live_app
     values = parse_metrics(METRICS_TEXT)

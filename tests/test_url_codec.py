@@ -1,4 +1,4 @@
-"""engine/url_codec.py: bytes into a URL query value and back, every bad value refused by name and limit."""
+"""engine/scenarios/url_codec.py: bytes into a URL query value and back, every bad value refused by name and limit."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 
-from engine.url_codec import pack, unpack
+from engine.scenarios.url_codec import pack, unpack
 
 
 def test_round_trip_in_url_safe_characters():

@@ -7,8 +7,6 @@ import copy
 import pytest
 
 from engine import EngineConfig, SamplingParams
-
-
 @pytest.mark.parametrize("kwargs, named", [
     ({"block_size": 0}, "block_size .*0"),
     ({"block_size": -3}, "block_size .*-3"),

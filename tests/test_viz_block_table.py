@@ -11,8 +11,8 @@ import pytest
 
 from engine import EngineConfig, LLMEngine
 from engine.records import Snapshot, SequenceState
-from engine.scenarios import SCENARIOS
-from engine.workloads import run_workload
+from engine.scenarios.presets import SCENARIOS
+from engine.scenarios.workloads import run_workload
 from viz.block_table import block_table_figure
 
 PRESETS = ("parallel-sampling", "beam-search", "shared-prefix")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 import pytest
 
-from engine.scenarios import SCENARIOS
+from engine.scenarios.presets import SCENARIOS
 from ui.lab import Lab
 from ui.state import preset_settings, shared_model
 from viz import (block_pool_figure, contiguous_region_figure, paged_slots_figure,

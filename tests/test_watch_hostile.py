@@ -18,13 +18,13 @@ import msgspec
 import pytest
 import zmq
 
-from engine.cache_mirror import PrefixCacheMirror
-from engine.capture import (Capture, CaptureBatch, CaptureReplay, capture_from_raw, dumps_capture, new_header,
+from engine.watch.cache_mirror import PrefixCacheMirror
+from engine.watch.capture import (Capture, CaptureBatch, CaptureReplay, capture_from_raw, dumps_capture, new_header,
                             read_capture)
 from engine.kv_events import MalformedBatch, decode_batch, encode_batch, hash_key
-from engine.kv_subscriber import RESTARTED, KVEventSubscriber
-from engine.watch import replay as replay_cli
-from engine.watch import watch as watch_cli
+from engine.watch.kv_subscriber import RESTARTED, KVEventSubscriber
+from engine.watch.command import replay as replay_cli
+from engine.watch.command import watch as watch_cli
 
 NESTED_1K = b"\x91" * 1000 + b"\xc0"  # the issue's payload: 1,000 nested one-element arrays, then nil
 
@@ -101,7 +101,7 @@ def test_a_deeply_nested_payload_is_skipped_and_the_watch_goes_on(watched):
 
 
 def test_any_error_while_handling_one_message_is_counted_not_fatal(watched, monkeypatch):
-    import engine.kv_subscriber as ks
+    import engine.watch.kv_subscriber as ks
 
     real = ks.decode_batch
     calls = {"n": 0}
@@ -360,7 +360,7 @@ def paced_capture(with_ts: bool) -> Capture:
 
 @pytest.mark.parametrize("with_ts", [True, False])  # False: a capture written before ``ts`` was a field
 def test_replay_waits_the_servers_time_between_batches(with_ts, tmp_path, monkeypatch):
-    import engine.watch as w
+    import engine.watch.command as w
 
     path = tmp_path / "c.jsonl"
     text = dumps_capture(paced_capture(with_ts))
@@ -485,7 +485,7 @@ def test_a_repeated_old_seq_on_the_same_connection_is_a_skipped_duplicate_not_a_
 
 
 def test_a_removal_of_a_hash_never_stored_in_a_complete_watch_is_called_unknown():
-    from engine.watch import state_lines
+    from engine.watch.command import state_lines
 
     m = PrefixCacheMirror()
     m.apply(0, 0.0, [stored(1)])
@@ -556,7 +556,7 @@ def test_a_real_gap_larger_than_max_seq_jump_is_a_gap_and_the_watch_goes_on(watc
     """A publisher that dropped more than MAX_SEQ_JUMP batches for a subscriber that fell behind (its
     high-water mark): the batch after the jump continues from it, so the jump was real. Before, every later
     batch was skipped as another impossible jump from the last one applied: the watch showed nothing more."""
-    from engine.kv_subscriber import MAX_SEQ_JUMP
+    from engine.watch.kv_subscriber import MAX_SEQ_JUMP
 
     far = 3 + MAX_SEQ_JUMP + 17
     pub, sub = watched()
@@ -576,7 +576,7 @@ def test_watch_receives_a_400000_block_run_from_the_labs_publisher_and_reports_t
     the whole mirror (0.3-0.9 s at 100,000 blocks) ten times a second under the lock the subscriber needs for
     every batch: it applied about 6,000 blocks a second and stopped (``--duration``) with most of the run
     unreceived. Now it reads counts only while watching and copies the mirror once, for the final state."""
-    from engine.cache_mirror import MAX_BLOCKS
+    from engine.watch.cache_mirror import MAX_BLOCKS
     from engine.kv_publisher import KVEventPublisher
 
     copies = {"n": 0}
@@ -618,8 +618,8 @@ def test_watch_receives_a_400000_block_run_from_the_labs_publisher_and_reports_t
 def test_roots_with_small_int_hashes_print_distinctly():
     """vLLM's default hashes are 64-bit ints, printed as 16 hex digits; a 12-digit prefix of hashes 1 and 2
     was "000000000000" for both."""
-    from engine.cache_mirror import hash_labels
-    from engine.watch import state_lines
+    from engine.watch.cache_mirror import hash_labels
+    from engine.watch.command import state_lines
 
     m = PrefixCacheMirror()
     for seq, h in enumerate((1, 2, 3, 2**40, 2**40 + 1)):

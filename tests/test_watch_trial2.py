@@ -17,13 +17,13 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 
-from engine.cache_mirror import PrefixCacheMirror
-from engine.capture import CaptureReplay, dumps_capture, new_header, read_capture
+from engine.watch.cache_mirror import PrefixCacheMirror
+from engine.watch.capture import CaptureReplay, dumps_capture, new_header, read_capture
 from engine.kv_events import MAX_BLOCK_SIZE, MalformedBatch, decode_batch, encode_batch
-from engine.kv_subscriber import KVEventSubscriber
-from engine.watch import replay as replay_cli
-from engine.watch import state_lines, summary_line
-from engine.watch import watch as watch_cli
+from engine.watch.kv_subscriber import KVEventSubscriber
+from engine.watch.command import replay as replay_cli
+from engine.watch.command import state_lines, summary_line
+from engine.watch.command import watch as watch_cli
 from test_watch_hostile import XPub, frames, send_until, stored, watch_args, watched  # noqa: F401 (fixture)
 
 HEADER = json.dumps(new_header("test", ["tcp://127.0.0.1:1"])) + "\n"
@@ -206,7 +206,7 @@ def test_a_restart_is_said_once(watched):
     pub, sub = watched()
     sub._peer_went_away = True
     sub._restarted()
-    from engine.kv_subscriber import RESTARTED
+    from engine.watch.kv_subscriber import RESTARTED
 
     said = [item for _, item in sub.log_since(0)[0]]
     assert sum(RESTARTED in str(item) for item in said) == 1, said
@@ -240,7 +240,7 @@ def test_replay_clock_jumps_wait_at_most_60_s_in_all(tmp_path, monkeypatch):
 def test_a_gap_the_replay_socket_filled_is_counted_on_replay_as_live():
     """A gap whose batches all came back from the replay socket leaves no hole in the capture; the watch
     counted it (1 gap, 0 lost), so the capture's gap marker makes the replay count it too (it saw 0 gaps)."""
-    from engine.capture import capture_from_raw
+    from engine.watch.capture import capture_from_raw
     from engine.kv_publisher import KVEventPublisher
     from test_watch_hostile import raw_pub, subscribed
 

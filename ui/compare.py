@@ -29,8 +29,8 @@ from engine import LLMEngine, metrics
 from engine.cli import contiguous_summary, paged_summary
 from engine.model_loader import load_shared
 from engine.config import CONTIGUOUS_POLICIES, DEFAULT_MAX_NUM_BATCHED_TOKENS_V1, FINAL_LENGTH_POLICIES, SEMANTICS
-from engine.scenarios import SCENARIOS
-from engine.workloads import learn_final_lengths, run_workload
+from engine.scenarios.presets import SCENARIOS
+from engine.scenarios.workloads import learn_final_lengths, run_workload
 from lessons.runs import COMPARE_RUNS, ProgressBox, preload_model, token_detail
 from ui.lab import (POLICY_LABELS, POLICY_RESERVES, SEMANTICS_LABELS, Lab, engine_semantics_line,
                     fit_semantics, max_num_seqs_for, semantics_line)

@@ -37,11 +37,12 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from engine import EngineConfig, LLMEngine, SamplingParams, StepRecord, limits
+from engine import EngineConfig, LLMEngine, SamplingParams, StepRecord
+from ui import class_limits as limits
 from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS_V1, DEFAULT_WATERMARK, FINAL_LENGTH_POLICIES
-from engine.scenario_file import PrioritizedRequest, ScenarioFile, length_notes, preset_workload, to_workload
-from engine.scenarios import get_scenario
-from engine.workloads import WorkloadRequest, learn_final_lengths, run_workload
+from engine.scenarios.scenario_file import PrioritizedRequest, ScenarioFile, length_notes, preset_workload, to_workload
+from engine.scenarios.presets import get_scenario
+from engine.scenarios.workloads import WorkloadRequest, learn_final_lengths, run_workload
 
 # The contiguous policies by the names of the vLLM paper's baselines (Kwon et al., SOSP 2023, section 6),
 # and what each reserves per request at admission.
@@ -238,7 +239,7 @@ class Lab:
     failure: str | None = None  # a step that raised: the engines may be half-stepped, so nothing more runs
     # names this lab to the browser's press counter: a total counted for another lab is never run here
     token: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-    # A class server (engine.limits) keeps only the last ``history_limit`` steps (None: all); ``dropped_steps``
+    # A class server (ui.class_limits) keeps only the last ``history_limit`` steps (None: all); ``dropped_steps``
     # counts the older ones dropped, so step numbers stay the engines' (``steps_run``, ``history_note``).
     history_limit: int | None = field(default_factory=lambda: limits.history_limit())
     dropped_steps: int = 0
@@ -279,7 +280,7 @@ class Lab:
         lab = cls(settings, paged, contiguous, notes=notes, semantics_note=semantics_note)
         if settings.preset != "custom" or settings.scenario is not None:
             tokenize = lambda t: paged.tokenizer(t, add_special_tokens=False)["input_ids"]  # noqa: E731
-            # a preset's shipped file (engine.scenario_file.preset_workload), or a loaded file under "custom"
+            # a preset's shipped file (engine.scenarios.scenario_file.preset_workload), or a loaded file under "custom"
             workload = (to_workload(settings.scenario, tokenize) if settings.preset == "custom"
                         else preset_workload(settings.preset, settings.seed, tokenize, settings.model))
             # a class server's request cap, for the whole file at once (not at the arrival step it is reached)

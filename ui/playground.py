@@ -15,7 +15,7 @@ import streamlit as st
 from engine import EngineConfig, SamplingParams, metrics
 from engine.config import (CONTIGUOUS_POLICIES, DEFAULT_MAX_NUM_BATCHED_TOKENS_V1, PREEMPTION_MODES,
                            SCHEDULING_POLICIES, SEMANTICS)
-from engine.scenarios import SCENARIOS
+from engine.scenarios.presets import SCENARIOS
 from lessons.render import OPEN_PRESET
 from ui import class_server, presenter
 from ui.exports import export_panel

@@ -1,11 +1,11 @@
 """Scenario files and links in the Playground: the run on screen saved as a JSON or YAML file
-(``engine.scenario_file``), a file opened from disk, and the page's URL kept as a link to the same run.
+(``engine.scenarios.scenario_file``), a file opened from disk, and the page's URL kept as a link to the same run.
 
 The link is two query parameters next to the lessons' ``progress`` (which ``lessons.render.sync_progress_url``
 writes on every page and this module never touches):
 
 - ``scenario``: a shipped preset's name when the lab runs that preset as shipped (its own settings, nothing
-  added by hand), else the whole scenario packed (``engine.scenario_file.encode_link``: the file's JSON without
+  added by hand), else the whole scenario packed (``engine.scenarios.scenario_file.encode_link``: the file's JSON without
   defaults, zlib, base64url, at most ``MAX_LINK_CHARS``);
 - ``step``: the engine step on screen (0 before the first).
 
@@ -31,10 +31,10 @@ import time
 import streamlit as st
 
 from engine import EMBEDDED_MODEL
-from engine.scenario_file import (ScenarioFile, ScenarioSettings, decode_link, dump_scenario, encode_link,
+from engine.scenarios.scenario_file import (ScenarioFile, ScenarioSettings, decode_link, dump_scenario, encode_link,
                                   from_workload, parse_text)
-from engine.scenarios import SCENARIOS
-from engine.workloads import Workload
+from engine.scenarios.presets import SCENARIOS
+from engine.scenarios.workloads import Workload
 
 from .lab import Lab, LabSettings, fit_semantics
 from .state import build_lab, get_lab, preset_settings, scenario_settings
@@ -125,7 +125,7 @@ def link_settings(value: str, model: str = EMBEDDED_MODEL) -> LabSettings:
 def looks_like_a_name(value: str) -> bool:
     """Whether a link's ``scenario`` value reads as a preset's name rather than a packed scenario: a short
     word of letters, digits, "-" and "_" that does not start with a zlib header in base64 (every packed
-    scenario does: ``engine.url_codec.pack``; "eN" at its level, "eJ" at zlib's default, and so on)."""
+    scenario does: ``engine.scenarios.url_codec.pack``; "eN" at its level, "eJ" at zlib's default, and so on)."""
     return len(value) <= 40 and re.fullmatch(r"[A-Za-z0-9_-]+", value) is not None and not _zlib_header(value)
 
 

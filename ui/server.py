@@ -1,6 +1,6 @@
 """Server: a real LLM server's prefix cache, rebuilt from its KV cache events, live or from a capture.
 
-Live: one ``engine.kv_subscriber.KVEventSubscriber`` per endpoint (one per data-parallel rank), made on
+Live: one ``engine.watch.kv_subscriber.KVEventSubscriber`` per endpoint (one per data-parallel rank), made on
 Connect and kept in this browser session's ``st.session_state["server_live"]``; its background thread
 receives and applies the batches, and the view below re-reads ``view()`` on a timer (``st.fragment(
 run_every=...)``), so the page never waits on the network. A session holds at most one set: Connect to other
@@ -8,10 +8,10 @@ endpoints stops the old set first, Stop stops it, and a process-wide registry (`
 the set of a session whose browser tab went away (reload, closed tab), so no thread outlives its viewer.
 An optional ``/metrics`` URL is read by a poller thread of the same set every 2 s.
 
-Replay: a capture (``engine.capture``: a shipped one under ``assets/captures/`` or an upload) stepped batch
+Replay: a capture (``engine.watch.capture``: a shipped one under ``assets/captures/`` or an upload) stepped batch
 by batch with ``CaptureReplay.state(k)``: Step / Back, a scrub slider over positions, Play at a speed.
 
-Every number is read from the mirrors (``engine.cache_mirror``), ``engine.metrics`` and the server's
+Every number is read from the mirrors (``engine.watch.cache_mirror``), ``engine.metrics`` and the server's
 ``/metrics`` through ``viz.server.rank_numbers`` / ``server_numbers``; the figures are ``viz.server``'s.
 """
 
@@ -25,11 +25,12 @@ from pathlib import Path
 
 import streamlit as st
 
-from engine import EMBEDDED_MODEL, limits
-from engine.capture import CaptureReplay, capture_from_raw, dumps_capture, new_header, read_capture
+from engine import EMBEDDED_MODEL
+from ui import class_limits as limits
+from engine.watch.capture import CaptureReplay, capture_from_raw, dumps_capture, new_header, read_capture
 from engine.config import check_endpoint
-from engine.kv_subscriber import MAX_CAPTURE_BYTES, KVEventSubscriber
-from engine.server_metrics import fetch_metrics
+from engine.watch.kv_subscriber import MAX_CAPTURE_BYTES, KVEventSubscriber
+from engine.watch.server_metrics import fetch_metrics
 from viz.server import (STREAM_COUNTS_HELP, VLLM_EVENTS_FLAG, plural, batch_activity_figure, batch_line,
                         cache_size_figure, mirror_warnings, prefix_tree_figure, rank_numbers, server_numbers,
                         state_line, stream_caption)
@@ -132,7 +133,7 @@ class LiveSet:
                 f"subscriber keeps at most 50,000 batches and {MAX_CAPTURE_BYTES // 2**20} MiB of payloads)")
 
     def capture_text(self) -> str:
-        """What was received so far as a capture (``engine.capture``'s JSON lines), with the /metrics
+        """What was received so far as a capture (``engine.watch.capture``'s JSON lines), with the /metrics
         scrapes; what the "Download capture" button sends."""
         raws = [r for s in self.subs for r in s.capture_items()]  # batches and markers (what a replay counts)
         notes = [self.capture_cut()] if self.capture_cut() else []
@@ -140,7 +141,7 @@ class LiveSet:
         header = new_header("the Server page (live)", self.endpoints,
                             block_size=block_sizes.pop() if len(block_sizes) == 1 else None,
                             num_gpu_blocks=self.num_gpu_blocks(), notes=notes)
-        header["markers"] = True  # the stream's counts are in marker lines (engine.capture)
+        header["markers"] = True  # the stream's counts are in marker lines (engine.watch.capture)
         capture = capture_from_raw(raws, header)
         if self.poller is not None and raws:
             t0 = min(r.recv_ts for r in raws)

@@ -20,7 +20,7 @@ def shared_model(model: str):
     """(model, tokenizer), loaded once per process and shared read-only by every session and the lessons
     (``lessons.runs.shared_model``: ``engine.model_loader.load_shared`` with a progress box on first load),
     one copy per real folder (every spelling of a path is one copy). On a class server a model it does not
-    serve raises ValueError before anything is read (``engine.limits.check_model``)."""
+    serve raises ValueError before anything is read (``ui.class_limits.check_model``)."""
     return runs.shared_model(model)
 
 
@@ -55,7 +55,7 @@ def build_lab(settings: LabSettings) -> bool:
 
 def learning_progress(settings: LabSettings, box: runs.ProgressBox):
     """An ``on_step`` for ``Lab.create``'s headless paged run of the preset: its steps and tokens in ``box``."""
-    from engine.scenarios import get_scenario
+    from engine.scenarios.presets import get_scenario
 
     requests = get_scenario(settings.preset).make(settings.seed, count_only_tokenizer).requests
     total = sum(r.params.max_tokens * r.params.num_seqs for r in requests)
@@ -75,11 +75,10 @@ def preset_settings(preset: str, model: str = EMBEDDED_MODEL, **overrides) -> La
     size, pool, lengths, reservation, preemption, prefix caching, contiguous policy, watermark (None: the
     semantics' default), semantics, seed), then ``overrides`` (``LabSettings`` fields, e.g.
     ``semantics="v1"``). A scenario registered without a file takes its registry ``engine_defaults``
-    (``engine.scenario_file.registry_settings``, which also wrote the files).
+    (``engine.scenarios.scenario_file.registry_settings``, which also wrote the files).
     The one path from a preset to engine settings: the Playground, Compare, scenario links and the lessons'
     "Open this in the Playground" all use it. Raises ValueError for an unknown preset or field."""
-    from engine import scenario_file
-
+    from engine.scenarios import scenario_file
     shipped = scenario_file.load_preset(preset)
     if shipped is None:
         semantics, fields = scenario_file.registry_settings(preset)
@@ -94,11 +93,11 @@ def preset_settings(preset: str, model: str = EMBEDDED_MODEL, **overrides) -> La
 
 
 def scenario_settings(scenario, model: str = EMBEDDED_MODEL) -> LabSettings:
-    """Playground settings that run a scenario file (``engine.scenario_file.ScenarioFile``): its preset's
+    """Playground settings that run a scenario file (``engine.scenarios.scenario_file.ScenarioFile``): its preset's
     (``preset_settings``) when it is a shipped preset's file unchanged, so it is that preset again; else
     "custom" with the file's settings, semantics and seed, and its requests queued (``LabSettings.scenario``)."""
-    from engine import scenario_file
-    from engine.scenarios import SCENARIOS
+    from engine.scenarios import scenario_file
+    from engine.scenarios.presets import SCENARIOS
 
     if scenario.name in SCENARIOS and scenario == scenario_file.load_preset(scenario.name):
         return preset_settings(scenario.name, model)
@@ -120,7 +119,7 @@ POOL_FIELDS = ("block_size", "num_blocks", "max_model_len", "reservation", "kv_b
 def preset_fixed_fields(preset: str) -> set[str]:
     """The ``LabSettings`` fields a scenario fixes itself (its ``engine_defaults``, e.g. prefix caching off,
     preemption by swap, a watermark): with the tick they win over the form."""
-    from engine.scenarios import get_scenario
+    from engine.scenarios.presets import get_scenario
 
     names = {"reservation_tokens": "reservation"}
     fields = set(LabSettings.__dataclass_fields__)

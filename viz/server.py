@@ -1,6 +1,6 @@
 """A real server's prefix cache, drawn from its KV events: pure functions of ``PrefixCacheMirror`` and its
-``BatchSummary`` history (``engine/cache_mirror.py``). No Streamlit, no torch, no sockets: the Server page
-draws the same figures live (``engine/kv_subscriber.py``) and from a capture (``engine/capture.py``).
+``BatchSummary`` history (``engine/watch/cache_mirror.py``). No Streamlit, no torch, no sockets: the Server page
+draws the same figures live (``engine/watch/kv_subscriber.py``) and from a capture (``engine/watch/capture.py``).
 
 - ``prefix_tree_figure``: the cached blocks as a forest of prefixes. A block is a marker; its parent (the
   block before it in the prompt, ``parent_block_hash``) is to its left, joined by an edge; siblings (prompts
@@ -33,7 +33,7 @@ from typing import Callable, Iterable
 import plotly.graph_objects as go
 
 from engine import metrics
-from engine.cache_mirror import hash_labels
+from engine.watch.cache_mirror import hash_labels
 from engine.records import plural  # noqa: F401  (the Server page reads it from here too)
 
 from .colors import PALETTE
@@ -61,7 +61,7 @@ def rank_numbers(mirror, num_gpu_blocks: int | None = None) -> dict:
 
 
 def server_numbers(values: dict) -> dict:
-    """A server's ``/metrics`` (``engine.server_metrics.parse_metrics``) as the page shows them:
+    """A server's ``/metrics`` (``engine.watch.server_metrics.parse_metrics``) as the page shows them:
     ``kv_cache_usage_pct`` (vLLM's 0..1 gauge in %), ``hit_rate_pct`` (``metrics.server_hit_rate_pct``),
     ``preemptions``, ``running``, ``waiting``, ``num_gpu_blocks``, ``block_size``; None where absent."""
     count = (lambda name: None if values.get(name) is None else int(values[name]))  # noqa: E731
@@ -245,7 +245,7 @@ def prefix_tree_figure(mirror, decode: Callable[[list[int]], str] | None = None,
     """The cached blocks as a tree of prefixes (see the module docstring for the layout).
 
     Args:
-        mirror: an ``engine.cache_mirror.PrefixCacheMirror`` (one rank).
+        mirror: an ``engine.watch.cache_mirror.PrefixCacheMirror`` (one rank).
         decode: token ids -> text, for the hover (optional; the server's model's tokenizer).
         max_blocks: draw at most this many blocks, the most recently stored; the title says "showing N of M".
         now_ts: the time ages are measured to (seconds since the epoch, the publisher's clock); default the

@@ -41,7 +41,7 @@ import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
-from .records import plural
+from ..records import plural
 
 MAX_BLOCKS = 100_000  # distinct hashes a mirror holds (about 100 MB); see the module docstring
 # token ids a mirror keeps over all its blocks (a list slot plus an int object: about 36 bytes each, so about

@@ -66,10 +66,10 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from .cache_mirror import MAX_BLOCKS, PrefixCacheMirror
-from .config import check_endpoint
-from .kv_events import MalformedBatch, decode_batch
-from .kv_publisher import END_SEQ
-from .records import plural
+from ..config import check_endpoint
+from ..kv_events import MalformedBatch, decode_batch
+from ..kv_publisher import END_SEQ
+from ..records import plural
 
 SILENT_AFTER_S = 5.0  # "live" turns "idle" after this long without a batch
 DROP_GRACE_S = 0.5  # a drop with no reconnect event within this long was a protocol error (see above)

@@ -23,9 +23,9 @@ from pathlib import Path
 
 from .cache_mirror import BatchSummary, PrefixCacheMirror, hash_labels
 from .capture import CaptureReplay, CaptureWriter, new_header, read_capture, replay_gap
-from .config import check_endpoint
+from ..config import check_endpoint
 from .kv_subscriber import KVEventSubscriber
-from .records import plural
+from ..records import plural
 
 MIN_SPEED, MAX_SPEED = 0.01, 10_000.0  # replay --speed: 100x slower .. 10,000x faster than recorded (or 0)
 MAX_WAIT_S = 60.0  # replay waits at most this long between two batches

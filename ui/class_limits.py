@@ -140,7 +140,7 @@ class ClassLimits:
 
     def model_choices(self) -> tuple[str, ...]:
         """The models a session may load: the embedded one first, then the allow-list (resolved paths)."""
-        from .config import EMBEDDED_MODEL
+        from engine.config import EMBEDDED_MODEL
 
         embedded = resolved_model_path(EMBEDDED_MODEL)
         return (embedded,) + tuple(m for m in self.allowed_models if m != embedded)
@@ -243,7 +243,7 @@ def server_memory_bytes(limits: ClassLimits, available: int | None = None) -> in
     ``engine.memory.available_host_memory_bytes`` now; ``FALLBACK_SESSION_BYTES`` a seat when it cannot be
     read); either at most ``seats x session_memory_bytes`` when that is set. ``ShareRegistry`` measures it once, when
     its first session reserves, and keeps it: every worker then shares one total."""
-    from .memory import available_host_memory_bytes
+    from engine.memory import available_host_memory_bytes
 
     if limits.class_memory_bytes is not None:
         total = limits.class_memory_bytes
@@ -555,7 +555,7 @@ class ShareRegistry:
         """The total under ``limits``: ``server_memory_bytes`` of the memory available when the first session
         reserved (measured then, and kept in the registry, so all workers and every later session agree)."""
         if self._measured is None and limits.class_memory_bytes is None:
-            from .memory import available_host_memory_bytes
+            from engine.memory import available_host_memory_bytes
 
             available = available_host_memory_bytes()
             self._measured = available if available is not None else FALLBACK_SESSION_BYTES * limits.seats

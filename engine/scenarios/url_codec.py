@@ -1,6 +1,6 @@
 """Bytes packed into a URL query value and back: zlib, then base64url without padding (letters, digits, "-", "_").
 
-Used by the scenario links (``engine.scenario_file.encode_link``) and the lessons' progress codes
+Used by the scenario links (``engine.scenarios.scenario_file.encode_link``) and the lessons' progress codes
 (``lessons.progress.encode``). ``unpack`` reads a value typed or pasted by anyone, so it bounds everything
 before it trusts anything: the value's length, its characters, and the bytes it inflates to (a short value can
 inflate to gigabytes: a zip bomb); each refusal is a ValueError naming the value (``what``) and the limit.

@@ -40,7 +40,7 @@ server a link or file with more requests than one run may hold is refused when i
 stops there as in vLLM, with a note saying so (``length_notes``).
 
 The Playground's presets are such files, ``assets/scenarios/<name>.json``, written from the registry
-(``engine.scenarios``) at seed 0 by ``python -m engine.scenario_file --write-presets``; a test keeps them
+(``engine.scenarios.presets``) at seed 0 by ``python -m engine.scenarios.scenario_file --write-presets``; a test keeps them
 equal to the registry. A link is ``encode_link``: the file's JSON without defaults, zlib, base64url.
 """
 
@@ -59,7 +59,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .config import (CONTIGUOUS_POLICIES, EMBEDDED_MODEL, MAX_SEED, PREEMPTION_MODES, SCHEDULING_POLICIES,
+from ..config import (CONTIGUOUS_POLICIES, EMBEDDED_MODEL, MAX_SEED, PREEMPTION_MODES, SCHEDULING_POLICIES,
                      SEMANTICS, SamplingParams)
 from . import url_codec
 from .workloads import Workload, WorkloadRequest
@@ -78,7 +78,7 @@ MAX_STOP_TOKENS = 64
 MAX_PRIORITY = 2**31
 MAX_NESTING = 16  # lists and mappings inside each other; a scenario has 4 (file > requests > request > token ids)
 MAX_INT_DIGITS = 40  # every integer field is far below 10**40; a longer one is refused by its field's own limit
-PRESETS_DIR = Path(__file__).resolve().parent.parent / "assets" / "scenarios"
+PRESETS_DIR = Path(__file__).resolve().parents[2] / "assets" / "scenarios"
 PRESET_SEED = 0  # the seed the shipped preset files are written at (the Playground's default seed)
 FORMATS = ("json", "yaml")
 _SHORT = reprlib.Repr()  # a bad value as the error shows it: cut short, however big it was
@@ -231,10 +231,10 @@ def engine_request_count(scenario: ScenarioFile) -> int:
 
 
 def check_class_request_count(scenario: ScenarioFile, kind: str) -> None:
-    """On a class server (``engine.limits``), refuse a scenario ``kind`` ("link" or "file") with more requests
+    """On a class server (``ui.class_limits``), refuse a scenario ``kind`` ("link" or "file") with more requests
     than one run may hold, when it is opened: how many it has, the cap, and what to do instead (Reset or a
     fresh run cannot help: the link or file itself is too big for this server). Elsewhere: nothing."""
-    from . import limits
+    from ui import class_limits as limits
 
     got = limits.class_limits()
     count = engine_request_count(scenario)
@@ -569,7 +569,7 @@ def registry_settings(name: str) -> tuple[str, dict]:
     (the contiguous reservation is ``max_model_len`` unless it names ``reservation_tokens``), the rest the
     Playground's defaults. Raises ValueError for an unknown scenario or an ``engine_defaults`` key that is no
     Playground setting."""
-    from .scenarios import get_scenario
+    from .presets import get_scenario
 
     defaults = dict(get_scenario(name).engine_defaults)
     semantics = defaults.pop("semantics", "paper")
@@ -588,7 +588,7 @@ def registry_settings(name: str) -> tuple[str, dict]:
 
 def registry_file(name: str, tokenize: Callable[[str], list[int]], seed: int = PRESET_SEED) -> ScenarioFile:
     """The registry scenario ``name`` at ``seed`` as a scenario file (what ``--write-presets`` writes)."""
-    from .scenarios import get_scenario
+    from .presets import get_scenario
 
     scenario = get_scenario(name)
     semantics, settings = registry_settings(name)
@@ -603,7 +603,7 @@ def preset_path(name: str) -> Path:
 def load_preset(name: str) -> ScenarioFile | None:
     """The shipped preset file of ``name``, or None when there is none (a scenario registered later).
     Raises ValueError for a name that is no registry scenario (so a name never becomes a path of its own)."""
-    from .scenarios import get_scenario
+    from .presets import get_scenario
 
     get_scenario(name)
     path = preset_path(name)
@@ -615,7 +615,7 @@ def preset_workload(name: str, seed: int, tokenize: Callable[[str], list[int]],
     """A preset's requests: its shipped file's when the file was written at this ``seed`` for this model (the
     embedded one: its token ids are that tokenizer's), else the registry's ``make(seed, tokenize)``. The
     two agree at the file's seed (a test keeps them equal)."""
-    from .scenarios import get_scenario
+    from .presets import get_scenario
 
     shipped = load_preset(name) if model == EMBEDDED_MODEL else None
     if shipped is not None and shipped.seed == seed:
@@ -625,7 +625,7 @@ def preset_workload(name: str, seed: int, tokenize: Callable[[str], list[int]],
 
 def embedded_tokenize() -> Callable[[str], list[int]]:
     """The embedded model's tokenizer as the engine uses it (no special tokens)."""
-    from .model_loader import transformers_api
+    from ..model_loader import transformers_api
 
     tokenizer = transformers_api().AutoTokenizer.from_pretrained(EMBEDDED_MODEL)
     return lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -633,7 +633,7 @@ def embedded_tokenize() -> Callable[[str], list[int]]:
 
 def write_presets(directory: Path = PRESETS_DIR) -> list[Path]:
     """Write every registry scenario as ``<directory>/<name>.json`` at ``PRESET_SEED``; returns the paths."""
-    from .scenarios import SCENARIOS
+    from .presets import SCENARIOS
 
     tokenize = embedded_tokenize()
     directory.mkdir(parents=True, exist_ok=True)
@@ -646,7 +646,7 @@ def write_presets(directory: Path = PRESETS_DIR) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engine.scenario_file",
+    p = argparse.ArgumentParser(prog="python -m engine.scenarios.scenario_file",
                                 description="Write the shipped preset files, or check a scenario file.")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--write-presets", action="store_true",

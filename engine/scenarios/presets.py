@@ -11,7 +11,7 @@ from typing import Callable
 
 import numpy as np
 
-from .config import SamplingParams
+from ..config import SamplingParams
 from .workloads import Workload, WorkloadRequest, lognormal_lengths, synthetic_workload
 
 # LESSON_BRIEF section 2: final lengths of 8 requests (numpy, seed 7), max length 2,048, block size 16.

@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from .config import SamplingParams
+from ..config import SamplingParams
 
 # Public-domain text (Shakespeare, Coriolanus I.1) that prompts are cut from, so prompts are real text.
 SOURCE_TEXT = (

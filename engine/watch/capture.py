@@ -55,7 +55,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .cache_mirror import PrefixCacheMirror
-from .kv_events import MAX_TS, MalformedBatch, decode_batch, ts_problem
+from ..kv_events import MAX_TS, MalformedBatch, decode_batch, ts_problem
 
 FORMAT = "paged-attention-lab.kv-capture"
 VERSION = 1

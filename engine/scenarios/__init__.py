@@ -1,0 +1,8 @@
+"""Runs to try, apart from the inference engine that runs them: named presets, workloads, scenario files
+and the links that carry them.
+
+- ``workloads``: requests with arrival steps, generated reproducibly from (name, seed);
+- ``presets``: named scenarios (a workload plus the engine settings that make it interesting);
+- ``scenario_file``: the validated JSON / YAML file format of a run, and its links;
+- ``url_codec``: bytes packed into a URL query value and back (scenario links, lesson progress codes).
+"""

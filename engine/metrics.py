@@ -153,6 +153,30 @@ def server_kv_usage_pct(server_metrics: dict) -> float | None:
     return None if usage is None else round(pct(usage, 1.0), 2)
 
 
+def active_blocks(server_metrics: dict) -> int | None:
+    """Blocks a vLLM server's running requests hold, from its /metrics: ``kv_cache_usage_perc`` (0..1) x the
+    usable pool (``usable_pool_blocks``), rounded; None when either is absent. The load term of a KV-aware
+    router's cost (``engine.watch.router``)."""
+    usage = server_metrics.get("kv_cache_usage")
+    usable = usable_pool_blocks(server_metrics.get("num_gpu_blocks"))
+    return None if usage is None or usable is None else int(round(usage * usable))
+
+
+def windowed_hit_rate_pct(earlier: dict, later: dict) -> float | None:
+    """A server's prefix-cache hit rate between two /metrics reads (the counters' deltas): (hits_later -
+    hits_earlier) / (queries_later - queries_earlier), in percent, tokens at first admission; None when no
+    query came between them or a counter went back (the server restarted)."""
+    dq = later.get("prefix_cache_queries", 0.0) - earlier.get("prefix_cache_queries", 0.0)
+    dh = later.get("prefix_cache_hits", 0.0) - earlier.get("prefix_cache_hits", 0.0)
+    return None if dq <= 0 or dh < 0 else round(pct(dh, dq), 2)
+
+
+def per_second(count: float, seconds: float) -> float | None:
+    """A count over a window as a rate (e.g. blocks evicted per second of the server's clock); None for an
+    empty window."""
+    return None if not seconds > 0 else round(count / seconds, 3)
+
+
 # ------------------------------------------------------------------------------------------- a whole run
 def final_lengths(outputs) -> list[int]:
     """Each completion's final length L = prompt + generated tokens (tokens)."""

@@ -27,10 +27,15 @@ import streamlit as st
 
 from engine import EMBEDDED_MODEL
 from ui import class_limits as limits
-from engine.watch.capture import CaptureReplay, capture_from_raw, dumps_capture, new_header, read_capture
+from engine.watch.capture import (CaptureReplay, capture_from_raw, dumps_capture, new_header, read_capture,
+                                  server_pool, server_scrapes)
 from engine.config import check_endpoint
 from engine.watch.kv_subscriber import MAX_CAPTURE_BYTES, KVEventSubscriber
-from engine.watch.server_metrics import fetch_metrics
+from engine.watch.server_metrics import MetricsPoller as _Poller
+from engine.watch.exporter import hit_rate_window
+from engine.watch.rates import WINDOW_S
+from engine.watch.router import check_prompt, parse_ids, route
+from engine.watch.servers import ServerSpec, one_server, parse_page, servers_of_capture
 from viz.server import (STREAM_COUNTS_HELP, VLLM_EVENTS_FLAG, plural, batch_activity_figure, batch_line,
                         cache_size_figure, mirror_warnings, prefix_tree_figure, rank_numbers, server_numbers,
                         state_line, stream_caption)
@@ -58,70 +63,47 @@ INTRO = (
 
 
 # ------------------------------------------------------------------------------------------ live: state
-@dataclass
-class MetricsPoller:
-    """Reads a server's /metrics every ``METRICS_EVERY_S`` in its own thread (a slow or dead server never
-    holds up the page); ``latest()`` is (values, error, when)."""
-    url: str
-    values: dict | None = None
-    error: str | None = None
-    at: float | None = None
-    scrapes: list = field(default_factory=list)  # (time, values) for a downloaded capture
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def start(self) -> MetricsPoller:
-        threading.Thread(target=self._loop, name=f"metrics-{self.url}", daemon=True).start()
-        return self
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                values, error = fetch_metrics(self.url, timeout_s=METRICS_EVERY_S), None
-            except ValueError as exc:
-                values, error = None, str(exc)
-            with self._lock:
-                self.at = time.time()
-                self.error = error
-                if values is not None:
-                    self.values = values
-                    self.scrapes.append((self.at, values))
-                    del self.scrapes[:-MAX_SCRAPES]
-            self._stop.wait(METRICS_EVERY_S)
-
-    def history(self) -> list:
-        """(time, values) of every scrape kept, oldest first."""
-        with self._lock:
-            return list(self.scrapes)
-
-    def latest(self) -> tuple[dict | None, str | None, float | None]:
-        with self._lock:
-            return self.values, self.error, self.at
-
-    def stop(self) -> None:
-        self._stop.set()
+def MetricsPoller(url: str):  # noqa: N802 - the engine's poller, at this page's period
+    return _Poller(url, every_s=METRICS_EVERY_S, max_scrapes=MAX_SCRAPES)
 
 
 @dataclass
 class LiveSet:
-    """One session's subscribers (one per endpoint, rank = position in the list) and /metrics poller."""
+    """One session's subscribers (one per endpoint: ``rank`` = the stream's number over all servers) and one
+    /metrics poller per server that has a URL (``pollers``: name -> poller). ``servers`` says which streams
+    are whose (``engine.watch.servers``); a set made from bare endpoints is one server."""
     endpoints: list[str]
     replays: list[str | None]
     subs: list
-    poller: MetricsPoller | None = None
+    poller: object | None = None       # one server's poller (kept for a set of one server)
     started: float = field(default_factory=time.time)
     running: bool = True
+    servers: list[ServerSpec] | None = None
+    pollers: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.servers is None:
+            self.servers = one_server(self.endpoints, [r for r in self.replays if r] or None,
+                                      getattr(self.poller, "url", None))
+        if self.poller is not None and not self.pollers:
+            self.pollers = {self.servers[0].name: self.poller}
 
     def stop(self) -> None:
         for s in self.subs:
             s.stop()
-        if self.poller is not None:
-            self.poller.stop()
+        for p in self.pollers.values():
+            p.stop()
         self.running = False
 
-    def num_gpu_blocks(self) -> int | None:
-        values = self.poller.latest()[0] if self.poller else None
+    def num_gpu_blocks(self, name: str | None = None) -> int | None:
+        """Server ``name``'s pool size from its own /metrics (default: the first server's)."""
+        poller = self.pollers.get(name or self.servers[0].name)
+        values = poller.latest()[0] if poller else None
         return (values or {}).get("num_gpu_blocks")
+
+    @property
+    def named(self) -> bool:
+        return not (len(self.servers) == 1 and self.servers[0].name == "server")
 
     def capture_cut(self) -> str | None:
         """None, or how the capture was cut: each subscriber keeps at most 50,000 batches and 64 MiB of
@@ -134,20 +116,27 @@ class LiveSet:
 
     def capture_text(self) -> str:
         """What was received so far as a capture (``engine.watch.capture``'s JSON lines), with the /metrics
-        scrapes; what the "Download capture" button sends."""
+        scrapes and, for named servers, each server's name, streams and pool; what "Download capture" sends."""
         raws = [r for s in self.subs for r in s.capture_items()]  # batches and markers (what a replay counts)
         notes = [self.capture_cut()] if self.capture_cut() else []
         block_sizes = {s.view().mirror.block_size for s in self.subs} - {None}
         header = new_header("the Server page (live)", self.endpoints,
                             block_size=block_sizes.pop() if len(block_sizes) == 1 else None,
-                            num_gpu_blocks=self.num_gpu_blocks(), notes=notes)
+                            num_gpu_blocks=None if self.named else self.num_gpu_blocks(), notes=notes)
         header["markers"] = True  # the stream's counts are in marker lines (engine.watch.capture)
+        if self.named:
+            header["servers"] = [sv.header(self.num_gpu_blocks(sv.name)) for sv in self.servers]
         capture = capture_from_raw(raws, header)
-        if self.poller is not None and raws:
+        if raws:
             t0 = min(r.recv_ts for r in raws)
-            scrapes = self.poller.history()
-            capture.metrics = [{"rank": 0, "t": round(at - t0, 6), "values": values}
-                               for at, values in scrapes if at >= t0]
+            for name, poller in self.pollers.items():
+                for at, values in poller.history():
+                    if at >= t0:
+                        line = {"rank": 0, "t": round(at - t0, 6), "at": at, "values": values}
+                        if self.named:
+                            line["server"] = name
+                        capture.metrics.append(line)
+            capture.metrics.sort(key=lambda m: m["t"])
         return dumps_capture(capture)
 
 
@@ -200,32 +189,29 @@ def endpoint_problem(value: str, name: str = "endpoint") -> str | None:
 
 
 def connect() -> None:
-    """Connect's callback: validate, stop this session's old set, start one subscriber per endpoint."""
-    endpoints = split_list(st.session_state.get("server_endpoints", ""))
-    replays = split_list(st.session_state.get("server_replays", ""))
+    """Connect's callback: validate, stop this session's old set, start one subscriber per endpoint and one
+    /metrics poller per server that has a URL. Several servers are written ``NAME=ENDPOINT[,ENDPOINT...]``,
+    separated by ``;`` (``engine.watch.servers.parse_page``, the CLI's ``--server`` form)."""
+    text = st.session_state.get("server_endpoints", "")
+    replays_text = st.session_state.get("server_replays", "")
     url = st.session_state.get("server_metrics_url", "").strip()
-    problems = [p for p in map(endpoint_problem, endpoints) if p]
-    problems += [p for p in (endpoint_problem(r, "replay endpoint") for r in replays) if p]
-    if not endpoints:
-        problems.append("no KV events endpoint given: type one per data-parallel rank, e.g. " + DEFAULT_ENDPOINT)
-    elif replays and len(replays) != len(endpoints):
-        problems.append(f"{len(replays)} replay endpoint(s) for {len(endpoints)} endpoint(s): give one per "
-                        f"endpoint in the same order, or none")
-    if url and not url.startswith(("http://", "https://")):
-        problems.append(f"/metrics URL {url!r} must start with http:// or https:// "
-                        f"(e.g. http://127.0.0.1:8000/metrics)")
-    if problems:
-        old = st.session_state.get("server_live")
-        still = (f" Still watching {', '.join(old.endpoints)}." if old is not None and old.running else "")
-        st.session_state["server_error"] = "Not connected: " + "; ".join(problems) + "." + still
-        return
-    replays = replays or [None] * len(endpoints)
     old = st.session_state.get("server_live")
-    if old is not None and old.running and old.endpoints == endpoints and old.replays == replays:
-        if (old.poller.url if old.poller else "") != url:  # same streams, another /metrics: keep the streams
-            if old.poller is not None:
-                old.poller.stop()
-            old.poller = MetricsPoller(url).start() if url else None
+    still = (f" Still watching {', '.join(old.endpoints)}." if old is not None and old.running else "")
+    try:
+        servers = parse_page(text, replays_text, url)
+    except ValueError as exc:
+        st.session_state["server_error"] = "Not connected: " + _page_words(str(exc)) + "." + still
+        return
+    endpoints = [e for sv in servers for e in sv.endpoints]
+    replays = [r for sv in servers for r in sv.replays]
+    urls = {sv.name: sv.metrics_url for sv in servers if sv.metrics_url}
+    if old is not None and old.running and old.endpoints == endpoints and old.replays == replays \
+            and [sv.name for sv in old.servers] == [sv.name for sv in servers]:
+        if {n: p.url for n, p in old.pollers.items()} != urls:  # same streams, other /metrics: keep the streams
+            for p in old.pollers.values():
+                p.stop()
+            old.pollers = {n: MetricsPoller(u).start() for n, u in urls.items()}
+            old.servers = servers
         st.session_state["server_flash"] = f"Already connected to {', '.join(endpoints)}; Stop first to start afresh."
         return
     registry = live_registry()
@@ -236,14 +222,16 @@ def connect() -> None:
         registry["sets"].pop(sid, None)
         subs = []
         try:
-            for rank, (e, r) in enumerate(zip(endpoints, replays)):
-                subs.append(KVEventSubscriber(e, r, rank=rank))
+            for sv in servers:
+                for stream, e, r in zip(sv.streams, sv.endpoints, sv.replays):
+                    subs.append(KVEventSubscriber(e, r, rank=stream))
         except ValueError as exc:  # the old set stays on screen, stopped: what it received is not lost
             for s in subs:
                 s.stop()
             st.session_state["server_error"] = f"Not connected: {exc}."
             return
-        live = LiveSet(endpoints, replays, subs, MetricsPoller(url).start() if url else None)
+        live = LiveSet(endpoints, replays, subs, servers=servers,
+                       pollers={n: MetricsPoller(u).start() for n, u in urls.items()})
         registry["sets"][sid] = live
     # when this session's state is dropped (its tab gone and no page run left to sweep it), stop its threads;
     # one finalizer per session, for the current set only (an old one would keep an old set's mirrors alive)
@@ -252,6 +240,17 @@ def connect() -> None:
         previous.detach()
     st.session_state["server_finalizer"] = weakref.finalize(token, live.stop)
     st.session_state["server_live"] = live
+
+
+def _page_words(text: str) -> str:
+    """The parser's words as this page's fields name them (the CLI's flags are the page's fields)."""
+    for flag, field_name in (("--replay-endpoint(s)", "replay endpoint(s)"), ("--metrics '", "/metrics URL '"), ("--server", "server"),
+                             ("--replay", "replay endpoints"), ("--metrics", "/metrics URL"),
+                             ("ENDPOINT", "endpoint")):
+        text = text.replace(flag, field_name)
+    if text.startswith("no KV events endpoint given"):
+        text += f": type one per data-parallel rank, e.g. {DEFAULT_ENDPOINT}"
+    return text
 
 
 def stop() -> None:
@@ -291,8 +290,11 @@ def decoder():
     return lambda ids: tok.decode(ids)
 
 
-def server_row(values: dict | None, error: str | None, source: str) -> None:
-    """The server's own numbers from /metrics (live) or the capture's scrapes (replay)."""
+def server_row(values: dict | None, error: str | None, source: str, narrow: bool = False,
+               scrapes: list | None = None) -> None:
+    """The server's own numbers from /metrics (live) or the capture's scrapes (replay); ``narrow``: in a
+    column beside another server's (the five numbers in two rows, none cut at 1400 px); ``scrapes``: (time,
+    values) read so far, for the hit rate over the last window (``engine.metrics.windowed_hit_rate_pct``)."""
     if error and values is None:
         st.warning(f"/metrics unreachable: {error}. The KV events do not depend on it.")
         return
@@ -301,7 +303,7 @@ def server_row(values: dict | None, error: str | None, source: str) -> None:
         return
     n = server_numbers(values)
     st.markdown("**The server's own counters** (/metrics)")
-    cols = st.columns(5)
+    cols = (st.columns(3) + st.columns(3)) if narrow else st.columns(6)
     cols[0].metric("KV cache usage", "-" if n["kv_cache_usage_pct"] is None else f"{n['kv_cache_usage_pct']:.1f}%",
                    help="vllm:kv_cache_usage_perc: blocks held by running requests over the usable pool. Cached "
                         "blocks that no running request holds count as free (they are evicted when needed), so "
@@ -315,14 +317,21 @@ def server_row(values: dict | None, error: str | None, source: str) -> None:
                                         f"{'-' if n['waiting'] is None else n['waiting']}")
     cols[4].metric("pool (blocks)", "-" if n["num_gpu_blocks"] is None else f"{n['num_gpu_blocks']:,}",
                    help="vllm:cache_config_info's num_gpu_blocks, which counts vLLM's null block (never cached)")
+    window = hit_rate_window(scrapes or [])
+    cols[5].metric(f"hit rate, last {WINDOW_S:.0f} s", "-" if window is None else f"{window:.1f}%",
+                   help="the prefix cache hit rate between the newest /metrics read and the one a window earlier "
+                        "(hits and queries deltas, engine.metrics.windowed_hit_rate_pct): '-' when no query came "
+                        "in the window")
     if error:
         st.caption(f"/metrics: the last read failed ({error}); showing the one before")
     else:
         st.caption(f"/metrics: {source}")
 
 
-def rank_panel(mirror, decode, num_gpu_blocks: int | None, key: str, wide: bool) -> None:
-    """One rank's numbers and figures (the same live and in a replay)."""
+def rank_panel(mirror, decode, num_gpu_blocks: int | None, key: str, wide: bool, label: str | None = None,
+               highlight: list[str] | None = None) -> None:
+    """One stream's numbers and figures (the same live and in a replay); ``num_gpu_blocks``: its own server's
+    pool; ``label``: how it is named; ``highlight``: the router panel's cached prefix, ringed in the tree."""
     for warning in mirror_warnings(mirror):  # the cache below is not (all of) the server's: say so first
         st.warning(warning)
     n = rank_numbers(mirror, num_gpu_blocks)
@@ -350,8 +359,8 @@ def rank_panel(mirror, decode, num_gpu_blocks: int | None, key: str, wide: bool)
                        help=f"blocks stored and removed over {n['batches']:,} batches. The share of the pool needs "
                             f"the pool's size (num_gpu_blocks), from /metrics or the capture's header.")
     color_by = st.session_state.get("server_color_by", "age")
-    tree_place.plotly_chart(prefix_tree_figure(mirror, decode=decode, color_by=color_by), width="stretch",
-                            key=f"{key}_tree")
+    tree_place.plotly_chart(prefix_tree_figure(mirror, decode=decode, color_by=color_by, label=label,
+                                               highlight=highlight), width="stretch", key=f"{key}_tree")
     figs = [batch_activity_figure(mirror.history), cache_size_figure(mirror.history, num_gpu_blocks)]
     places = st.columns(2) if wide else [st.container(), st.container()]
     for i, (place, fig) in enumerate(zip(places, figs)):
@@ -367,14 +376,6 @@ def rank_panel(mirror, decode, num_gpu_blocks: int | None, key: str, wide: bool)
     if notes:
         with st.expander(f"notes ({len(notes)})"):
             st.markdown("\n".join(f"- {x}" for x in notes[-50:]))
-
-
-def rank_columns(n: int) -> list:
-    """Side-by-side columns for n ranks, at most 3 to a row."""
-    cols = []
-    for start in range(0, n, 3):
-        cols += st.columns(min(3, n - start))
-    return cols
 
 
 # ------------------------------------------------------------------------------------------ live: views
@@ -424,34 +425,113 @@ def live_mode() -> None:
 
 
 def live_view(live: LiveSet) -> None:
-    """Re-run on a timer while connected: read each subscriber's view and draw it."""
+    """Re-run on a timer while connected: read each subscriber's view and draw it, server by server, each
+    with its own pool size and /metrics."""
     sweep()
     decode = decoder_cached()
-    views = [s.view() for s in live.subs]
+    views = {s.rank: s.view() for s in live.subs}
     now = time.time()
-    cols = rank_columns(len(views))
-    for col, v in zip(cols, views):
+    tiles = [(sv, stream) for sv in live.servers for stream in sv.streams]
+    single = len(live.servers) == 1
+    mirrors = {k: v.mirror for k, v in views.items()}
+    routed = router_panel(live.servers, mirrors, {n: p.latest()[0] for n, p in live.pollers.items()
+                                                  if p.latest()[0] is not None}, "live")
+    for col, (sv, stream) in zip(tile_columns(len(tiles)), tiles):
+        v = views[stream]
         with col:
+            name = sv.label(stream, single)
+            if live.named and stream == sv.streams[0]:
+                server_header(sv, live.pollers.get(sv.name), now, narrow=len(tiles) > 1)
             line = state_line(v, now)
             if v.state in ("unreachable", "not_publisher", "disconnected"):  # to act on: a box that stands out
-                st.markdown(f"**rank {v.rank}** `{v.endpoint}`")
+                st.markdown(f"**{name}** `{v.endpoint}`")
                 (st.warning if v.state == "disconnected" else st.error)(line)
             else:  # one line, so the tree stays in the first screen
                 color = {"live": "green", "idle": "orange", "stopped": "gray"}.get(v.state, "blue")
-                st.markdown(f"**rank {v.rank}** `{v.endpoint}` :{color}-background[{line}]")
+                st.markdown(f"**{name}** `{v.endpoint}` :{color}-background[{line}]")
             st.caption(stream_caption(v), help=STREAM_COUNTS_HELP)  # the view's own counts, named
             if v.last_error and v.last_error != line:
                 st.warning(f"last error: {v.last_error}")
-            rank_panel(v.mirror, decode, live.num_gpu_blocks(), f"live{v.rank}", wide=len(views) == 1)
-    if live.poller is not None:
-        values, error, at = live.poller.latest()
-        source = f"{live.poller.url}, read {max(0.0, now - at):.0f} s ago" if at else f"{live.poller.url}: reading..."
-        server_row(values, error, source)
+            rank_panel(v.mirror, decode, live.num_gpu_blocks(sv.name), f"live{stream}", wide=len(tiles) == 1,
+                       label=name, highlight=routed.get(stream))
+    if not live.named and live.pollers:
+        poller = next(iter(live.pollers.values()))
+        values, error, at = poller.latest()
+        source = f"{poller.url}, read {max(0.0, now - at):.0f} s ago" if at else f"{poller.url}: reading..."
+        server_row(values, error, source, scrapes=poller.history())
     registry = live_registry()
     with registry["lock"]:
         sets = [s for s in registry["sets"].values() if s.running]
     st.caption(f"This app process watches {sum(len(s.subs) for s in sets)} endpoint(s) for {len(sets)} browser "
                f"session(s); a closed or reloaded tab's subscribers are stopped.")
+
+
+def server_header(sv: ServerSpec, poller, now: float, narrow: bool) -> None:
+    """A named server's name, endpoints and its own /metrics, above its first rank."""
+    st.markdown(f"#### {sv.name}")
+    if poller is None:
+        st.caption("no /metrics URL: the pool's size and the server's own counters are unknown")
+        return
+    values, error, at = poller.latest()
+    source = f"{poller.url}, read {max(0.0, now - at):.0f} s ago" if at else f"{poller.url}: reading..."
+    server_row(values, error, source, narrow=narrow, scrapes=poller.history())
+
+
+def tile_columns(n: int) -> list:
+    """Side-by-side columns for n streams, at most 2 to a row: at 1400 px three columns cut the numbers and
+    the figure titles."""
+    cols = []
+    for start in range(0, n, 2):
+        cols += st.columns(min(2, n - start))
+    return cols
+
+
+# ------------------------------------------------------------------------------------------ router view
+ROUTER_HELP = ("Per server, the longest prefix of the prompt its KV events say is cached, by vLLM's rules (whole "
+               "blocks, chained hashes, the last token never from the cache), and the server NVIDIA Dynamo's KV "
+               "router cost would pick: overlap_score_weight (1) x prefill blocks + decode blocks (active blocks "
+               "from the server's /metrics, plus the request's own), lowest wins. engine.watch.router.")
+
+
+def router_panel(servers, mirrors: dict, values: dict, key: str) -> dict:
+    """Paste a prompt (text, tokenized with the sidebar's tokenizer as vLLM's /v1/completions does, or token
+    ids): its cached prefix per server and where a KV-aware router would send it (``engine.watch.router``).
+    Returns stream -> the matched hashes, which the trees ring."""
+    prompt_key = f"{key}_router_prompt"
+    with st.expander("Router view: how much of a prompt is cached on each server, and where a KV-aware router "
+                     "would send it", expanded=bool(st.session_state.get(prompt_key, "").strip())):
+        c = st.columns([5, 1.2], vertical_alignment="top")
+        text = c[0].text_area("Prompt", key=prompt_key, height=80, help=ROUTER_HELP,
+                              placeholder="paste a prompt's text, or its token ids (e.g. 1, 2, 3)")
+        kind = c[1].radio("The prompt is", ["text", "token ids"], key=f"{key}_router_kind")
+        if not text.strip():
+            st.caption("Paste a prompt to see its cached prefix on each server, ringed in green in the trees.")
+            return {}
+        try:
+            ids = parse_ids(text) if kind == "token ids" else tokenize(text)
+            result = route(servers, mirrors, ids, values)
+        except ValueError as exc:
+            st.error(f"Router view: {exc}")
+            return {}
+        rows = ["| server | cached prefix (tokens) | blocks | prefill blocks | decode blocks | cost |",
+                "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        for name, r in result["servers"].items():
+            load = "" if r["load_known"] else " (load unknown)"
+            rows.append(f"| {'**' + name + '**' if name == result['choice'] else name} | "
+                        f"{r['cached_prefix_tokens']:,} of {r['prompt_tokens']:,} | {r['cached_prefix_blocks']:,} | "
+                        f"{r['prefill_blocks']:g} | {r['decode_blocks']:,}{load} | {r['cost']:g} |")
+        st.markdown("\n".join(rows))
+        st.markdown(f"A KV-aware router would send it to **{result['choice']}**.", help=ROUTER_HELP)
+        return {result["_streams"][n]: result["_hashes"][n] for n in result["servers"]}
+
+
+def tokenize(text: str) -> list[int]:
+    """Text -> ids with the sidebar's tokenizer (special tokens added, as vLLM's /v1/completions does)."""
+    folder = st.session_state.get("server_tokenizer", EMBEDDED_MODEL).strip()
+    if not folder or not Path(folder).is_dir():
+        raise ValueError(f"a text prompt needs the server's tokenizer: the sidebar's folder {folder!r} is not one "
+                         f"(or paste token ids)")
+    return check_prompt(load_tokenizer(folder)(text)["input_ids"])
 
 
 # ---------------------------------------------------------------------------------------------- replay
@@ -601,31 +681,57 @@ def replay_view(rep: dict, armed_speed: float) -> None:
     else:
         b = replay.capture.batches[pos - 1]
         mirror = state.mirrors[b.rank]
-        said = (batch_line(b.rank, mirror.history[-1], pos, total)
+        servers_now = servers_of_capture(replay.capture.header, replay.capture.ranks)
+        owner = next((sv for sv in servers_now if b.rank in sv.streams), None)
+        said = (batch_line(owner.label(b.rank, len(servers_now) == 1) if owner else b.rank, mirror.history[-1],
+                           pos, total)
                 if mirror.history and mirror.history[-1].seq == b.seq else
                 f"batch {pos:,} of {total:,}: rank {b.rank}, #{b.seq} could not be applied (see below)")
         st.markdown(f"{said} · {b.t:.2f} s into the capture")
     for e in state.errors[-3:]:
         st.warning(e)
-    values = capture_metrics(replay, pos)
-    num_gpu_blocks = replay.capture.header.get("num_gpu_blocks") or (values or {}).get("num_gpu_blocks")
+    servers = servers_of_capture(replay.capture.header, replay.capture.ranks)
+    single = len(servers) == 1
+    named = not (single and servers[0].name == "server")
     decode = decoder_cached()
-    mirrors = [state.mirrors[r] for r in sorted(state.mirrors)]
-    for col, mirror in zip(rank_columns(len(mirrors)), mirrors):
+    tiles = [(sv, r) for sv in servers for r in sv.streams if r in state.mirrors]
+    metrics_now = {sv.name: capture_metrics(replay, pos, sv.name) for sv in servers}
+    routed = router_panel(servers, state.mirrors, {k: v for k, v in metrics_now.items() if v is not None}, "replay")
+    for col, (sv, r) in zip(tile_columns(len(tiles)), tiles):
+        mirror = state.mirrors[r]
+        values = metrics_now[sv.name]
         with col:
-            st.markdown(f"**rank {mirror.rank}**")
-            rank_panel(mirror, decode, num_gpu_blocks, f"replay{mirror.rank}", wide=len(mirrors) == 1)
-    if values is not None:
-        server_row(values, None, "the capture's last scrape at this point")
+            if named and r == sv.streams[0]:
+                st.markdown(f"#### {sv.name}")
+                if values is not None:
+                    server_row(values, None, "the capture's last scrape at this point", narrow=len(tiles) > 1,
+                               scrapes=capture_scrapes(replay, pos, sv.name))
+            name = sv.label(r, single)
+            st.markdown(f"**{name}**")
+            rank_panel(mirror, decode, capture_pool(replay, sv.name, values), f"replay{r}", wide=len(tiles) == 1,
+                       label=name, highlight=routed.get(r))
+    if not named and metrics_now[servers[0].name] is not None:
+        server_row(metrics_now[servers[0].name], None, "the capture's last scrape at this point",
+                   scrapes=capture_scrapes(replay, pos, servers[0].name))
 
 
-def capture_metrics(replay: CaptureReplay, pos: int) -> dict | None:
-    """The capture's last /metrics scrape at or before the batch at ``pos``."""
-    if not replay.capture.metrics or pos == 0:
-        return None
+def capture_pool(replay: CaptureReplay, name: str, values: dict | None) -> int | None:
+    """Server ``name``'s pool: the capture's header (its entry) or its /metrics at this point."""
+    return server_pool(replay.capture, name) or (values or {}).get("num_gpu_blocks")
+
+
+def capture_scrapes(replay: CaptureReplay, pos: int, name: str | None = None) -> list:
+    """(time, values) of server ``name``'s scrapes up to the batch at ``pos`` (capture time, seconds)."""
+    if pos == 0:
+        return []
     t = replay.capture.batches[pos - 1].t
-    earlier = [m for m in replay.capture.metrics if m.get("t", 0) <= t and isinstance(m.get("values"), dict)]
-    return earlier[-1]["values"] if earlier else None
+    return [(m.get("t", 0.0), m["values"]) for m in server_scrapes(replay.capture, name) if m.get("t", 0) <= t]
+
+
+def capture_metrics(replay: CaptureReplay, pos: int, name: str | None = None) -> dict | None:
+    """Server ``name``'s last /metrics scrape in the capture at or before the batch at ``pos``."""
+    scrapes = capture_scrapes(replay, pos, name)
+    return scrapes[-1][1] if scrapes else None
 
 
 # ---------------------------------------------------------------------------------------------- page

@@ -44,6 +44,7 @@ MAX_BATCH_POINTS = 2000   # the cache-size line draws at most this many batches 
 # age colours: newest vermillion, then reddish purple, oldest blue (Okabe & Ito; all dark enough on white)
 AGE_SCALE = [[0.0, "#D55E00"], [0.5, "#CC79A7"], [1.0, "#0072B2"]]
 STORED, REMOVED, SIZE, POOL = "#0072B2", "#D55E00", "#009E73", "#7F7F7F"
+HIGHLIGHT = "#009E73"  # the router view's cached prefix (Okabe & Ito bluish green)
 VLLM_EVENTS_FLAG = ("--kv-events-config '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
                     "\"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}'")
 
@@ -135,7 +136,7 @@ def mirror_warnings(mirror) -> list[str]:
     return out
 
 
-def batch_line(rank: int, summary, position: int | None = None, total: int | None = None) -> str:
+def batch_line(rank: int | str, summary, position: int | None = None, total: int | None = None) -> str:
     """One batch in words: ``batch 5 of 31: rank 0, #12: stored 2 blocks, removed 1 (evicted); cache 40
     blocks = 640 tokens`` (the position only when given). vLLM sends BlockRemoved when it evicts a cached
     block to reuse its memory."""
@@ -148,7 +149,8 @@ def batch_line(rank: int, summary, position: int | None = None, total: int | Non
     else:
         removed = f"removed {summary.removed:,} (evicted)" if summary.removed else "removed none"
     replayed = " (came from the replay socket)" if summary.replayed else ""
-    return (f"{where}rank {rank}, #{summary.seq}{replayed}: stored {summary.stored:,} "
+    who = rank if isinstance(rank, str) else f"rank {rank}"  # a stream's label (engine.watch.servers)
+    return (f"{where}{who}, #{summary.seq}{replayed}: stored {summary.stored:,} "
             f"block{'s' * (summary.stored != 1)}, {removed}; cache {summary.num_blocks:,} "
             f"block{'s' * (summary.num_blocks != 1)} = {summary.num_tokens:,} tokens")
 
@@ -241,7 +243,8 @@ def _ids(ids: list[int], limit: int = 32) -> str:
 
 def prefix_tree_figure(mirror, decode: Callable[[list[int]], str] | None = None,
                        max_blocks: int = MAX_TREE_BLOCKS, now_ts: float | None = None, color_by: str = "age",
-                       title: str | None = None, height: int | None = None) -> go.Figure:
+                       title: str | None = None, height: int | None = None, label: str | None = None,
+                       highlight: Iterable[str] | None = None) -> go.Figure:
     """The cached blocks as a tree of prefixes (see the module docstring for the layout).
 
     Args:
@@ -251,11 +254,14 @@ def prefix_tree_figure(mirror, decode: Callable[[list[int]], str] | None = None,
         now_ts: the time ages are measured to (seconds since the epoch, the publisher's clock); default the
             timestamp of the mirror's last batch, so a replay and a live view of the same batch agree.
         color_by: "age" (seconds since the block was stored) or "root" (one colour per prefix tree).
+        label: how the title names the stream (default ``rank N``; a server's name when several are watched).
+        highlight: hashes to mark (the router view's cached prefix of a prompt, ``engine.watch.router``): a
+            thick green ring around each, drawn where the block is drawn.
     """
     if color_by not in ("age", "root"):
         raise ValueError(f"color_by must be 'age' or 'root', got {color_by!r}")
     fig = go.Figure()
-    rank = f"rank {mirror.rank}: "
+    rank = f"{label or f'rank {mirror.rank}'}: "
     if not mirror.blocks:
         said = ("waiting for events: no block cached yet" if not mirror.num_batches else
                 f"the cache is empty after {mirror.num_batches:,} batches (every stored block was removed)")
@@ -314,6 +320,12 @@ def prefix_tree_figure(mirror, decode: Callable[[list[int]], str] | None = None,
     fig.add_trace(go.Scatter(x=xs, y=ys, mode="markers+text" if labelled else "markers", text=labels,
                              textposition="top center", textfont={"size": 12}, marker=marker,
                              hovertext=hover, hoverinfo="text", showlegend=False, name="blocks"))
+    marked = [h for h in (highlight or []) if h in pos]
+    if marked:
+        fig.add_trace(go.Scatter(x=[pos[h][0] for h in marked], y=[pos[h][1] for h in marked], mode="markers",
+                                 marker={"size": base + 12, "color": "rgba(0,0,0,0)",
+                                         "line": {"color": HIGHLIGHT, "width": 3}},
+                                 hoverinfo="skip", showlegend=False, name="cached prefix"))
     total = lay["total"]
     # the trees of the whole view, as ``watch`` counts its prefix roots (``cache_mirror.children``), not only
     # of the blocks drawn (a capped drawing of 1,500 blocks holds a few of a view's 100 trees)
@@ -326,6 +338,8 @@ def prefix_tree_figure(mirror, decode: Callable[[list[int]], str] | None = None,
     key = ["colour: age (s)" if color_by == "age" else "colour: one per tree", "ring: stored by the last batch"]
     if any(mirror.blocks[h].copies > 1 for h in order):
         key.append("xN: held by N blocks")
+    if marked:
+        key.append(f"green ring: the prompt's cached prefix ({plural(len(marked), 'block')})")
     sub.append(" · ".join(key))
     rows = max(ys) + 1
     deepest = max(xs)

@@ -8,7 +8,8 @@ Format: JSON lines (one object per line, UTF-8), so a capture can be read with a
      null block, when known), "notes": [str]}
     {"kind": "batch", "rank": int, "seq": int, "t": float, "ts": float, "replayed": bool, "payload": base64,
      "restart": true}
-    {"kind": "metrics", "rank": int, "t": float, "values": {name: number}}     (optional, /metrics scrapes)
+    {"kind": "metrics", "rank": int, "t": float, "values": {name: number}, "server": str}  (optional, /metrics
+     scrapes; ``server`` names whose, absent in captures of one server)
     {"kind": "marker", "rank": int, "t": float, "what": "malformed" | "duplicate" | "jump" | "join" | "gap" |
      "lost", "seq": int | null, "count": int, "text": str, "refused": true, "starts_at": true,
      "recovered": int}   (optional)
@@ -41,6 +42,11 @@ Version 1 throughout: ``ts``, ``restart`` and marker lines were added later as o
 fields they do not know; captures written before them read as before, the replay taking ``ts`` from the
 payload), so captures written before and after read both ways.
 
+Servers: a batch's ``rank`` is its stream's index over the whole watch (``servers.py``); the header's
+``servers`` says which streams are whose (a server's data-parallel ranks, in order), and each server's own
+pool size. A capture without ``servers`` (older ones, ``peer/record_capture.py``) is one server whose ranks
+are the streams.
+
 ``read_capture`` validates every line and raises ``ValueError`` naming the line number and the field;
 ``replay_states`` rebuilds the cache after each batch for the Server page's step / back / scrub.
 """
@@ -50,6 +56,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -149,6 +156,7 @@ class CaptureWriter:
 
     def __init__(self, path: str | Path, header: dict) -> None:
         self.path, self.header = Path(path), header
+        self._lock = threading.Lock()  # subscriber threads (one per stream) and /metrics pollers all write
         self._f = open(path, "w", encoding="utf-8")
         self._t0: float | None = None
         self._f.write(json.dumps(header) + "\n")
@@ -156,6 +164,10 @@ class CaptureWriter:
 
     def write(self, rank: int, seq: int, recv_ts: float, payload: bytes, replayed: bool = False,
               ts: float | None = None, restart: bool = False) -> None:
+        with self._lock:
+            self._write(rank, seq, recv_ts, payload, replayed, ts, restart)
+
+    def _write(self, rank, seq, recv_ts, payload, replayed, ts, restart) -> None:
         if self._t0 is None:
             self._t0 = recv_ts
         self._f.write(batch_line(rank, seq, recv_ts - self._t0, payload, replayed, ts, restart) + "\n")
@@ -166,16 +178,34 @@ class CaptureWriter:
         if hasattr(item, "payload"):
             self.write(item.rank, item.seq, item.recv_ts, item.payload, item.replayed, item.ts, item.restart)
             return
-        if self._t0 is None:
-            self._t0 = item.recv_ts
-        self._f.write(marker_line(marker_dict(item, item.recv_ts - self._t0)) + "\n")
-        self._f.flush()
+        with self._lock:
+            if self._t0 is None:
+                self._t0 = item.recv_ts
+            self._f.write(marker_line(marker_dict(item, item.recv_ts - self._t0)) + "\n")
+            self._f.flush()
 
-    def close(self, **header_updates) -> None:
+    def add_metrics(self, server: str | None, at: float, values: dict) -> None:
+        """Write one /metrics scrape (``server``: whose; None for a capture of one server) read at ``at``
+        (seconds since the epoch, this machine's clock)."""
+        with self._lock:
+            if self._f.closed:
+                return
+            if self._t0 is None:
+                self._t0 = at
+            obj = {"kind": "metrics", "rank": 0, "t": round(at - self._t0, 6), "at": at, "values": values}
+            if server is not None:
+                obj["server"] = server
+            self._f.write(json.dumps(obj) + "\n")
+            self._f.flush()
+
+    def close(self, replace: dict | None = None, **header_updates) -> None:
         """Close; ``header_updates`` (e.g. ``block_size`` learned from the events) are written into the
-        header line, where a value is still missing."""
-        self._f.close()
+        header line, where a value is still missing; ``replace``'s values are written whatever was there (e.g.
+        the servers' entries with the pool sizes their /metrics gave)."""
         fill = {k: v for k, v in header_updates.items() if v is not None and self.header.get(k) is None}
+        fill.update(replace or {})
+        with self._lock:
+            self._f.close()
         if fill:
             lines = self.path.read_text(encoding="utf-8").split("\n", 1)
             self.header.update(fill)
@@ -210,6 +240,7 @@ def read_capture(source: str | Path | bytes) -> Capture:
         raise ValueError(f"line 1: not a capture header (expected kind 'header' and format {FORMAT!r})")
     if header.get("version") != VERSION:
         raise ValueError(f"line 1: capture version {header.get('version')!r}, this reader takes {VERSION}")
+    _check_servers(header.get("servers"))
     capture = Capture(header=header)
     pending: list[dict] = []
     for n, line in lines[1:]:
@@ -226,6 +257,31 @@ def read_capture(source: str | Path | bytes) -> Capture:
             raise ValueError(f"line {n}: kind {kind!r} is not one of 'batch', 'marker', 'metrics'")
     capture.trailing = pending
     return capture
+
+
+def _check_servers(servers) -> None:
+    """The header's optional ``servers`` list, or ValueError naming the bad entry (line 1)."""
+    if servers is None:
+        return
+    from .servers import NAME_RE
+
+    if not isinstance(servers, list):
+        raise ValueError(f"line 1: header field 'servers' is {servers!r:.60}, expected a list")
+    names, streams = set(), set()
+    for e in servers:
+        name = e.get("name") if isinstance(e, dict) else None
+        if not isinstance(name, str) or not NAME_RE.match(name) or name in names:
+            raise ValueError(f"line 1: header 'servers' entry {e!r:.80}: 'name' must be a distinct server name")
+        names.add(name)
+        ss = e.get("streams")
+        if (not isinstance(ss, list) or not ss or any(not isinstance(x, int) or isinstance(x, bool) or
+                                                       not 0 <= x <= MAX_RANK or x in streams for x in ss)):
+            raise ValueError(f"line 1: header 'servers' entry {name!r}: 'streams' is {ss!r:.60}, expected distinct "
+                             f"stream numbers from 0 to {MAX_RANK:,}")
+        streams.update(ss)
+        pool = e.get("num_gpu_blocks")
+        if pool is not None and (not isinstance(pool, int) or isinstance(pool, bool) or pool < 0):
+            raise ValueError(f"line 1: header 'servers' entry {name!r}: 'num_gpu_blocks' is {pool!r}")
 
 
 def _json(numbered: tuple[int, str]) -> dict:
@@ -465,3 +521,23 @@ def replay_gap(previous: CaptureBatch, b: CaptureBatch) -> float:
     a, z = server_time(previous), server_time(b)
     gap = z - a if a is not None and z is not None and math.isfinite(z - a) else b.t - previous.t
     return max(0.0, gap)
+
+
+def server_scrapes(capture: Capture, name: str | None) -> list[dict]:
+    """The capture's /metrics lines of server ``name`` (lines without ``server`` belong to a capture of one
+    server: they are its, whatever its name)."""
+    named = any("server" in m for m in capture.metrics)
+    return [m for m in capture.metrics if isinstance(m.get("values"), dict)
+            and (not named or m.get("server") == name)]
+
+
+def server_pool(capture: Capture, name: str | None) -> int | None:
+    """Server ``name``'s pool size (vLLM's ``num_gpu_blocks``): its header entry, else the header's (a capture
+    of one server), else its last /metrics line that has it; None when the capture does not say."""
+    for e in capture.header.get("servers") or []:
+        if e.get("name") == name and e.get("num_gpu_blocks"):
+            return e["num_gpu_blocks"]
+    if not capture.header.get("servers") and capture.header.get("num_gpu_blocks"):
+        return capture.header["num_gpu_blocks"]
+    pools = [m["values"]["num_gpu_blocks"] for m in server_scrapes(capture, name) if m["values"].get("num_gpu_blocks")]
+    return int(pools[-1]) if pools else None

@@ -22,9 +22,12 @@ import time
 from pathlib import Path
 
 from .cache_mirror import BatchSummary, PrefixCacheMirror, hash_labels
-from .capture import CaptureReplay, CaptureWriter, new_header, read_capture, replay_gap
-from ..config import check_endpoint
+from .capture import (CaptureReplay, CaptureWriter, new_header, read_capture, replay_gap, server_pool,
+                      server_scrapes)
 from .kv_subscriber import KVEventSubscriber
+from .server_metrics import MetricsPoller
+from .servers import DEFAULT_NAME, ServerSpec, is_named, one_server, parse_servers, servers_of_capture
+from .. import metrics as lab_metrics
 from ..records import plural
 
 MIN_SPEED, MAX_SPEED = 0.01, 10_000.0  # replay --speed: 100x slower .. 10,000x faster than recorded (or 0)
@@ -32,15 +35,30 @@ MAX_WAIT_S = 60.0  # replay waits at most this long between two batches
 
 
 def add_parsers(sub) -> None:
-    w = sub.add_parser("watch", help="print a server's KV cache events live (vLLM, SGLang or the lab)")
-    w.add_argument("endpoints", nargs="+", metavar="ENDPOINT",
-                   help="KV events PUB endpoint(s), one per data-parallel rank, e.g. tcp://127.0.0.1:5557")
+    w = sub.add_parser("watch", help="print servers' KV cache events live (vLLM, SGLang or the lab)",
+                       description="Watch one server (ENDPOINT... are its data-parallel ranks) or several "
+                                   "(--server NAME=ENDPOINT[,ENDPOINT...], repeated).")
+    w.add_argument("endpoints", nargs="*", metavar="ENDPOINT",
+                   help="one server's KV events PUB endpoint(s), one per data-parallel rank, e.g. "
+                        "tcp://127.0.0.1:5557 (or use --server)")
+    w.add_argument("--server", action="append", default=[], metavar="NAME=ENDPOINT[,ENDPOINT...]",
+                   help="a server to watch: its name and its endpoint(s), one per data-parallel rank; repeat for "
+                        "several servers")
+    w.add_argument("--replay", action="append", default=[], metavar="NAME=ENDPOINT[,ENDPOINT...]",
+                   help="the replay (ROUTER) endpoint(s) of server NAME, one per endpoint, same order")
+    w.add_argument("--metrics", action="append", default=[], metavar="NAME=URL",
+                   help="server NAME's /metrics URL (its pool size and counters); with the positional form: URL")
     w.add_argument("--replay-endpoint", action="append", default=[],
-                   help="the replay (ROUTER) endpoint of each ENDPOINT, in the same order (repeat the flag)")
+                   help="positional form: the replay (ROUTER) endpoint of each ENDPOINT, in the same order (repeat "
+                        "the flag)")
+    w.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve the mirror's own metrics for Prometheus at http://HOST:PORT/metrics (0: any free "
+                        "port), one 'server' label per server (names in the README)")
+    w.add_argument("--metrics-host", default="127.0.0.1", help="with --metrics-port: the address to bind")
     w.add_argument("--topic", default="", help="subscribe to this topic (default: all, vLLM's default '')")
     w.add_argument("--record", help="append every batch received to this capture file (JSON lines)")
     w.add_argument("--duration", type=float, help="stop after this many seconds")
-    w.add_argument("--max-batches", type=int, help="stop after this many batches (all ranks together)")
+    w.add_argument("--max-batches", type=int, help="stop after this many batches (all servers together)")
     w.add_argument("--tokenizer", help="model folder whose tokenizer decodes block text in the final state")
     r = sub.add_parser("replay", help="print a KV event capture as `watch` would have, and its final state")
     r.add_argument("file", help="a capture written by `watch --record` or the Server page")
@@ -48,18 +66,57 @@ def add_parsers(sub) -> None:
                    help=f"replay at this multiple of the server's pace (the batches' own timestamps), from "
                         f"{MIN_SPEED:g} to {MAX_SPEED:g} (default 0: as fast as possible)")
     r.add_argument("--tokenizer", help="model folder whose tokenizer decodes block text in the final state")
+    from . import router
+
+    router.add_parser(sub)
 
 
-def summary_line(rank: int, s: BatchSummary) -> str:
+def servers_of_args(args) -> list[ServerSpec]:
+    """The servers a ``watch`` (or ``route``) command line names: ``--server`` (with ``--replay`` /
+    ``--metrics``) or the positional form; ValueError naming the bad value."""
+    named = getattr(args, "server", None) or []
+    positional = getattr(args, "endpoints", None) or []
+    if named and positional:
+        raise ValueError(f"give servers either as ENDPOINT... (one server) or as --server NAME=ENDPOINT..., not "
+                         f"both (got {positional[0]!r} and --server {named[0]!r})")
+    if named:
+        if getattr(args, "replay_endpoint", None):
+            raise ValueError("--replay-endpoint goes with the positional form; with --server use --replay "
+                             "NAME=ENDPOINT[,ENDPOINT...]")
+        return parse_servers(named, args.replay, args.metrics)
+    if not positional:
+        raise ValueError("no server given: name one with --server NAME=ENDPOINT[,ENDPOINT...] (or give its "
+                         "ENDPOINT...)")
+    if getattr(args, "replay", None):
+        raise ValueError(f"--replay {args.replay[0]!r} names a server: use --server NAME=ENDPOINT with it, or "
+                         f"--replay-endpoint with the positional form")
+    metrics = getattr(args, "metrics", None) or []
+    if len(metrics) > 1:
+        raise ValueError(f"{len(metrics)} --metrics for one server: give one URL")
+    url = metrics[0] if metrics else None
+    if url and is_named(url):
+        name, _, url = url.partition("=")
+        if name != DEFAULT_NAME:
+            raise ValueError(f"--metrics {metrics[0]!r}: no --server is named {name!r} (the positional form is one "
+                             f"server, named {DEFAULT_NAME!r})")
+    return one_server(positional, getattr(args, "replay_endpoint", None), url)
+
+
+def summary_line(rank: int | str, s: BatchSummary) -> str:
+    """One batch in a line; ``rank``: the stream's label (``ServerSpec.label``; an int reads ``rank N``)."""
     tag = "  (replayed)" if s.replayed else ""
     clear = ("  view reset: the publisher restarted" if s.restarted else
              "  all blocks cleared" if s.cleared else "")
-    return (f"rank {rank}  #{s.seq:<6} +{s.stored:<4} stored  -{s.removed:<4} removed{clear}  "
+    label = f"rank {rank}" if isinstance(rank, int) else rank
+    return (f"{label}  #{s.seq:<6} +{s.stored:<4} stored  -{s.removed:<4} removed{clear}  "
             f"cache {s.num_blocks:,} blocks = {s.num_tokens:,} tokens{tag}")
 
 
-def state_lines(mirror: PrefixCacheMirror, decode=None, max_roots: int = 8) -> list[str]:
-    """The cache's state in a few lines: totals, roots of the prefix tree, the longest chain."""
+def state_lines(mirror: PrefixCacheMirror, decode=None, max_roots: int = 8, label: str | None = None,
+                num_gpu_blocks: int | None = None) -> list[str]:
+    """The cache's state in a few lines: totals (with the share of the server's own pool when its size is
+    known, ``metrics.cached_share_pct``), roots of the prefix tree, the longest chain. ``label``: the stream's
+    name (default ``rank N``)."""
     kids = mirror.children()
     roots = kids.get(None, [])
     depth: dict[str, int] = {}
@@ -68,8 +125,11 @@ def state_lines(mirror: PrefixCacheMirror, decode=None, max_roots: int = 8) -> l
         h, d = stack.pop()
         depth[h] = d
         stack.extend((c, d + 1) for c in kids.get(h, []))
-    lines = [f"rank {mirror.rank}: {mirror.num_blocks:,} cached blocks ({len(mirror.blocks):,} distinct) = "
-             f"{mirror.num_tokens:,} tokens, {len(roots)} prefix roots, longest chain "
+    share = lab_metrics.cached_share_pct(mirror.num_blocks, num_gpu_blocks)
+    pool = (f", {share:.1f}% of its pool of {lab_metrics.usable_pool_blocks(num_gpu_blocks):,} usable blocks"
+            if share is not None else "")
+    lines = [f"{label or f'rank {mirror.rank}'}: {mirror.num_blocks:,} cached blocks ({len(mirror.blocks):,} "
+             f"distinct) = {mirror.num_tokens:,} tokens{pool}, {len(roots)} prefix roots, longest chain "
              f"{max(depth.values(), default=0)} blocks; stored {mirror.total_stored:,}, removed "
              f"{mirror.total_removed:,} over {mirror.num_batches:,} batches"]
     shown = sorted(roots, key=lambda r: mirror.blocks[r].stored_seq)[:max_roots]
@@ -161,45 +221,65 @@ def _check_args(args) -> None:
 def watch(args, out=None) -> int:
     out = sys.stdout if out is None else out
     _check_args(args)
-    for e in args.endpoints:
-        check_endpoint(e, "ENDPOINT")
-    for e in args.replay_endpoint:
-        check_endpoint(e, "--replay-endpoint")
-    if args.replay_endpoint and len(args.replay_endpoint) != len(args.endpoints):
-        raise ValueError(f"{len(args.replay_endpoint)} --replay-endpoint for {len(args.endpoints)} endpoints: "
-                         f"give one per endpoint, in the same order")
+    servers = servers_of_args(args)
+    single = len(servers) == 1
+    label = {st: sv.label(st, single) for sv in servers for st in sv.streams}
+    endpoints = [e for sv in servers for e in sv.endpoints]
     decode = _decoder(args.tokenizer)
     # markers: the stream's counts are in marker lines (``capture.py``), so a replay counts what this watch did
-    writer = (CaptureWriter(args.record, {**new_header("python -m engine watch", args.endpoints,
-                                                       model=args.tokenizer), "markers": True})
-              if args.record else None)
+    header = {**new_header("python -m engine watch", endpoints, model=args.tokenizer), "markers": True}
+    named = not (single and servers[0].name == DEFAULT_NAME)
+    if named:
+        header["servers"] = [sv.header() for sv in servers]
+    writer = CaptureWriter(args.record, header) if args.record else None
     on_raw = writer.add if writer else None  # batches and markers (what a replay counts)
-    replays = args.replay_endpoint or [None] * len(args.endpoints)
-    subs = [KVEventSubscriber(e, r, topic=args.topic, rank=i, on_raw=on_raw)
-            for i, (e, r) in enumerate(zip(args.endpoints, replays))]
+    subs = []
+    try:
+        for sv in servers:
+            for stream, e, r in zip(sv.streams, sv.endpoints, sv.replays):
+                subs.append(KVEventSubscriber(e, r, topic=args.topic, rank=stream, on_raw=on_raw))
+    except ValueError:
+        for sub in subs:
+            sub.stop()
+        raise
+    pollers = {sv.name: MetricsPoller(sv.metrics_url, on_scrape=(
+        (lambda at, values, n=(sv.name if named else None): writer.add_metrics(n, at, values)) if writer else None
+    )).start() for sv in servers if sv.metrics_url}
+    exporter = None
+    if getattr(args, "metrics_port", None) is not None:
+        from .exporter import MirrorExporter
+
+        exporter = MirrorExporter(servers, port=args.metrics_port, host=getattr(args, "metrics_host", "127.0.0.1"))
+        print(f"serving the mirror's metrics at {exporter.url}", file=out, flush=True)
     stop = {"now": False}
     previous = signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
     start = time.monotonic()
-    logged = {s.rank: 0 for s in subs}    # log entries printed per rank (``KVEventSubscriber.log``)
+    logged = {s.rank: 0 for s in subs}    # log entries printed per stream (``KVEventSubscriber.log``)
     states = {s.rank: None for s in subs}
-    print(f"watching {', '.join(args.endpoints)} (Ctrl-C to stop)", file=out, flush=True)
+    what = ", ".join(endpoints) if not named else "; ".join(f"{sv.name} = {', '.join(sv.endpoints)}" for sv in servers)
+    print(f"watching {what} (Ctrl-C to stop)", file=out, flush=True)
+    exported = 0.0
     try:
         while not stop["now"]:
             total = 0
             for s in subs:
+                name = label[s.rank]
                 state, applied = s.progress()  # never ``view()`` here: it copies the whole mirror
                 if state != states[s.rank]:
                     states[s.rank] = state
                     said = {"not_publisher": "not a KV event publisher"}.get(state, state)
-                    print(f"rank {s.rank}  {s.endpoint}: {said}", file=out, flush=True)
+                    print(f"{name}  {s.endpoint}: {said}", file=out, flush=True)
                 # notes, errors and batches in the order they happened (a join, a gap or a restart is
                 # noted before the batch that showed it is applied)
                 entries, logged[s.rank] = s.log_since(logged[s.rank])
                 for kind, item in entries:
-                    print(summary_line(s.rank, item) if kind == "batch" else
-                          f"rank {s.rank}  note: {item}" if kind == "note" else f"rank {s.rank}  {item}",
+                    print(summary_line(name, item) if kind == "batch" else
+                          f"{name}  note: {item}" if kind == "note" else f"{name}  {item}",
                           file=out, flush=True)
                 total += applied
+            if exporter is not None and time.monotonic() - exported >= 1.0:
+                exporter.update({s.rank: s.view() for s in subs}, pollers)
+                exported = time.monotonic()
             if args.max_batches is not None and total >= args.max_batches:
                 break
             if args.duration is not None and time.monotonic() - start >= args.duration:
@@ -209,17 +289,48 @@ def watch(args, out=None) -> int:
         signal.signal(signal.SIGINT, previous)
         for s in subs:
             s.stop()
+        for p in pollers.values():
+            p.stop()
+        if exporter is not None:
+            exporter.close()
         if writer:
             sizes = {s.view().mirror.block_size for s in subs} - {None}
-            writer.close(block_size=sizes.pop() if len(sizes) == 1 else None)
-    for s in subs:
-        v = s.view()
-        for line in state_lines(v.mirror, decode):
-            print(line, file=out)
-        print(stream_line(v, states[s.rank]), file=out)
+            replace = ({"servers": [sv.header(_pool(pollers.get(sv.name))) for sv in servers]} if named else
+                       {"num_gpu_blocks": _pool(pollers.get(servers[0].name))} if pollers else None)
+            writer.close(replace, block_size=sizes.pop() if len(sizes) == 1 else None)
+    views = {s.rank: s.view() for s in subs}
+    for sv in servers:
+        values = pollers[sv.name].latest()[0] if sv.name in pollers else None
+        if named:
+            print(server_line(sv, values), file=out)
+        for stream in sv.streams:
+            v = views[stream]
+            for line in state_lines(v.mirror, decode, label=label[stream],
+                                    num_gpu_blocks=(values or {}).get("num_gpu_blocks")):
+                print(line, file=out)
+            print(stream_line(v, states[stream]), file=out)
     if args.record:
         print(f"capture written to {args.record}", file=out)
     return 0
+
+
+def _pool(poller) -> int | None:
+    return None if poller is None else (poller.latest()[0] or {}).get("num_gpu_blocks")
+
+
+def server_line(sv: ServerSpec, values: dict | None) -> str:
+    """A server's headline: its name, its endpoints, and its own /metrics (pool, hit rate, usage) when read."""
+    line = f"server {sv.name}: {', '.join(sv.endpoints)}"
+    if values:
+        hit = lab_metrics.server_hit_rate_pct(values)
+        usage = lab_metrics.server_kv_usage_pct(values)
+        pool = values.get("num_gpu_blocks")
+        line += (f"; /metrics: pool {'-' if pool is None else f'{pool:,}'} blocks, KV cache usage "
+                 f"{'-' if usage is None else f'{usage:.1f}%'}, prefix cache hit rate "
+                 f"{'-' if hit is None else f'{hit:.1f}%'} (lifetime)")
+    elif sv.metrics_url:
+        line += f"; /metrics {sv.metrics_url}: not read"
+    return line
 
 
 def replay(args, out=None) -> int:
@@ -227,8 +338,13 @@ def replay(args, out=None) -> int:
     _check_args(args)
     capture = read_capture(args.file)
     decode = _decoder(args.tokenizer)
+    servers = servers_of_capture(capture.header, capture.ranks)
+    single = len(servers) == 1
+    label = {st: sv.label(st, single) for sv in servers for st in sv.streams}
+    where = (f"ranks {capture.ranks}" if single and servers[0].name == DEFAULT_NAME else
+             "servers " + ", ".join(f"{sv.name} (streams {', '.join(map(str, sv.streams))})" for sv in servers))
     print(f"replaying {args.file}: {len(capture.batches)} batches from {capture.header.get('source')!r}, "
-          f"ranks {capture.ranks}", file=out)
+          f"{where}", file=out)
     replayer = CaptureReplay(capture)
     mirrors = replayer.state(0).mirrors
     errors: list[str] = []
@@ -246,21 +362,29 @@ def replay(args, out=None) -> int:
                 jump_waited += allowed
             time.sleep(wait)
         previous = b
-        _replay_one(mirrors, errors, b, out, replayer.infer_gaps)
+        _replay_one(mirrors, errors, b, out, replayer.infer_gaps, label)
     n_errors = len(errors)
     for m in capture.trailing:
         CaptureReplay.apply_marker(mirrors, errors, m, replayer.infer_gaps)
     for e in errors[n_errors:]:
         print(e, file=out)
-    for m in mirrors.values():
-        for line in state_lines(m, decode):
-            print(line, file=out)
-        print(counts_line(m.num_batches, m.num_replayed, m.malformed, m.duplicates, m.jumps, m.gaps,
-                          m.lost_batches, m.before_watch, m), file=out)
+    for sv in servers:
+        scrapes = server_scrapes(capture, sv.name)
+        if not (single and sv.name == DEFAULT_NAME):
+            print(server_line(sv, scrapes[-1]["values"] if scrapes else None), file=out)
+        pool = server_pool(capture, sv.name)
+        for stream in sv.streams:
+            m = mirrors.get(stream)
+            if m is None:
+                continue
+            for line in state_lines(m, decode, label=label.get(stream), num_gpu_blocks=pool):
+                print(line, file=out)
+            print(counts_line(m.num_batches, m.num_replayed, m.malformed, m.duplicates, m.jumps, m.gaps,
+                              m.lost_batches, m.before_watch, m), file=out)
     return 0
 
 
-def _replay_one(mirrors: dict, errors: list[str], b, out, infer_gaps: bool = True) -> None:
+def _replay_one(mirrors: dict, errors: list[str], b, out, infer_gaps: bool = True, label: dict | None = None) -> None:
     """Apply one capture batch (after its markers) and print what the watch printed for them: notes, skipped
     messages and the batch's line, in order."""
     n_errors = len(errors)
@@ -269,8 +393,8 @@ def _replay_one(mirrors: dict, errors: list[str], b, out, infer_gaps: bool = Tru
     for r, m in mirrors.items():
         new = m.num_notes - notes.get(r, 0)
         for n in (m.notes[-new:] if new > 0 else []):
-            print(f"rank {r}  note: {n}", file=out)
+            print(f"{(label or {}).get(r, f'rank {r}')}  note: {n}", file=out)
     for e in errors[n_errors:]:
         print(e, file=out)
     if applied:
-        print(summary_line(b.rank, mirrors[b.rank].history[-1]), file=out, flush=True)
+        print(summary_line((label or {}).get(b.rank, b.rank), mirrors[b.rank].history[-1]), file=out, flush=True)

@@ -16,6 +16,8 @@ Parsing uses ``prometheus_client``'s text parser (no hand-written exposition-for
 
 from __future__ import annotations
 
+import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -59,3 +61,51 @@ def fetch_metrics(url: str, timeout_s: float = 2.0) -> dict:
     except ValueError as exc:  # e.g. an HTML page: prometheus_client says "invalid metric name:<!--"
         raise ValueError(f"{url} is not a Prometheus /metrics page ({str(exc)[:60]})") from None
 
+
+
+class MetricsPoller:
+    """Reads one server's /metrics every ``every_s`` in its own thread (a slow or dead server never holds up
+    its reader); ``latest()`` is (values, error, when); ``history()`` every scrape kept (at most
+    ``max_scrapes``, oldest dropped), each (time, values), for a capture and the windowed rates.
+    ``on_scrape(at, values)`` is called in the thread after each successful read (e.g. a capture writer)."""
+
+    def __init__(self, url: str, every_s: float = 2.0, max_scrapes: int = 10_000, on_scrape=None) -> None:
+        self.url, self.every_s, self.max_scrapes, self.on_scrape = url, every_s, max_scrapes, on_scrape
+        self.values: dict | None = None
+        self.error: str | None = None
+        self.at: float | None = None
+        self.scrapes: list = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+
+    def start(self) -> "MetricsPoller":
+        threading.Thread(target=self._loop, name=f"metrics-{self.url}", daemon=True).start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                values, error = fetch_metrics(self.url, timeout_s=self.every_s), None
+            except ValueError as exc:
+                values, error = None, str(exc)
+            with self._lock:
+                self.at = time.time()
+                self.error = error
+                if values is not None:
+                    self.values = values
+                    self.scrapes.append((self.at, values))
+                    del self.scrapes[:-self.max_scrapes]
+            if values is not None and self.on_scrape is not None:
+                self.on_scrape(self.at, values)
+            self._stop.wait(self.every_s)
+
+    def history(self) -> list:
+        with self._lock:
+            return list(self.scrapes)
+
+    def latest(self) -> tuple[dict | None, str | None, float | None]:
+        with self._lock:
+            return self.values, self.error, self.at
+
+    def stop(self) -> None:
+        self._stop.set()

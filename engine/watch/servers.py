@@ -69,9 +69,9 @@ def check_name(name: str, where: str) -> str:
 
 
 def check_metrics_url(url: str, where: str) -> str:
+    """``where``: how the message names the value (``--metrics`` for the bare URL)."""
     if not url.startswith(("http://", "https://")):
-        raise ValueError(f"{where}: /metrics URL {url!r} must start with http:// or https:// "
-                         f"(e.g. http://127.0.0.1:8000/metrics)")
+        raise ValueError(f"{where} {url!r} must start with http:// or https:// (e.g. http://127.0.0.1:8000/metrics)")
     return url
 
 
@@ -107,7 +107,7 @@ def parse_servers(servers: list[str], replays: list[str] | None = None,
         spec.replays = eps
     for value in metrics or []:
         name, rest = _named(value, "--metrics", "URL")
-        _known(specs, name, "--metrics", value).metrics_url = check_metrics_url(rest, f"--metrics {value!r}")
+        _known(specs, name, "--metrics", value).metrics_url = check_metrics_url(rest, f"--metrics {value!r}: the URL")
     return number_streams(list(specs.values()))
 
 
@@ -137,8 +137,8 @@ def one_server(endpoints: list[str], replays: list[str] | None = None, metrics_u
     for r in replays:
         check_endpoint(r, "--replay-endpoint")
     if replays and len(replays) != len(endpoints):
-        raise ValueError(f"{len(replays)} --replay-endpoint for {len(endpoints)} endpoints: give one per endpoint, "
-                         f"in the same order")
+        raise ValueError(f"{len(replays)} --replay-endpoint(s) for {len(endpoints)} endpoint(s): give one per "
+                         f"endpoint, in the same order")
     if metrics_url:
         check_metrics_url(metrics_url, "--metrics")
     return number_streams([ServerSpec(name, list(endpoints), replays or [None] * len(endpoints), metrics_url)])

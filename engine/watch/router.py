@@ -1,0 +1,337 @@
+"""The KV-aware router's view of a prompt: how much of it each server has cached, and where a router would
+send it.
+
+Prefix-aware routers keep, per worker, a tree of the blocks its KV events say are cached (NVIDIA Dynamo's
+``KvIndexer``, llm-d's KV-cache indexer behind its precise prefix-cache scorer) and read a new request's
+longest cached prefix from it. This module reads the same thing from the lab's mirrors
+(``cache_mirror.PrefixCacheMirror``, one per stream).
+
+Cached prefix, by vLLM's rules (``vllm/v1/core/kv_cache_manager.py`` ``get_computed_blocks``, 0.32):
+
+* whole blocks only: the prompt's first ``len // block_size`` blocks can be cached, a partial last block never;
+* chained hashes: block i is a hit only if block i-1 is (a block's hash covers its parent's), so the match is
+  the longest run from the first block, and it stops at the first miss even if later blocks are cached;
+* the last-token rule: a prompt's last token is never served from the cache (its logits must be computed),
+  so at most ``(len - 1) // block_size`` blocks hit (a prompt of exactly 2 blocks gets at most 1).
+
+Hashes are matched the way ``cache_mirror`` compares servers, by content: the prompt's block i matches the
+cached block whose token ids equal it and whose parent is the block matched for i-1 (None for i = 0). This
+is the chained-hash lookup without recomputing the server's hash function (vLLM's sha256 over CBOR with a
+per-process seed, the lab's over its own encoding): equal content under an equal parent is an equal hash, for
+any server. LoRA adapters and multimodal inputs, which also enter vLLM's hash, are not told apart here.
+
+The router rule implemented is Dynamo's KV router cost (Dynamo docs, "Router design" / "Routing concepts":
+https://docs.nvidia.com/dynamo/latest/design-docs/router-design and .../components/router/routing-concepts):
+
+    cost(worker) = overlap_score_weight x prefill_blocks + decode_blocks           (lower is better)
+    prefill_blocks = (prompt tokens - cached prefix tokens) / block_size            (tokens to compute, in blocks)
+    decode_blocks  = the worker's active blocks + the request's own blocks          ("potential active blocks")
+
+with Dynamo's defaults ``kv_overlap_score_weight = 1.0`` and router temperature 0 (the lowest cost wins).
+Dynamo counts a worker's active blocks itself, from the requests it routed; a watcher has no such record, so
+the active blocks here are read from the server's own ``/metrics``: ``vllm:kv_cache_usage_perc`` x its usable
+pool (blocks held by running requests, ``metrics.active_blocks``). A server without ``/metrics`` counts 0
+active blocks and is said to have an unknown load. Ties (equal cost) go to the server with more cached
+tokens, then the one given first (Dynamo samples among equal workers; a view must be reproducible).
+llm-d's precise prefix-cache scorer scores the same longest cached prefix (consecutive blocks from the first,
+per pod), normalised, beside its load scorers with configurable weights; Dynamo's single cost is the rule
+implemented.
+
+A server with several data-parallel ranks is several workers to a router: each rank is scored and the
+server's row is its best rank (``rank`` says which).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+from .. import metrics
+
+OVERLAP_SCORE_WEIGHT = 1.0   # Dynamo's default kv_overlap_score_weight
+DEFAULT_BLOCK_SIZE = 16      # vLLM's default, for a server whose block size nothing has told yet
+MAX_PROMPT_TOKENS = 1_048_576  # a prompt longer than this is refused (no served model takes 2**20 tokens)
+RULE = ("Dynamo KV router cost: overlap_score_weight x prefill_blocks + decode_blocks, lowest wins "
+        "(https://docs.nvidia.com/dynamo/latest/design-docs/router-design)")
+
+
+@dataclass
+class PrefixMatch:
+    """A prompt's cached prefix on one stream: ``blocks`` / ``tokens`` served from the cache (after the
+    last-token rule), ``matched_blocks`` (the chain of whole blocks found cached, before it), ``hashes`` (the
+    matched blocks' hashes, first to last: what the Server page highlights), ``block_size``."""
+    blocks: int = 0
+    tokens: int = 0
+    matched_blocks: int = 0
+    hashes: list[str] = field(default_factory=list)
+    block_size: int | None = None
+
+
+def check_prompt(ids) -> list[int]:
+    """Token ids as a list of ints >= 0, or ValueError naming the bad value (an empty prompt, a prompt longer
+    than ``MAX_PROMPT_TOKENS``)."""
+    ids = list(ids)
+    if not ids:
+        raise ValueError("the prompt is empty: give at least one token")
+    if len(ids) > MAX_PROMPT_TOKENS:
+        raise ValueError(f"the prompt is {len(ids):,} tokens, more than the {MAX_PROMPT_TOKENS:,} this view takes")
+    for i, t in enumerate(ids):
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise ValueError(f"token {i} of the prompt is {t!r}, expected a token id (an int >= 0)")
+    return ids
+
+
+def parse_ids(text: str) -> list[int]:
+    """``--prompt-ids 1,2,3`` (commas and/or spaces) as ids, or ValueError naming the bad item."""
+    parts = [p for p in text.replace(",", " ").split()]
+    ids = []
+    for p in parts:
+        try:
+            ids.append(int(p))
+        except ValueError:
+            raise ValueError(f"--prompt-ids {text[:60]!r}: {p[:30]!r} is not a token id (give ints separated by "
+                             f"commas, e.g. 1,2,3)") from None
+    return check_prompt(ids)
+
+
+def cached_prefix(mirror, ids: list[int]) -> PrefixMatch:
+    """The longest prefix of ``ids`` the mirror's server would serve from its cache (see the module
+    docstring). O(blocks in the mirror + prompt length)."""
+    size = mirror.block_size
+    if size is None or not mirror.blocks:
+        return PrefixMatch(block_size=size)
+    index: dict[tuple, str] = {}
+    for h, b in mirror.blocks.items():  # a block whose parent left the view can match no prompt: keyed as sent
+        index.setdefault((b.parent, tuple(b.token_ids)), h)
+    hashes: list[str] = []
+    parent = None
+    for i in range(len(ids) // size):
+        h = index.get((parent, tuple(ids[i * size:(i + 1) * size])))
+        if h is None:
+            break
+        hashes.append(h)
+        parent = h
+    usable = min(len(hashes), (len(ids) - 1) // size)  # the last-token rule
+    return PrefixMatch(blocks=usable, tokens=usable * size, matched_blocks=len(hashes), hashes=hashes[:usable],
+                       block_size=size)
+
+
+@dataclass
+class WorkerScore:
+    """One stream (a server's data-parallel rank) as Dynamo's cost sees it; see the module docstring."""
+    server: str
+    rank: int
+    stream: int
+    prompt_tokens: int
+    block_size: int
+    cached_prefix_tokens: int
+    cached_prefix_blocks: int
+    matched_blocks: int
+    prefill_blocks: float
+    active_blocks: int | None     # None: the server's load is unknown (no /metrics), counted as 0
+    request_blocks: int
+    decode_blocks: int
+    cost: float
+    hashes: list[str] = field(default_factory=list)
+
+
+def score(server: str, rank: int, stream: int, mirror, ids: list[int], server_metrics: dict | None = None,
+          overlap_score_weight: float = OVERLAP_SCORE_WEIGHT, fallback_block_size: int = DEFAULT_BLOCK_SIZE
+          ) -> WorkerScore:
+    """One stream's figures. Its block size: its events', else its /metrics', else ``fallback_block_size``
+    (the other servers' block size, or vLLM's default 16: an empty server's cost must be in the same units)."""
+    m = cached_prefix(mirror, ids)
+    values = server_metrics or {}
+    size = m.block_size or (int(values["block_size"]) if values.get("block_size") else fallback_block_size)
+    active = metrics.active_blocks(values)
+    request_blocks = math.ceil(len(ids) / size)
+    prefill = (len(ids) - m.tokens) / size
+    decode = (active or 0) + request_blocks
+    return WorkerScore(server=server, rank=rank, stream=stream, prompt_tokens=len(ids), block_size=size,
+                       cached_prefix_tokens=m.tokens, cached_prefix_blocks=m.blocks, matched_blocks=m.matched_blocks,
+                       prefill_blocks=round(prefill, 4), active_blocks=active, request_blocks=request_blocks,
+                       decode_blocks=decode, cost=round(overlap_score_weight * prefill + decode, 4), hashes=m.hashes)
+
+
+def route(servers, mirrors: dict, ids: list[int], server_metrics: dict | None = None,
+          overlap_score_weight: float = OVERLAP_SCORE_WEIGHT) -> dict:
+    """Every server's best rank and the choice.
+
+    Args:
+        servers: ``servers.ServerSpec`` list (their ``streams`` key ``mirrors``).
+        mirrors: stream -> PrefixCacheMirror.
+        ids: the prompt's token ids (``check_prompt``).
+        server_metrics: server name -> its parsed /metrics (``server_metrics.parse_metrics``), where known.
+
+    Returns ``{"servers": {name: {cached_prefix_tokens, cached_prefix_blocks, ...}}, "choice": name, "rule":
+    RULE, "overlap_score_weight": w, "prompt_tokens": n}``; ``choice`` is None when no server is given."""
+    ids = check_prompt(ids)
+    if not overlap_score_weight >= 0:
+        raise ValueError(f"overlap_score_weight must be >= 0, got {overlap_score_weight}")
+    sizes = [m.block_size for m in mirrors.values() if m.block_size]
+    fallback = max(set(sizes), key=sizes.count) if sizes else DEFAULT_BLOCK_SIZE
+    rows: dict[str, WorkerScore] = {}
+    order = {}
+    for i, sv in enumerate(servers):
+        order[sv.name] = i
+        values = (server_metrics or {}).get(sv.name)
+        best = None
+        for r, stream in enumerate(sv.streams):
+            mirror = mirrors.get(stream)
+            if mirror is None:
+                from .cache_mirror import PrefixCacheMirror
+
+                mirror = PrefixCacheMirror(rank=stream)
+            s = score(sv.name, r, stream, mirror, ids, values, overlap_score_weight, fallback)
+            if best is None or (s.cost, -s.cached_prefix_tokens) < (best.cost, -best.cached_prefix_tokens):
+                best = s
+        rows[sv.name] = best
+    choice = min(rows.values(), key=lambda s: (s.cost, -s.cached_prefix_tokens, order[s.server]), default=None)
+    out = {name: {k: v for k, v in asdict(s).items() if k not in ("server", "hashes", "stream")}
+           for name, s in rows.items()}
+    for name, s in rows.items():
+        out[name]["load_known"] = s.active_blocks is not None
+    return {"servers": out, "choice": None if choice is None else choice.server, "rule": RULE,
+            "overlap_score_weight": overlap_score_weight, "prompt_tokens": len(ids),
+            "_hashes": {name: s.hashes for name, s in rows.items()},
+            "_streams": {name: s.stream for name, s in rows.items()}}
+
+
+def public(result: dict) -> dict:
+    """``route``'s result without the private keys (what ``--json`` prints)."""
+    return {k: v for k, v in result.items() if not k.startswith("_")}
+
+
+def lines(result: dict) -> list[str]:
+    """``route``'s result in words, one line per server and the choice."""
+    out = [f"prompt: {result['prompt_tokens']:,} tokens"]
+    for name, r in result["servers"].items():
+        load = (f"{r['active_blocks']:,} active blocks (/metrics)" if r["load_known"] else
+                "load unknown (no /metrics: 0 active blocks counted)")
+        rank = f" rank {r['rank']}" if r["rank"] else ""
+        out.append(f"  {name}{rank}: cached prefix {r['cached_prefix_tokens']:,} tokens = "
+                   f"{r['cached_prefix_blocks']:,} blocks of {r['block_size']}"
+                   + (f" ({r['matched_blocks']} cached, the last-token rule leaves {r['cached_prefix_blocks']})"
+                      if r["matched_blocks"] != r["cached_prefix_blocks"] else "")
+                   + f"; prefill {r['prefill_blocks']:g} blocks, decode {r['decode_blocks']:,} blocks ({load}); "
+                     f"cost {r['cost']:g}")
+    out.append(f"a KV-aware router would send it to: {result['choice']}  ({result['rule']}, "
+               f"overlap_score_weight {result['overlap_score_weight']:g})")
+    return out
+
+
+# --------------------------------------------------------------------------------------------- the CLI
+def add_parser(sub) -> None:
+    r = sub.add_parser("route", help="where a KV-aware router would send a prompt: its cached prefix per server",
+                       description="Per server, the longest prefix of the prompt cached there (vLLM's rules) and "
+                                   "the server Dynamo's KV router cost would choose.")
+    src = r.add_mutually_exclusive_group(required=True)
+    src.add_argument("--capture", help="read the servers' caches from this capture (its final state)")
+    src.add_argument("--server", action="append", metavar="NAME=ENDPOINT[,ENDPOINT...]",
+                     help="watch this server live (repeat for several; --replay / --metrics as for watch)")
+    r.add_argument("--replay", action="append", default=[], metavar="NAME=ENDPOINT[,ENDPOINT...]",
+                   help="server NAME's replay endpoint(s): the batches before this command started come from there")
+    r.add_argument("--metrics", action="append", default=[], metavar="NAME=URL",
+                   help="server NAME's /metrics: its load (active blocks) for the router's cost")
+    p = r.add_mutually_exclusive_group(required=True)
+    p.add_argument("--prompt", help="the prompt's text (with --tokenizer)")
+    p.add_argument("--prompt-ids", help="the prompt's token ids, e.g. 1,2,3")
+    r.add_argument("--tokenizer", help="model folder whose tokenizer turns --prompt into ids (the servers' model)")
+    r.add_argument("--wait", type=float, default=2.0,
+                   help="live: seconds to listen before answering (the replay socket fills in the past)")
+    r.add_argument("--overlap-score-weight", type=float, default=OVERLAP_SCORE_WEIGHT,
+                   help="Dynamo's kv_overlap_score_weight (default 1.0)")
+    r.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def prompt_ids(args) -> list[int]:
+    if args.prompt_ids is not None:
+        return parse_ids(args.prompt_ids)
+    if not args.tokenizer:
+        raise ValueError("--prompt needs --tokenizer DIR (the servers' model folder) to become token ids; or give "
+                         "--prompt-ids")
+    from pathlib import Path
+
+    if not Path(args.tokenizer).is_dir():
+        raise ValueError(f"--tokenizer {args.tokenizer!r} is not a folder")
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    except Exception as exc:  # noqa: BLE001 - one line naming the folder
+        raise ValueError(f"--tokenizer {args.tokenizer!r}: no tokenizer could be loaded from it "
+                         f"({type(exc).__name__})") from None
+    # as vLLM's /v1/completions tokenizes a text prompt (special tokens added)
+    return check_prompt(tok(args.prompt)["input_ids"])
+
+
+def from_capture(path: str):
+    from .capture import CaptureReplay, read_capture, server_scrapes
+    from .servers import servers_of_capture
+
+    capture = read_capture(path)
+    replay = CaptureReplay(capture)
+    state = replay.state(len(replay))
+    servers = servers_of_capture(capture.header, capture.ranks)
+    values = {}
+    for sv in servers:
+        scrapes = server_scrapes(capture, sv.name)
+        if scrapes:
+            values[sv.name] = scrapes[-1]["values"]
+    return servers, state.mirrors, values
+
+
+def from_live(args):
+    from .kv_subscriber import KVEventSubscriber
+    from .server_metrics import fetch_metrics
+    from .servers import parse_servers
+
+    servers = parse_servers(args.server, args.replay, args.metrics)
+    if not args.wait > 0 or args.wait > 600:
+        raise ValueError(f"--wait must be seconds from 0 to 600, got {args.wait}")
+    subs = []
+    try:
+        for sv in servers:
+            for stream, e, rep in zip(sv.streams, sv.endpoints, sv.replays):
+                subs.append(KVEventSubscriber(e, rep, rank=stream))
+        deadline = time.monotonic() + args.wait
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+        views = {s.rank: s.view() for s in subs}
+    finally:
+        for s in subs:
+            s.stop()
+    problems = [f"{s.endpoint}: {v.state}" for s, v in zip(subs, views.values())
+                if v.state in ("unreachable", "not_publisher", "connecting")]
+    values = {}
+    for sv in servers:
+        if sv.metrics_url:
+            try:
+                values[sv.name] = fetch_metrics(sv.metrics_url)
+            except ValueError as exc:
+                problems.append(str(exc))
+    return servers, {k: v.mirror for k, v in views.items()}, values, problems
+
+
+def main(args, out=None) -> int:
+    out = sys.stdout if out is None else out
+    ids = prompt_ids(args)
+    problems: list[str] = []
+    if args.capture:
+        if args.replay or args.metrics:
+            raise ValueError("--replay / --metrics go with --server, not --capture (a capture holds its /metrics)")
+        servers, mirrors, values = from_capture(args.capture)
+    else:
+        servers, mirrors, values, problems = from_live(args)
+    result = route(servers, mirrors, ids, values, args.overlap_score_weight)
+    if args.json:
+        print(json.dumps({**public(result), "problems": problems}), file=out)
+    else:
+        for line in lines(result):
+            print(line, file=out)
+        for p in problems:
+            print(f"note: {p}", file=out)
+    return 0

@@ -7,13 +7,26 @@ never reaches the engine and nothing already in the engine is touched.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ui import class_limits as limits
-
 # The embedded default model that the project trains itself (assets/tiny_model/train.py).
 EMBEDDED_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny_model")
+
+
+def resolved_model_path(model: str) -> str:
+    """The canonical form of a model name: a local folder's real path (``~`` expanded, symlinks and
+    ``..`` resolved, no trailing slash), so every spelling of one folder names one cached copy; a hub id
+    as given."""
+    path = os.path.expanduser(model.strip())
+    return os.path.realpath(path) if os.path.isdir(path) else model.strip()
+
+
+def is_local_model(model: str) -> bool:
+    """Whether ``model`` names a local folder (else it is a hub id)."""
+    return os.path.isdir(os.path.expanduser(model.strip()))
+
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -192,7 +205,6 @@ class EngineConfig:
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         self._check_semantics()
         self._check_kv_events()
-        limits.check_config(self)  # a class server's caps and model lock (ui/class_limits.py); none elsewhere
 
     def _check_kv_events(self) -> None:
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):

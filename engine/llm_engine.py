@@ -27,7 +27,6 @@ import torch
 import kernels
 
 from . import beam_search
-from ui import class_limits as limits
 from .allocator import KVAllocator
 from .block_manager import BlockManager
 from .contiguous import ContiguousAllocator
@@ -218,13 +217,11 @@ class LLMEngine:
                 vocabulary, a duplicate id, a prompt that can never fit in the pool or leaves no room to
                 generate within max_model_len (vLLM's rule: prompt + at least one token; a prompt too long
                 is refused by its length before any per-token work), n samples that can never run (see
-                ``_make_request``; n above ``config.MAX_N_SEQUENCES`` is refused by ``SamplingParams``),
-                more requests than a class server allows (V1's child requests count). The engine is
-                unchanged.
+                ``_make_request``; n above ``config.MAX_N_SEQUENCES`` is refused by ``SamplingParams``).
+                The engine is unchanged. (A deployment's cap on requests per run is the app's to check
+                before it adds one.)
         """
         params = self._check_params(params)
-        # a class server's cap per engine (ui/class_limits.py); V1 adds n child requests at once
-        limits.check_request_count(len(self.requests), params.n if self.semantics == "v1" else 1)
         rid = request_id if request_id is not None else self._auto_ids(1)[0]
         for request in self._make_requests(prompt, params, rid, final_len, priority):
             self._enqueue(request)

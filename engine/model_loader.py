@@ -3,9 +3,11 @@
 Rules: safetensors weights only (``use_safetensors=True``), never ``trust_remote_code``. A model is a
 local directory or a hub id; a hub id that is not cached on a machine without network fails with one
 line that names the embedded default model. A hub model whose safetensors files total more than
-``ui.class_limits.max_download_bytes()`` (``PAL_MAX_DOWNLOAD_MB``, default 2 GiB) is refused from the hub's
-file list before its weights are fetched; a class server (``ui.class_limits``) loads only the embedded model
-and its allow-list, and never a hub id.
+``max_download_bytes()`` (``PAL_MAX_DOWNLOAD_MB``, default 2 GiB) is refused from the hub's file list before
+its weights are fetched, on every machine: transformers and huggingface_hub have no byte cap of their own, and
+a download too large for the disk fails any process that loads, the CLI's as much as the app's (so the cap is
+the loader's, not a deployment's). Which models a class server serves is the app's deployment policy, which
+the app checks before it calls this loader; nothing here reads it.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ui import class_limits as limits
-from .config import EMBEDDED_MODEL
+from .config import EMBEDDED_MODEL, resolved_model_path
+
+MIB = 2**20
+MAX_DOWNLOAD_ENV = "PAL_MAX_DOWNLOAD_MB"
+DEFAULT_MAX_DOWNLOAD_MB = 2048
 
 # Model types whose decoder layers have the Llama shape the model runner drives (pre-norm, q/k/v/o
 # projections, RoPE, gated MLP). Qwen3 adds per-head q/k RMSNorms, which the runner applies.
@@ -161,10 +166,6 @@ def load_model(model: str, device: torch.device, dtype: str):
             unreadable file): always one line that names ``model`` as given, never a traceback.
     """
     try:
-        limits.check_model(model)  # a class server: the embedded model and its allow-list only
-    except ValueError as exc:
-        raise ModelLoadError(str(exc)) from None
-    try:
         return _load_model(model, device, dtype)
     except ModelLoadError:
         raise
@@ -222,7 +223,7 @@ def _load_model(model: str, device: torch.device, dtype: str):
 
 
 def _check_hub_size(repo_id: str) -> None:
-    """Refuse a hub model whose safetensors files total more than ``limits.max_download_bytes()``, read
+    """Refuse a hub model whose safetensors files total more than ``max_download_bytes()``, read
     from the hub's file list (``HfApi.model_info(files_metadata=True)``) before anything large is fetched.
     transformers and huggingface_hub have no byte cap of their own on a download, so this is the cap. When
     the list cannot be read (offline with the model cached, a private repo) nothing is refused here.
@@ -240,9 +241,35 @@ def _check_hub_size(repo_id: str) -> None:
     except Exception:  # noqa: BLE001  no list to read: the download itself says what is wrong
         return
     try:
-        limits.check_download_size(repo_id, nbytes)
+        check_download_size(repo_id, nbytes)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
+
+
+def max_download_bytes() -> int:
+    """The largest hub download (all safetensors files of a model) this process fetches, in bytes:
+    ``PAL_MAX_DOWNLOAD_MB`` MiB (default 2,048). Raises ValueError naming the variable for a value that is
+    not a number >= 1."""
+    raw = os.environ.get(MAX_DOWNLOAD_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MAX_DOWNLOAD_MB * MIB
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{MAX_DOWNLOAD_ENV}={raw!r} must be a number") from None
+    if not value >= 1:
+        raise ValueError(f"{MAX_DOWNLOAD_ENV}={raw!r} must be at least 1")
+    return int(value * MIB)
+
+
+def check_download_size(model: str, nbytes: int) -> None:
+    """Refuse a hub model whose weight files total more than ``max_download_bytes()``, before fetching.
+    Raises ValueError naming the model, its size and the limit (and the variable that sets it)."""
+    cap = max_download_bytes()
+    if nbytes > cap:
+        raise ValueError(f"model {model!r}: its weights are {nbytes / MIB:,.0f} MiB on the hub, more than this "
+                         f"server downloads ({cap / MIB:,.0f} MiB, {MAX_DOWNLOAD_ENV}); download it yourself "
+                         f"and give the local folder")
 
 
 _SHARED_LOCK = threading.Lock()
@@ -254,7 +281,7 @@ def load_shared(model: str, device: str = "auto", dtype: str | None = None):
 
     ``device`` ("auto", "cpu", "cuda") and ``dtype`` (None: float32 on the CPU, bfloat16 on CUDA) are
     resolved before the cache is consulted, so "auto" and the device it names share one copy; so is the
-    model: a local folder by its real path (``ui.class_limits.resolved_model_path``), so every spelling of one
+    model: a local folder by its real path (``engine.config.resolved_model_path``), so every spelling of one
     folder (``./x``, ``x/``, ``~/x``, a symlink to it) shares one copy. A failed load is not cached (the
     next call tries again).
 
@@ -264,12 +291,8 @@ def load_shared(model: str, device: str = "auto", dtype: str | None = None):
     """
     dev = resolve_device(device)
     resolved = resolve_dtype(dtype, dev)
-    try:
-        limits.check_model(model)  # also for a copy already cached: a class server serves its list only
-    except ValueError as exc:
-        raise ModelLoadError(str(exc)) from None
     with _SHARED_LOCK:  # two sessions asking at once load the weights once, not twice
-        return _load_cached(limits.resolved_model_path(model), str(dev), resolved)
+        return _load_cached(resolved_model_path(model), str(dev), resolved)
 
 
 @functools.cache

@@ -98,26 +98,27 @@ def test_a_link_over_the_class_request_cap_says_the_cap_its_count_and_what_to_do
     nothing for a link) and "(64 added already)"; it is refused when opened, with the cap, its own count and
     what to do instead."""
     from ui import class_limits as limits
+    from ui.scenario_io import link_settings, read_file  # the app opens links and files (its policy: class_limits)
     monkeypatch.setenv(limits.CLASS_SERVER_ENV, "1")
     cap = limits.class_limits().max_requests
     many = {"version": 1, "name": "many", "requests": [{"prompt": "a", "arrival_step": i} for i in range(cap + 1)]}
     with pytest.raises(ValueError) as err:
-        sf.decode_link(_link(many))
+        link_settings(_link(many))
     said = str(err.value)
     assert said.startswith(f"this scenario link has {cap + 1} requests, more than the {cap} one run may hold on "
                            f"this class server; open a link with fewer requests")
     assert said.endswith("or run it on a machine of your own (the app started there with streamlit run app.py, "
                          "outside class mode, has no such cap)") and "Reset" not in said
     with pytest.raises(ValueError, match=rf"this scenario file has {cap + 1} requests, .*remove some requests"):
-        sf.parse_text(json.dumps(many))
+        read_file(json.dumps(many))
     # V1 runs a request's n samples as child requests: they count
     v1 = {"version": 1, "name": "v1", "semantics": "v1", "requests": [{"prompt": "a", "n": 8}] * 9}
     with pytest.raises(ValueError, match=r"has 72 requests \(in V1 each of a request's n samples is a request of its "
                                          r"own: 9 requests make 72\), more than the 64"):
-        sf.decode_link(_link(v1))
-    assert len(sf.decode_link(_link({**v1, "semantics": "paper"})).requests) == 9  # the paper's: 9 requests
+        link_settings(_link(v1))
+    assert len(link_settings(_link({**v1, "semantics": "paper"})).scenario.requests) == 9  # the paper's: 9 requests
     monkeypatch.delenv(limits.CLASS_SERVER_ENV)
-    assert len(sf.decode_link(_link(many)).requests) == cap + 1  # no cap outside a class server
+    assert len(link_settings(_link(many)).scenario.requests) == cap + 1  # no cap outside a class server
 
 
 DEEP_MESSAGE = ("is not a scenario: its lists and mappings are nested more than 16 levels deep (a scenario has 4: "

@@ -75,12 +75,16 @@ def test_outside_class_mode_nothing_is_capped(monkeypatch):
     ("num_blocks", 300_000), ("block_size", 1024), ("max_model_len", 100_000),
     ("swap_space_blocks", 10**9), ("kv_budget_bytes", 2**40), ("max_num_batched_tokens", 10**7),
 ])
-def test_class_caps_refuse_each_field_by_name_before_allocation(class_mode, no_allocation, field, value):
-    kwargs = {field: value}
-    if field == "kv_budget_bytes":
-        kwargs["num_blocks"] = None
+def test_class_caps_refuse_each_field_by_name_before_allocation(class_mode, no_allocation, loaded, field, value):
+    """The app checks the run's spec where it builds the lab's engines (``class_limits.check_spec``)."""
+    from ui.lab import Lab
+    from ui.state import preset_settings
+
+    kwargs = {"kv_budget_mb": value / MIB} if field == "kv_budget_bytes" else {field: value}
+    if field == "max_num_batched_tokens":
+        kwargs["semantics"] = "v1"  # V1's token budget
     with pytest.raises(ValueError, match=rf"^{field} {value:,} (\(\S+ MiB\) )?is above this class server's limit of [\d,]+"):
-        EngineConfig(**kwargs)
+        Lab.create(preset_settings("batch", **kwargs), loaded)
 
 
 def test_class_caps_admit_every_preset(class_mode, loaded):
@@ -139,12 +143,14 @@ def test_session_bytes_are_what_the_engines_allocate(class_mode, loaded):
 
 
 def test_the_request_cap(class_mode, loaded):
-    engine = llm_engine.LLMEngine(EngineConfig(num_blocks=64, max_model_len=256), loaded)
+    from ui.lab import Lab, LabSettings
+
+    lab = Lab.create(LabSettings(model=EMBEDDED_MODEL, preset="custom", num_blocks=64, max_model_len=256), loaded)
     cap = limits.class_limits().max_requests
     for _ in range(cap):
-        engine.add_request("ROMEO. ", SamplingParams(max_tokens=2))
+        lab.add_request("ROMEO. ", SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match=rf"at most {cap} requests per run \({cap} added already\)"):
-        engine.add_request("ROMEO. ", SamplingParams(max_tokens=2))
+        lab.add_request("ROMEO. ", SamplingParams(max_tokens=2))
 
 
 def test_a_malformed_limit_is_refused_by_name(class_mode):
@@ -157,12 +163,15 @@ def test_a_malformed_limit_is_refused_by_name(class_mode):
 def test_the_class_server_refuses_a_hub_id_before_fetching(class_mode, monkeypatch):
     monkeypatch.setattr(model_loader, "_load_cached", lambda *a: pytest.fail("a load was attempted"))
     monkeypatch.setattr(model_loader, "_hub_reachable", lambda *a, **k: pytest.fail("the hub was asked"))
+    from ui.lab import Lab
+    from ui.state import preset_settings
+
     with pytest.raises(ValueError, match=r"model 'gpt2': this class server loads no model from the hub"):
-        EngineConfig(model="gpt2")
-    with pytest.raises(ModelLoadError, match=r"loads no model from the hub"):
-        load_shared("Qwen/Qwen3-0.6B")
+        Lab.create(preset_settings("batch", model="gpt2"))
     with pytest.raises(ValueError, match=r"loads no model from the hub"):
-        from lessons.runs import shared_model
+        Lab.create(preset_settings("batch", model="Qwen/Qwen3-0.6B"))
+    with pytest.raises(ValueError, match=r"loads no model from the hub"):
+        from ui.runs import shared_model
         shared_model("Qwen/Qwen3-0.6B")
 
 
@@ -171,14 +180,17 @@ def test_the_allow_list_admits_a_listed_folder_only(class_mode, tmp_path, loaded
     shutil.copytree(EMBEDDED_MODEL, listed)
     shutil.copytree(EMBEDDED_MODEL, unlisted)
     (tmp_path / "link").symlink_to(listed)
+    from ui.lab import Lab
+    from ui.state import preset_settings
+
     with pytest.raises(ValueError, match=r"is not on this class server's list \(PAL_ALLOWED_MODELS\)"):
-        EngineConfig(model=str(listed))
+        Lab.create(preset_settings("batch", model=str(listed)))
     class_mode.setenv(limits.ALLOWED_MODELS_ENV, str(listed))
-    EngineConfig(model=str(listed))
-    EngineConfig(model=str(tmp_path / "link") + "/")  # another spelling of the listed folder
-    EngineConfig(model=EMBEDDED_MODEL)  # the embedded model always
+    limits.check_spec(preset_settings("batch", model=str(listed)))  # what Lab.create checks first
+    limits.check_spec(preset_settings("batch", model=str(tmp_path / "link") + "/"))  # another spelling of it
+    limits.check_spec(preset_settings("batch", model=EMBEDDED_MODEL))  # the embedded model always
     with pytest.raises(ValueError, match=r"'.*unlisted' is not on this class server's list"):
-        EngineConfig(model=str(unlisted))
+        Lab.create(preset_settings("batch", model=str(unlisted)))
     via_link = load_shared(str(tmp_path / "link"))
     assert via_link is load_shared(str(listed)) and via_link is not loaded  # its own folder, one copy
 
@@ -188,7 +200,7 @@ def test_two_spellings_of_a_folder_are_one_cached_copy(tmp_path, loaded):
     link.symlink_to(EMBEDDED_MODEL)
     spellings = [EMBEDDED_MODEL + "/", EMBEDDED_MODEL + "/../tiny_model", str(link), str(link) + "//"]
     assert all(load_shared(s) is loaded for s in spellings)
-    from lessons.runs import shared_model
+    from ui.runs import shared_model
 
     assert shared_model(str(link)) is shared_model(EMBEDDED_MODEL + "/")
 
@@ -199,7 +211,7 @@ def test_a_hub_download_above_the_cap_is_refused_before_the_weights(monkeypatch)
     import huggingface_hub
 
     monkeypatch.delenv(limits.CLASS_SERVER_ENV, raising=False)
-    monkeypatch.setenv(limits.MAX_DOWNLOAD_ENV, "512")
+    monkeypatch.setenv(model_loader.MAX_DOWNLOAD_ENV, "512")
     sibling = type("S", (), {})
     files = []
     for name, size in (("model-00001.safetensors", 700 * MIB), ("model-00002.safetensors", 324 * MIB),
@@ -213,7 +225,7 @@ def test_a_hub_download_above_the_cap_is_refused_before_the_weights(monkeypatch)
     with pytest.raises(ModelLoadError, match=r"model 'org/big': its weights are 1,024 MiB on the hub, more than "
                                              r"this server downloads \(512 MiB, PAL_MAX_DOWNLOAD_MB\)"):
         model_loader._check_hub_size("org/big")
-    monkeypatch.setenv(limits.MAX_DOWNLOAD_ENV, "2048")
+    monkeypatch.setenv(model_loader.MAX_DOWNLOAD_ENV, "2048")
     model_loader._check_hub_size("org/big")  # under the cap: allowed
 
 

@@ -95,15 +95,20 @@ def test_v1_child_ids_already_taken_refuse_the_whole_request(loaded):
 
 
 def test_a_class_server_counts_v1_child_requests_before_adding_any(loaded, monkeypatch):
-    engine = build(loaded, num_blocks=16, max_model_len=64, semantics="v1")
+    """The cap is the app's (ui/class_limits.py), applied where the Playground's lab adds a request."""
+    from ui.lab import Lab, LabSettings
+
     monkeypatch.setenv(limits.CLASS_SERVER_ENV, "1")
+    lab = Lab.create(LabSettings(model=EMBEDDED_MODEL, preset="custom", num_blocks=16, max_model_len=64,
+                                 semantics="v1"), loaded)
+    engine = lab.paged
     cap = limits.class_limits().max_requests
-    engine.add_request([5, 6], SamplingParams(max_tokens=1))
+    lab.add_request([5, 6], SamplingParams(max_tokens=1))
     before = state(engine)
     with pytest.raises(ValueError, match=rf"at most {cap} requests per run \(1 added already, {cap:,} more asked\)"):
-        engine.add_request([5, 6], SamplingParams(n=cap, max_tokens=1))
+        lab.add_request([5, 6], SamplingParams(n=cap, max_tokens=1))
     assert state(engine) == before
-    engine.add_request([5, 6], SamplingParams(n=cap - 1, max_tokens=1))
+    lab.add_request([5, 6], SamplingParams(n=cap - 1, max_tokens=1))
     assert len(engine.requests) == cap
 
 

@@ -1,6 +1,8 @@
 """The class server's limits: one place that reads whether this process serves a class and what each
-session may ask for. Pure Python (no torch, no Streamlit): the engine's config, the model loader and the
-app read it.
+session may ask for. Pure Python (no torch, no Streamlit). Deployment policy, so the app reads it, never the
+engine (DESIGN.md): the app checks a run's spec (``check_spec``) before it builds engines, a model
+(``check_model``) before it loads one, the request cap (``check_request_count``) before it adds requests,
+and a scenario link or file (``check_scenario_request_count``) when it opens one.
 
 A class server (``PAL_CLASS_SERVER=1``, or ``bash scripts/run.sh --class``) serves many students from one
 process, so one student's form must never take the process down for everyone. In class mode:
@@ -8,8 +10,8 @@ process, so one student's form must never take the process down for everyone. In
 - the model is locked: the embedded model, or a local folder on the allow-list ``PAL_ALLOWED_MODELS``
   (folders separated by ``os.pathsep``, ":" on Linux); a hub id is refused before anything is fetched;
 - every size a form can set is capped (``ClassLimits``: ``num_blocks``, ``block_size``, ``max_model_len``,
-  ``swap_space_blocks``, ``kv_budget_bytes``, ``max_num_batched_tokens``, requests per engine), checked when
-  an ``EngineConfig`` is built, so before any allocation;
+  ``swap_space_blocks``, ``kv_budget_bytes``, ``max_num_batched_tokens``, requests per engine), checked on
+  the run's spec where the app builds its engines (``check_spec``), so before any allocation;
 - the server's memory for sessions (``server_memory_bytes``: ``PAL_CLASS_MEMORY_MB``, else the host memory
   available when the first session reserved (``engine.memory.available_host_memory_bytes``: free RAM or the
   container's cgroup limit, whichever is smaller), at most seats x ``PAL_SESSION_MEMORY_MB`` when that is set)
@@ -29,9 +31,8 @@ process, so one student's form must never take the process down for everyone. In
   an idle session's lab is released after ``idle_minutes``, a closed tab's after ``closed_seconds``
   (``ui/class_server.py`` does these).
 
-Outside class mode nothing here refuses anything except a hub download larger than
-``PAL_MAX_DOWNLOAD_MB`` (default 2,048 MiB; checked from the hub's file list before the weights are
-fetched). The engine's own checks hold on every server: a pool of more than
+Outside class mode nothing here refuses anything. The engine's own checks hold on every server: a hub
+download larger than ``PAL_MAX_DOWNLOAD_MB`` (``engine.model_loader.max_download_bytes``), a pool of more than
 ``engine.llm_engine.MAX_RECORDED_BLOCKS`` blocks, or a pool / swap pool larger than the free memory, is
 refused before allocation (``LLMEngine._check_memory``).
 
@@ -50,6 +51,8 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from engine.config import EMBEDDED_MODEL, is_local_model, resolved_model_path  # no torch: engine.config is plain
+
 CLASS_SERVER_ENV = "PAL_CLASS_SERVER"
 ALLOWED_MODELS_ENV = "PAL_ALLOWED_MODELS"
 SEATS_ENV = "PAL_CLASS_SEATS"
@@ -59,10 +62,8 @@ MEMORY_STATE_ENV = "PAL_MEMORY_STATE"
 HISTORY_STEPS_ENV = "PAL_HISTORY_STEPS"
 IDLE_MINUTES_ENV = "PAL_IDLE_MINUTES"
 CLOSED_SECONDS_ENV = "PAL_CLOSED_SECONDS"
-MAX_DOWNLOAD_ENV = "PAL_MAX_DOWNLOAD_MB"
 
 MIB = 2**20
-DEFAULT_MAX_DOWNLOAD_MB = 2048
 # When the free memory cannot be read at all (no /proc, no cgroup files), each session gets this much.
 FALLBACK_SESSION_BYTES = 256 * MIB
 
@@ -84,18 +85,6 @@ def _env_number(name: str, default: float, minimum: float) -> float:
     if not value >= minimum:
         raise ValueError(f"{name}={raw!r} must be at least {minimum:g}")
     return value
-
-
-def resolved_model_path(model: str) -> str:
-    """The canonical form of a model name: a local folder's real path (``~`` expanded, symlinks and
-    ``..`` resolved, no trailing slash), so every spelling of one folder names one cached copy; a hub id
-    as given."""
-    path = os.path.expanduser(model.strip())
-    return os.path.realpath(path) if os.path.isdir(path) else model.strip()
-
-
-def is_local_model(model: str) -> bool:
-    return os.path.isdir(os.path.expanduser(model.strip()))
 
 
 @dataclass(frozen=True)
@@ -140,8 +129,6 @@ class ClassLimits:
 
     def model_choices(self) -> tuple[str, ...]:
         """The models a session may load: the embedded one first, then the allow-list (resolved paths)."""
-        from engine.config import EMBEDDED_MODEL
-
         embedded = resolved_model_path(EMBEDDED_MODEL)
         return (embedded,) + tuple(m for m in self.allowed_models if m != embedded)
 
@@ -192,26 +179,22 @@ def check_model(model: str) -> None:
                      f"it serves: {allowed}")
 
 
-def max_download_bytes() -> int:
-    """The largest hub download (all safetensors files of a model) a server fetches, in bytes."""
-    return int(_env_number(MAX_DOWNLOAD_ENV, DEFAULT_MAX_DOWNLOAD_MB, 1) * MIB)
-
-
-def check_download_size(model: str, nbytes: int) -> None:
-    """Refuse a hub model whose weight files total more than ``max_download_bytes()``, before fetching.
-    Raises ValueError naming the model, its size and the limit (and the variable that sets it)."""
-    cap = max_download_bytes()
-    if nbytes > cap:
-        raise ValueError(f"model {model!r}: its weights are {nbytes / MIB:,.0f} MiB on the hub, more than this "
-                         f"server downloads ({cap / MIB:,.0f} MiB, {MAX_DOWNLOAD_ENV}); download it yourself "
-                         f"and give the local folder")
-
-
 # ------------------------------------------------------------------------------------------ the sizes
+def check_spec(spec) -> None:
+    """In class mode, refuse a run spec (``engine.scenarios.run_spec.RunSpec``, the Playground's settings)
+    whose model is not served here or any of whose engines' sizes is above its cap: ``check_config`` of the
+    ``EngineConfig`` it derives for the paged engine (the contiguous baseline's has the same sizes or fewer:
+    no V1 budget). The app calls it where it builds engines, before anything is loaded or allocated.
+    Raises ValueError naming the field, the value and the cap (or the bad setting, as ``EngineConfig``)."""
+    if class_limits() is not None:
+        check_config(spec.engine_config("paged"))
+
+
 def check_config(config) -> None:
     """In class mode, refuse an ``EngineConfig`` whose model is not served here (``check_model``) or any
-    of whose sizes (``ClassLimits.caps``) is above its cap. Called by ``EngineConfig.__post_init__``, so
-    before anything is loaded or allocated. Raises ValueError naming the field, the value and the cap."""
+    of whose sizes (``ClassLimits.caps``) is above its cap; the app calls it (``check_spec``) before it
+    builds an engine, so before anything is loaded or allocated. Raises ValueError naming the field, the
+    value and the cap."""
     limits = class_limits()
     if limits is None:
         return
@@ -234,6 +217,26 @@ def check_request_count(held: int, adding: int = 1) -> None:
         more = f", {adding:,} more asked" if adding > 1 else ""
         raise ValueError(f"this class server runs at most {limits.max_requests} requests per run ({held} added "
                          f"already{more}); press Reset for a fresh run")
+
+
+def check_scenario_request_count(scenario, kind: str) -> None:
+    """In class mode, refuse a scenario (``engine.scenarios.scenario_file.ScenarioFile``) ``kind`` ("link" or
+    "file") with more requests than one run may hold, when the app opens it: how many it has, the cap, and
+    what to do instead (Reset or a fresh run cannot help: the link or file itself is too big for this
+    server). Elsewhere: nothing. Raises ValueError."""
+    from engine.scenarios.scenario_file import engine_request_count
+
+    got = class_limits()
+    count = engine_request_count(scenario)
+    if got is None or count <= got.max_requests:
+        return
+    children = (f" (in V1 each of a request's n samples is a request of its own: {len(scenario.requests):,} "
+                f"requests make {count:,})" if count != len(scenario.requests) else "")
+    instead = ("open a link with fewer requests (its sender can save the scenario as a file and remove some)"
+               if kind == "link" else "remove some requests from the file")
+    raise ValueError(f"this scenario {kind} has {count:,} requests{children}, more than the {got.max_requests} one "
+                     f"run may hold on this class server; {instead}, or run it on a machine of your own "
+                     f"(the app started there with streamlit run app.py, outside class mode, has no such cap)")
 
 
 def server_memory_bytes(limits: ClassLimits, available: int | None = None) -> int:

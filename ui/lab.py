@@ -39,10 +39,12 @@ from dataclasses import dataclass, field
 
 from engine import EngineConfig, LLMEngine, SamplingParams, StepRecord
 from ui import class_limits as limits
-from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS_V1, DEFAULT_WATERMARK, FINAL_LENGTH_POLICIES
-from engine.scenarios.scenario_file import PrioritizedRequest, ScenarioFile, length_notes, preset_workload, to_workload
+from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS_V1, FINAL_LENGTH_POLICIES
+from engine.scenarios.run_spec import (RunSpec, baseline_final_lengths, count_only_tokenizer,  # noqa: F401
+                                       max_num_seqs_for)
+from engine.scenarios.scenario_file import PrioritizedRequest, length_notes
 from engine.scenarios.presets import get_scenario
-from engine.scenarios.workloads import WorkloadRequest, learn_final_lengths, run_workload
+from engine.scenarios.workloads import WorkloadRequest
 
 # The contiguous policies by the names of the vLLM paper's baselines (Kwon et al., SOSP 2023, section 6),
 # and what each reserves per request at admission.
@@ -64,69 +66,11 @@ MAX_RUN_STEPS = 2000  # "Run to the end" / "Next event" run at most this many st
 MAX_PLAY_CATCH_UP = 16  # a Play tick runs at most this many steps to keep to the chosen speed
 
 
-@dataclass
-class LabSettings:
-    """What the sidebar sets. ``preset``: a scenario name, or "custom" (requests added by hand).
-
-    ``watermark`` None takes the semantics' default (``engine.config.DEFAULT_WATERMARK``: 1% paper, 0 V1).
-    ``semantics``, ``scheduling_policy`` and ``max_num_batched_tokens`` (V1's token budget per step; None:
-    V1's default 2,048) apply to the paged engine only; the paper's semantics use FCFS and no budget.
-    V1 needs a budget of at least ``max_num_seqs`` (vLLM's SchedulerConfig: every running request gets a
-    token each step), so a budget below the engine's default of 256 sequences also caps the running
-    sequences at the budget (``paged_max_num_seqs``)."""
-
-    model: str
-    preset: str = "batch"
-    block_size: int = 16
-    num_blocks: int = 64
-    max_model_len: int = 256
-    reservation: int | None = None
-    enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"
-    swap_space_blocks: int | None = None
-    seed: int = 0
-    kv_budget_mb: float = 0.0  # > 0: size the pool from this KV budget instead of num_blocks
-    contiguous_policy: str = "max"  # how much a contiguous request reserves (``POLICY_LABELS``)
-    watermark: float | None = None  # share of the paged pool admission keeps free, in [0, 1); None: default
-    semantics: str = "paper"  # the paged engine's: "paper" (vLLM V0) or "v1" (vLLM V1)
-    scheduling_policy: str = "fcfs"  # V1: "fcfs" or "priority"
-    max_num_batched_tokens: int | None = None  # V1: the token budget per step; None: 2,048
-    scenario: ScenarioFile | None = None  # "custom": a scenario file's requests to queue (ui/scenario_io.py)
-
-    @property
-    def paged_max_num_seqs(self) -> int:
-        """Most sequences the paged engine runs at once (``max_num_seqs_for``)."""
-        return max_num_seqs_for(self.semantics, self.max_num_batched_tokens)
-
-    @property
-    def effective_watermark(self) -> float:
-        """The watermark the paged engine runs with (``watermark``, or the semantics' default)."""
-        return DEFAULT_WATERMARK[self.semantics] if self.watermark is None else self.watermark
-
-    def config(self, allocator: str) -> EngineConfig:
-        """The ``EngineConfig`` of one allocator ("paged" | "contiguous"). The contiguous baseline always runs
-        the paper's semantics (FCFS, no V1 token budget). Raises ValueError on bad values."""
-        budget = int(self.kv_budget_mb * 2**20) if self.kv_budget_mb > 0 else None
-        v1 = allocator == "paged" and self.semantics == "v1"
-        return EngineConfig(model=self.model, device="auto", block_size=self.block_size,
-                            num_blocks=None if budget else self.num_blocks, kv_budget_bytes=budget,
-                            max_model_len=self.max_model_len, enable_prefix_caching=self.enable_prefix_caching,
-                            preemption_mode=self.preemption_mode, swap_space_blocks=self.swap_space_blocks,
-                            allocator=allocator, reservation_tokens=self.reservation,
-                            contiguous_policy=self.contiguous_policy, watermark=self.watermark,
-                            semantics="v1" if v1 else "paper",
-                            scheduling_policy=self.scheduling_policy if v1 else "fcfs",
-                            max_num_batched_tokens=self.max_num_batched_tokens if v1 else None,
-                            max_num_seqs=self.paged_max_num_seqs if v1 else EngineConfig.max_num_seqs)
-
-
-def max_num_seqs_for(semantics: str, max_num_batched_tokens: int | None) -> int:
-    """Most sequences the paged engine runs at once: the engine's default (256), or in V1 the token budget
-    when that is smaller (V1 refuses a budget below ``max_num_seqs``)."""
-    default = EngineConfig.max_num_seqs
-    if semantics == "v1" and max_num_batched_tokens is not None:
-        return max(1, min(default, max_num_batched_tokens))
-    return default
+# What the sidebar sets: the run spec (``engine.scenarios.run_spec.RunSpec``) that the CLI, scenario files,
+# Compare, the lessons and the benchmarks build too; ``LabSettings`` is its name here. ``preset``: a scenario
+# name, or "custom" (requests added by hand, or a scenario file's). ``settings.config(allocator)`` is
+# ``RunSpec.engine_config``: the one place an ``EngineConfig`` is derived (the baseline runs the paper's scheduler).
+LabSettings = RunSpec
 
 
 def paper_only_reason(settings: LabSettings) -> str | None:
@@ -194,18 +138,6 @@ def run_sizes(settings: LabSettings, requests, num_blocks: int, swap_blocks: int
 
 
 @dataclass
-class _Scheduled:
-    """What ``learn_final_lengths`` reads of a step record: its scheduled sequences."""
-
-    scheduled: list
-
-
-def count_only_tokenizer(text: str) -> list[int]:
-    """Stands in for the tokenizer when only a workload's sampling parameters are needed."""
-    return [0] * max(1, len(text.split()))
-
-
-@dataclass
 class Lab:
     settings: LabSettings
     paged: LLMEngine
@@ -252,11 +184,8 @@ class Lab:
         """Whether ``create`` first runs the preset on a headless paged engine to learn final lengths: under
         "pow2" / "oracle", unless every request's length is known anyway (``ignore_eos``, no stop tokens:
         prompt + max_tokens, which the engine derives itself)."""
-        if settings.preset == "custom" or settings.contiguous_policy not in FINAL_LENGTH_POLICIES:
-            return False
-        workload = get_scenario(settings.preset).make(settings.seed, count_only_tokenizer)
         # n samples and beams run on the contiguous side too (a row each): their lengths are learnt as well
-        return not all(r.params.length_known for r in workload.requests)
+        return settings.preset != "custom" and settings.needs_final_lengths()
 
     @classmethod
     def create(cls, settings: LabSettings, loaded=None, on_step=None) -> "Lab":
@@ -270,6 +199,7 @@ class Lab:
         previous lab in place.
         """
         settings, semantics_note = fit_semantics(settings)
+        limits.check_spec(settings)  # a class server's caps and models, before anything is loaded or allocated
         paged = LLMEngine(settings.config("paged"), loaded)
         contiguous = None
         notes = []
@@ -281,8 +211,7 @@ class Lab:
         if settings.preset != "custom" or settings.scenario is not None:
             tokenize = lambda t: paged.tokenizer(t, add_special_tokens=False)["input_ids"]  # noqa: E731
             # a preset's shipped file (engine.scenarios.scenario_file.preset_workload), or a loaded file under "custom"
-            workload = (to_workload(settings.scenario, tokenize) if settings.preset == "custom"
-                        else preset_workload(settings.preset, settings.seed, tokenize, settings.model))
+            workload = settings.workload(tokenize)
             # a class server's request cap, for the whole file at once (not at the arrival step it is reached)
             limits.check_request_count(len(workload.requests) - 1)
             if settings.preset == "custom":  # a request passing max_model_len stops there, as in vLLM: said
@@ -294,19 +223,8 @@ class Lab:
                 settings.contiguous_policy in FINAL_LENGTH_POLICIES
                 and not all(r.params.length_known for r in workload.requests if r.params.num_seqs == 1))
             if contiguous is not None and learn:  # else the engine derives them
-                # the paper's semantics, as the contiguous baseline runs: the same scheduler, the same tokens
-                paper = dataclasses.replace(settings, semantics="paper", scheduling_policy="fcfs")
-                headless = LLMEngine(paper.config("paged"), (paged.model, paged.tokenizer))
-                learned: list = []  # a beam search may run past its longest output: its records say how far
-
-                def keep(record, report=on_step) -> None:
-                    # only what learn_final_lengths reads: a whole record keeps its snapshot (and through its
-                    # pool delta every earlier one), hundreds of MiB for a large run
-                    learned.append(_Scheduled(record.scheduled))
-                    if report is not None:
-                        report(record)
-
-                finals = learn_final_lengths(run_workload(headless, workload, on_step=keep), learned)
+                # a headless paged run under the baseline's scheduler (the paper's): the same tokens
+                finals = baseline_final_lengths(settings, workload, (paged.model, paged.tokenizer), on_step=on_step)
             lab.pending = sorted(zip(workload.requests, finals), key=lambda rf: rf[0].arrival_step)
             lab.queued = len(lab.pending)
         return lab
@@ -331,6 +249,9 @@ class Lab:
             return self._add_request(prompt, params, final_len, priority)
 
     def _add_request(self, prompt, params: SamplingParams, final_len: int | None, priority: int = 0) -> str:
+        # a class server's cap on requests per run, before anything is added (V1 adds n child requests at once)
+        limits.check_request_count(len(self.paged.requests),
+                                   getattr(params, "n", 1) if self.paged.semantics == "v1" else 1)
         rid = self.paged.add_request(prompt, params, priority=priority)
         self.order.append(rid)
         self.arrivals.append((rid, PrioritizedRequest(self.steps_run, prompt, params, priority)))

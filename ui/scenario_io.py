@@ -36,6 +36,7 @@ from engine.scenarios.scenario_file import (ScenarioFile, ScenarioSettings, deco
 from engine.scenarios.presets import SCENARIOS
 from engine.scenarios.workloads import Workload
 
+from . import class_limits
 from .lab import Lab, LabSettings, fit_semantics
 from .state import build_lab, get_lab, preset_settings, scenario_settings
 
@@ -119,7 +120,16 @@ def link_settings(value: str, model: str = EMBEDDED_MODEL) -> LabSettings:
         if looks_like_a_name(value):  # not a packed scenario (they start "eN", zlib's header): a preset's name
             raise ValueError(no_such_preset(value)) from None
         raise
+    class_limits.check_scenario_request_count(scenario, "link")  # a class server's cap, when it is opened
     return scenario_settings(scenario, model)
+
+
+def read_file(raw: str | bytes, fmt: str | None = None) -> ScenarioFile:
+    """A scenario file's text as the page opens it: ``parse_text``, then a class server's request cap
+    (``class_limits.check_scenario_request_count``). Raises ValueError naming what is wrong."""
+    scenario = parse_text(raw, fmt)
+    class_limits.check_scenario_request_count(scenario, "file")
+    return scenario
 
 
 def looks_like_a_name(value: str) -> bool:
@@ -337,7 +347,7 @@ def _uploaded(key: str) -> None:
         if upload.name.lower().endswith(".json") else None
     lab = get_lab()
     try:
-        scenario = parse_text(upload.getvalue(), fmt)
+        scenario = read_file(upload.getvalue(), fmt)
         settings = scenario_settings(scenario, lab.settings.model if lab is not None else EMBEDDED_MODEL)
     except ValueError as exc:
         st.session_state[ERROR] = f"{upload.name} cannot be opened: {exc}; {KEPT}"

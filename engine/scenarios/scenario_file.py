@@ -34,10 +34,10 @@ most ``MAX_REQUESTS`` requests, a prompt fewer tokens than ``max_model_len`` and
 ``MAX_POOL_TOKENS`` slots; YAML aliases (which can multiply a small file) are refused. A file and a link are
 read alike: lists and mappings nested more than ``MAX_NESTING`` deep get one message whichever it is; an
 integer of more than ``MAX_INT_DIGITS`` digits is refused by its field's own limit ("requests.0.max_tokens:
-must be <= 32768, got an integer of 5,000 digits"), never Python's 4,300-digit conversion error. On a class
-server a link or file with more requests than one run may hold is refused when it is opened
-(``check_class_request_count``), and a request whose prompt plus ``max_tokens`` passes ``max_model_len``
-stops there as in vLLM, with a note saying so (``length_notes``).
+must be <= 32768, got an integer of 5,000 digits"), never Python's 4,300-digit conversion error. A request
+whose prompt plus ``max_tokens`` passes ``max_model_len`` stops there as in vLLM, with a note saying so
+(``length_notes``). How many requests a deployment lets one run hold is the app's to check when it opens a
+link or a file (``engine_request_count`` counts them as an engine does).
 
 The Playground's presets are such files, ``assets/scenarios/<name>.json``, written from the registry
 (``engine.scenarios.presets``) at seed 0 by ``python -m engine.scenarios.scenario_file --write-presets``; a test keeps them
@@ -230,25 +230,6 @@ def engine_request_count(scenario: ScenarioFile) -> int:
     return sum(r.n if scenario.semantics == "v1" else 1 for r in scenario.requests)
 
 
-def check_class_request_count(scenario: ScenarioFile, kind: str) -> None:
-    """On a class server (``ui.class_limits``), refuse a scenario ``kind`` ("link" or "file") with more requests
-    than one run may hold, when it is opened: how many it has, the cap, and what to do instead (Reset or a
-    fresh run cannot help: the link or file itself is too big for this server). Elsewhere: nothing."""
-    from ui import class_limits as limits
-
-    got = limits.class_limits()
-    count = engine_request_count(scenario)
-    if got is None or count <= got.max_requests:
-        return
-    children = (f" (in V1 each of a request's n samples is a request of its own: {len(scenario.requests):,} "
-                f"requests make {count:,})" if count != len(scenario.requests) else "")
-    instead = ("open a link with fewer requests (its sender can save the scenario as a file and remove some)"
-               if kind == "link" else "remove some requests from the file")
-    raise ValueError(f"this scenario {kind} has {count:,} requests{children}, more than the {got.max_requests} one "
-                     f"run may hold on this class server; {instead}, or run it on a machine of your own "
-                     f"(the app started there with streamlit run app.py, outside class mode, has no such cap)")
-
-
 def length_notes(scenario: ScenarioFile, tokenize: Callable[[str], list[int]]) -> list[str]:
     """One sentence per request whose prompt plus ``max_tokens`` is more than ``settings.max_model_len``: it
     will stop at ``max_model_len`` tokens, before its ``max_tokens``. vLLM does the same and says nothing:
@@ -326,11 +307,8 @@ def parse_text(text: str | bytes, fmt: str | None = None) -> ScenarioFile:
     if fmt not in (None, *FORMATS):
         raise ValueError(f"scenario format must be one of {FORMATS}, got {fmt!r}")
     if fmt == "json" or (fmt is None and text.lstrip().startswith("{")):
-        scenario = parse_scenario(_load_json(text))
-    else:
-        scenario = parse_scenario(_load_yaml(text))
-    check_class_request_count(scenario, "file")
-    return scenario
+        return parse_scenario(_load_json(text))
+    return parse_scenario(_load_yaml(text))
 
 
 class _HugeInt(int):
@@ -509,9 +487,7 @@ def decode_link(code: str) -> ScenarioFile:
         if "nested more than" in str(exc):
             raise
         raise ValueError("the scenario link is damaged (it does not hold a scenario's JSON)") from None
-    scenario = parse_scenario(data)
-    check_class_request_count(scenario, "link")
-    return scenario
+    return parse_scenario(data)
 
 
 # ------------------------------------------------------------------------------- workloads and back

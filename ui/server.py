@@ -28,7 +28,7 @@ import streamlit as st
 from engine import EMBEDDED_MODEL
 from ui import class_limits as limits
 from engine.watch.capture import (CaptureReplay, capture_from_raw, dumps_capture, new_header, read_capture,
-                                  server_pool, server_scrapes)
+                                  server_pool, server_scrapes, server_time)
 from engine.config import check_endpoint
 from engine.watch.kv_subscriber import MAX_CAPTURE_BYTES, KVEventSubscriber
 from engine.watch.server_metrics import MetricsPoller as _Poller
@@ -36,6 +36,7 @@ from engine.watch.exporter import hit_rate_window
 from engine.watch.rates import WINDOW_S
 from engine.watch.router import check_prompt, parse_ids, route
 from engine.watch.servers import ServerSpec, one_server, parse_page, servers_of_capture
+from viz.server import rates_figure, rates_line
 from viz.server import (STREAM_COUNTS_HELP, VLLM_EVENTS_FLAG, plural, batch_activity_figure, batch_line,
                         cache_size_figure, mirror_warnings, prefix_tree_figure, rank_numbers, server_numbers,
                         state_line, stream_caption)
@@ -329,7 +330,7 @@ def server_row(values: dict | None, error: str | None, source: str, narrow: bool
 
 
 def rank_panel(mirror, decode, num_gpu_blocks: int | None, key: str, wide: bool, label: str | None = None,
-               highlight: list[str] | None = None) -> None:
+               highlight: list[str] | None = None, scrapes: list | None = None) -> None:
     """One stream's numbers and figures (the same live and in a replay); ``num_gpu_blocks``: its own server's
     pool; ``label``: how it is named; ``highlight``: the router panel's cached prefix, ringed in the tree."""
     for warning in mirror_warnings(mirror):  # the cache below is not (all of) the server's: say so first
@@ -361,8 +362,13 @@ def rank_panel(mirror, decode, num_gpu_blocks: int | None, key: str, wide: bool,
     color_by = st.session_state.get("server_color_by", "age")
     tree_place.plotly_chart(prefix_tree_figure(mirror, decode=decode, color_by=color_by, label=label,
                                                highlight=highlight), width="stretch", key=f"{key}_tree")
-    figs = [batch_activity_figure(mirror.history), cache_size_figure(mirror.history, num_gpu_blocks)]
-    places = st.columns(2) if wide else [st.container(), st.container()]
+    st.caption(rates_line(mirror.history),
+               help="Over the last minute of the server's own clock (the batches' ts): blocks evicted and stored "
+                    "per second, how long the evicted blocks had been cached, and hot prefixes evicted (a block "
+                    "that 3 or more requests went on past in the last 60 s: engine.watch.cache_mirror)")
+    figs = [batch_activity_figure(mirror.history), cache_size_figure(mirror.history, num_gpu_blocks),
+            rates_figure(mirror.history, _server_clock(mirror, scrapes))]
+    places = st.columns(3) if wide else [st.container(), st.container(), st.container()]
     for i, (place, fig) in enumerate(zip(places, figs)):
         with place:
             st.plotly_chart(fig, width="stretch", key=f"{key}_fig{i}")
@@ -452,8 +458,9 @@ def live_view(live: LiveSet) -> None:
             st.caption(stream_caption(v), help=STREAM_COUNTS_HELP)  # the view's own counts, named
             if v.last_error and v.last_error != line:
                 st.warning(f"last error: {v.last_error}")
+            poller = live.pollers.get(sv.name)
             rank_panel(v.mirror, decode, live.num_gpu_blocks(sv.name), f"live{stream}", wide=len(tiles) == 1,
-                       label=name, highlight=routed.get(stream))
+                       label=name, highlight=routed.get(stream), scrapes=poller.history() if poller else None)
     if not live.named and live.pollers:
         poller = next(iter(live.pollers.values()))
         values, error, at = poller.latest()
@@ -475,6 +482,15 @@ def server_header(sv: ServerSpec, poller, now: float, narrow: bool) -> None:
     values, error, at = poller.latest()
     source = f"{poller.url}, read {max(0.0, now - at):.0f} s ago" if at else f"{poller.url}: reading..."
     server_row(values, error, source, narrow=narrow, scrapes=poller.history())
+
+
+def _server_clock(mirror, scrapes: list | None) -> list | None:
+    """/metrics reads ((epoch seconds, values)) on the rates figure's axis: seconds since the mirror's first
+    batch (the server's ts; this machine's and the server's clocks are taken to agree)."""
+    if not scrapes or not mirror.history:
+        return None
+    t0 = mirror.history[0].ts
+    return [(at - t0, values) for at, values in scrapes]
 
 
 def tile_columns(n: int) -> list:
@@ -709,10 +725,24 @@ def replay_view(rep: dict, armed_speed: float) -> None:
             name = sv.label(r, single)
             st.markdown(f"**{name}**")
             rank_panel(mirror, decode, capture_pool(replay, sv.name, values), f"replay{r}", wide=len(tiles) == 1,
-                       label=name, highlight=routed.get(r))
+                       label=name, highlight=routed.get(r), scrapes=capture_epoch_scrapes(replay, pos, sv.name))
     if not named and metrics_now[servers[0].name] is not None:
         server_row(metrics_now[servers[0].name], None, "the capture's last scrape at this point",
                    scrapes=capture_scrapes(replay, pos, servers[0].name))
+
+
+def capture_epoch_scrapes(replay: CaptureReplay, pos: int, name: str) -> list:
+    """Server ``name``'s scrapes up to ``pos`` as (seconds since the epoch, values): a line's ``at``, or, in a
+    capture written before it, its receive time ``t`` moved onto the server's clock by the first batch's
+    ``ts`` - ``t``."""
+    if pos == 0:
+        return []
+    first = replay.capture.batches[0]
+    first_ts = server_time(first)
+    offset = (first_ts - first.t) if first_ts is not None else 0.0
+    t = replay.capture.batches[pos - 1].t
+    return [(m.get("at", m.get("t", 0.0) + offset), m["values"]) for m in server_scrapes(replay.capture, name)
+            if m.get("t", 0) <= t]
 
 
 def capture_pool(replay: CaptureReplay, name: str, values: dict | None) -> int | None:

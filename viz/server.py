@@ -445,3 +445,71 @@ def cache_size_figure(history, num_gpu_blocks: int | None = None, max_batches: i
         xaxis={"title": {"text": xtitle}, "tickformat": "d"},
         yaxis={"title": {"text": "blocks"}, "range": [0, top * 1.2], "gridcolor": "#EEEEEE", "tickformat": ",d"})
     return fig
+
+
+def rates_figure(history, scrapes: list | None = None, bin_s: float | None = None, title: str | None = None
+                 ) -> go.Figure:
+    """Rates over time by the server's own clock (``engine.watch.rates.binned``): blocks evicted per second
+    per time bin (bars; a star above a bin where a hot prefix was evicted), how long the evicted blocks had
+    been cached (mean, a line on the right axis, seconds) and, when /metrics was read, the prefix-cache hit
+    rate between consecutive reads (``metrics.windowed_hit_rate_pct``, a dotted line, % on the right axis is
+    not shared: its values are in the hover and the legend says so).
+
+    x: seconds since the first batch, the publisher's clock (``ts``), so a replay draws what the live view
+    drew. ``scrapes``: (seconds on the same axis, values) oldest first."""
+    from engine.watch.rates import binned, hit_rate_series
+
+    b = binned(history, bin_s)
+    fig = go.Figure()
+    mid = [t + b["bin_s"] / 2 for t in b["t"]]
+    fig.add_trace(go.Bar(x=mid, y=b["evictions_per_s"], name="evictions / s", marker_color=REMOVED,
+                         width=b["bin_s"] * 0.9,
+                         customdata=[[a if a is not None else "-"] for a in b["mean_evicted_age_s"]],
+                         hovertemplate="%{x:.0f} s: %{y:.3g} blocks evicted / s; evicted blocks cached "
+                                       "%{customdata[0]} s on average<extra></extra>"))
+    ages = [(x, a) for x, a in zip(mid, b["mean_evicted_age_s"]) if a is not None]
+    if ages:
+        fig.add_trace(go.Scatter(x=[x for x, _ in ages], y=[a for _, a in ages], name="age at eviction (s, right)",
+                                 mode="lines+markers", yaxis="y2", line={"color": "#CC79A7", "width": 1.5},
+                                 hovertemplate="%{x:.0f} s: evicted after %{y:.0f} s cached<extra></extra>"))
+    hot = [(x, e) for x, e, h in zip(mid, b["evictions_per_s"], b["hot_evicted"]) if h]
+    if hot:
+        fig.add_trace(go.Scatter(x=[x for x, _ in hot], y=[(e or 0) for _, e in hot], mode="markers",
+                                 marker={"symbol": "star", "size": 14, "color": "#E69F00"},
+                                 name="hot prefix evicted", hovertemplate="%{x:.0f} s: a hot prefix was evicted"
+                                                                          "<extra></extra>"))
+    if scrapes:
+        series = hit_rate_series(scrapes, t0=0.0)
+        pts = [(t, r) for t, r in zip(series["t"], series["hit_rate_pct"]) if r is not None]
+        if pts:
+            fig.add_trace(go.Scatter(x=[t for t, _ in pts], y=[r for _, r in pts], yaxis="y3", mode="lines+markers",
+                                     name="hit rate between /metrics reads (%)",
+                                     line={"color": "#009E73", "dash": "dot"},
+                                     hovertemplate="%{x:.0f} s: hit rate %{y:.1f}% since the read before"
+                                                   "<extra></extra>"))
+    if not b["t"]:
+        fig.add_annotation(text="no batch yet", showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
+    fig.update_layout(
+        title={"text": title or f"Evictions over time (bins of {b['bin_s']:g} s, the server's clock)",
+               "font": {"size": 14}},
+        height=300, margin={"l": 10, "r": 10, "t": 40, "b": 90}, plot_bgcolor="white", bargap=0.05,
+        legend={"orientation": "h", "yanchor": "top", "y": -0.32, "x": 0, "font": {"size": 11}},
+        xaxis={"title": {"text": "seconds since the first batch (server's clock)"}},
+        yaxis={"title": {"text": "blocks / s"}, "rangemode": "tozero", "gridcolor": "#EEEEEE"},
+        yaxis2={"overlaying": "y", "side": "right", "rangemode": "tozero", "showgrid": False,
+                "title": {"text": "s"}},
+        yaxis3={"overlaying": "y", "side": "right", "range": [0, 100], "visible": False})
+    return fig
+
+
+def rates_line(history) -> str:
+    """The last minute of the server's clock in words (``engine.watch.rates.window_rates``)."""
+    from engine.watch.rates import WINDOW_S, window_rates
+
+    r = window_rates(history)
+    if r["evictions_per_s"] is None:
+        return "no batch yet"
+    age = "" if r["mean_evicted_age_s"] is None else f", evicted after {r['mean_evicted_age_s']:.0f} s cached on average"
+    hot = f"; {plural(r['hot_evicted'], 'hot prefix', 'hot prefixes')} evicted" if r["hot_evicted"] else ""
+    return (f"last {min(WINDOW_S, r['seconds']):.0f} s of the server's clock: {r['evictions_per_s']:.3g} evictions / s "
+            f"({plural(r['evicted'], 'block')}){age}, {r['stores_per_s']:.3g} stores / s{hot}")

@@ -49,6 +49,12 @@ MAX_BLOCKS = 100_000  # distinct hashes a mirror holds (about 100 MB); see the m
 # ``kv_events.MAX_BLOCK_SIZE`` (4,096) 100,000 blocks could still hold 409,600,000 ids. 4,000,000 is 100,000
 # blocks of 40 tokens, more than any real server's pool of 16-token blocks that the block cap allows.
 MAX_TOKEN_IDS = 4_000_000
+# A hot prefix: a cached block that at least HOT_MIN_EXTENSIONS stores extended (a BlockStored whose parent it
+# was, while it was cached: a request whose cached prefix ended at this block and went on past it) within the
+# last HOT_WINDOW_S seconds of the server's clock. The events never say what was hit, only what was stored, so
+# this is the events' own sign of reuse; its eviction is noted (``notes``) and counted (``hot_evicted``).
+HOT_MIN_EXTENSIONS = 3
+HOT_WINDOW_S = 60.0
 
 
 @dataclass(slots=True)
@@ -80,6 +86,8 @@ class BatchSummary:
     num_hashes: int
     replayed: bool = False
     restarted: bool = False  # the view was reset because the publisher restarted (``cleared`` is then true too)
+    evicted_ages: tuple = ()  # seconds each removed block had been cached (batch ts - its stored_ts), one per block
+    hot_evicted: int = 0      # hot prefixes among the blocks that left the view (see ``HOT_MIN_EXTENSIONS``)
 
 
 @dataclass
@@ -119,6 +127,10 @@ class PrefixCacheMirror:
     before_watch: int = 0
     refused_pending: int = 0  # messages ZMQ refused unread (seq unknown): the next gap's first batch is one
     join_note: str | None = None  # the note saying where the view joined the stream (kept in the final state)
+    # hash -> the server times (ts) of the last 16 stores that extended it (a tuple, replaced, never changed in
+    # place: copies of the mirror share it)
+    extended: dict = field(default_factory=dict)
+    hot_evicted: int = 0
 
     # --- applying events ---------------------------------------------------------------------------------
 
@@ -127,15 +139,20 @@ class PrefixCacheMirror:
         Never raises on content: what cannot be applied is counted in ``notes``."""
         stored = removed = 0
         cleared = False
+        ages: list[float] = []
+        hot = 0
         for e in events:
             kind = e["type"]
             if kind == "BlockStored":
                 stored += self._store(seq, ts, e)
             elif kind == "BlockRemoved":
-                removed += self._remove(e["block_hashes"])
+                n, h = self._remove(e["block_hashes"], seq, ts, ages)
+                removed += n
+                hot += h
             elif kind == "AllBlocksCleared":
                 removed += self._num_blocks
                 self.blocks.clear()
+                self.extended.clear()
                 self._order.clear()
                 self._num_blocks = self._kept_tokens = 0
                 cleared = True
@@ -150,7 +167,8 @@ class PrefixCacheMirror:
         restarted, self._restarted = self._restarted, False
         summary = BatchSummary(seq=seq, ts=ts, stored=stored, removed=removed, cleared=cleared or restarted,
                                num_blocks=self._num_blocks, num_tokens=self.num_tokens,
-                               num_hashes=len(self.blocks), replayed=replayed, restarted=restarted)
+                               num_hashes=len(self.blocks), replayed=replayed, restarted=restarted,
+                               evicted_ages=tuple(ages), hot_evicted=hot)
         self.history.append(summary)
         while len(self.history) > self.max_history:
             self.history.popleft()
@@ -165,6 +183,8 @@ class PrefixCacheMirror:
         parent = e.get("parent_block_hash")
         if parent is not None and parent not in self.blocks:
             self.orphan_stores += 1  # its parent was stored before we joined, or already evicted
+        elif parent is not None:  # a request went on past a cached block: see HOT_MIN_EXTENSIONS
+            self.extended[parent] = (self.extended.get(parent, ()) + (ts,))[-16:]
         tokens = e["token_ids"]
         for i, h in enumerate(e["block_hashes"]):
             block = self.blocks.get(h)
@@ -194,6 +214,7 @@ class PrefixCacheMirror:
             if oldest in self.blocks:
                 break
         gone = self.blocks.pop(oldest)
+        self.extended.pop(oldest, None)
         self._num_blocks -= gone.copies
         self._kept_tokens -= len(gone.token_ids)
         self.capped_out += 1
@@ -204,21 +225,32 @@ class PrefixCacheMirror:
                       f"shows fewer blocks than the server holds, and removals of dropped blocks count as "
                       f"unknown")
 
-    def _remove(self, hashes: list[str]) -> int:
-        done = 0
+    def _remove(self, hashes: list[str], seq: int = 0, ts: float = 0.0, ages: list | None = None) -> tuple[int, int]:
+        """Remove one copy of each hash; returns (blocks removed, hot prefixes that left the view). ``ages``
+        gets each removed block's age (seconds cached, the server's clock)."""
+        done = hot = 0
         for h in hashes:
             block = self.blocks.get(h)
             if block is None:
                 self.unknown_removals += 1  # stored before we joined (or a gap): nothing to take away
                 continue
+            if ages is not None:
+                ages.append(max(0.0, ts - block.stored_ts))
             if block.copies == 1:
                 del self.blocks[h]
                 self._kept_tokens -= len(block.token_ids)
+                recent = [t for t in self.extended.pop(h, ()) if ts - t <= HOT_WINDOW_S]
+                if len(recent) >= HOT_MIN_EXTENSIONS:
+                    hot += 1
+                    self.hot_evicted += 1
+                    self.note(f"batch {seq}: hot prefix evicted: block {h[-16:]} ({len(block.token_ids)} tokens "
+                              f"from {block.token_ids[:4]}...), {len(recent)} requests extended it in the last "
+                              f"{HOT_WINDOW_S:.0f} s; it had been cached {max(0.0, ts - block.stored_ts):.0f} s")
             else:  # a new object, never changed in place (``copy``)
                 self.blocks[h] = dataclasses.replace(block, copies=block.copies - 1)
             self._num_blocks -= 1
             done += 1
-        return done
+        return done, hot
 
     def restart(self, seq: int) -> None:
         """The publisher restarted (its sequence numbers began again, at ``seq``): a restarted server's
@@ -233,6 +265,7 @@ class PrefixCacheMirror:
                       f"its cache starts empty, so the {plural(self._num_blocks, 'block')} held before "
                       f"{'is' if self._num_blocks == 1 else 'are'} dropped from the view")
         self.blocks.clear()
+        self.extended.clear()
         self._order.clear()
         self._num_blocks = self._kept_tokens = 0
         self.last_seq = None
@@ -322,6 +355,7 @@ class PrefixCacheMirror:
         clone.history = deque(self.history)
         clone._order = deque(self._order)
         clone.notes = list(self.notes)
+        clone.extended = dict(self.extended)
         return clone
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -249,10 +250,19 @@ def watch(args, out=None) -> int:
     if getattr(args, "metrics_port", None) is not None:
         from .exporter import MirrorExporter
 
-        exporter = MirrorExporter(servers, port=args.metrics_port, host=getattr(args, "metrics_host", "127.0.0.1"))
+        try:
+            exporter = MirrorExporter(servers, port=args.metrics_port,
+                                      host=getattr(args, "metrics_host", "127.0.0.1"))
+        except ValueError:
+            for sub in subs:
+                sub.stop()
+            for p in pollers.values():
+                p.stop()
+            raise
         print(f"serving the mirror's metrics at {exporter.url}", file=out, flush=True)
     stop = {"now": False}
-    previous = signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
+    main_thread = threading.current_thread() is threading.main_thread()  # only there can Ctrl-C be caught
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.update(now=True)) if main_thread else None
     start = time.monotonic()
     logged = {s.rank: 0 for s in subs}    # log entries printed per stream (``KVEventSubscriber.log``)
     states = {s.rank: None for s in subs}
@@ -286,7 +296,8 @@ def watch(args, out=None) -> int:
                 break
             time.sleep(0.1)
     finally:
-        signal.signal(signal.SIGINT, previous)
+        if main_thread:
+            signal.signal(signal.SIGINT, previous)
         for s in subs:
             s.stop()
         for p in pollers.values():

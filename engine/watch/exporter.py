@@ -24,7 +24,7 @@ Prometheus counter must never do. The window is ``rates.WINDOW_S`` of the server
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Gauge, generate_latest, start_http_server
 
 from .. import metrics
 from .rates import WINDOW_S, window_rates
@@ -50,8 +50,8 @@ class MirrorExporter:
 
     Raises ValueError naming the port when it cannot be bound (in use, not 0..65535)."""
 
-    def __init__(self, servers, port: int, host: str = "127.0.0.1") -> None:
-        if not isinstance(port, int) or not 0 <= port <= 65535:
+    def __init__(self, servers, port: int | None, host: str = "127.0.0.1") -> None:
+        if port is not None and (not isinstance(port, int) or not 0 <= port <= 65535):
             raise ValueError(f"--metrics-port {port!r}: expected a port from 1 to 65535 (0: any free port)")
         self.servers = servers
         self.registry = CollectorRegistry()
@@ -59,6 +59,10 @@ class MirrorExporter:
                        for k, doc in GAUGES.items()}
         self.hit_rate = Gauge(PREFIX + "hit_rate_ratio", "the server's prefix-cache hit rate over its last "
                               "/metrics window (hits / queries deltas)", ["server", "rank"], registry=self.registry)
+        self._server = None
+        self.port = self.url = None
+        if port is None:  # the registry only (``text()``), no HTTP server
+            return
         try:
             self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
         except OSError as exc:
@@ -94,9 +98,14 @@ class MirrorExporter:
                 if hit is not None:
                     self.hit_rate.labels(sv.name, "all").set(hit / 100)
 
+    def text(self) -> str:
+        """The exposition as Prometheus would scrape it."""
+        return generate_latest(self.registry).decode()
+
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
 
 
 def hit_rate_window(scrapes: list, window_s: float = WINDOW_S) -> float | None:

@@ -23,9 +23,8 @@ if "torch" not in sys.modules:  # the server's first page view: importing PyTorc
                   "2 cores)...", icon=":material/hourglass_top:")
 
 from engine.threads import configure_gc, configure_threads  # noqa: E402  (after the note above is drawn)
-from lessons import catalog  # noqa: E402
-from lessons.render import keep_widget_state, sync_progress_url  # noqa: E402
-from lessons.runs import preload_model  # noqa: E402
+from lessons import catalog, keep_widget_state, sync_progress_url  # noqa: E402
+from ui.runs import preload_model  # noqa: E402
 from ui.class_server import keep_session  # noqa: E402
 
 starting.empty()

@@ -120,6 +120,35 @@ class Event:
     data: dict = field(default_factory=dict)
 
 
+def changed_blocks(events) -> list[int]:
+    """The physical blocks a step changed, sorted: every block named by one of its ``events`` other than a
+    plain ``append`` (a token written into a block with room). So the blocks it allocated, took for a new
+    token, copied from and to (copy-on-write), forked, freed, swapped out or in, or found in the prefix cache.
+    What every stage outlines in the pool (the Playground, the presenter view, the exports:
+    ``viz.stage.StageStep.changed``); of a beam step's phase, pass that phase's events."""
+    return sorted({b for e in events if e.kind != "append" for b in e.blocks})
+
+
+def blocks_new_in_tables(events) -> set[int]:
+    """The ``changed_blocks`` a block table took anew in a step: allocated (less those a prefix-cache hit of
+    the same request only reused), taken for a new token, copied to (a copy-on-write's destination), swapped
+    in. Not those a table only kept or lost (a fork's shared blocks, a hit, a copy's source, a free): what the
+    block-table picture outlines (``viz.block_table``). Always a subset of ``changed_blocks(events)``."""
+    hits: dict[str | None, set[int]] = {}
+    for e in events:
+        if e.kind == "prefix_hit":
+            hits.setdefault(e.request_id, set()).update(e.blocks)
+    new: set[int] = set()
+    for e in events:
+        if e.kind == "allocate":
+            new.update(b for b in e.blocks if b not in hits.get(e.request_id, set()))
+        elif e.kind in ("new_block", "swap_in"):
+            new.update(e.blocks)
+        elif e.kind == "cow":
+            new.add(e.data["dst"] if "dst" in e.data else e.blocks[-1])
+    return new
+
+
 class EventLog:
     """The engine's log of one step's events. The engine owns it and hands it to its allocator and its
     scheduler, which append to it; the engine drains it into the step's record. A bare ``BlockManager``

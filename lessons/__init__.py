@@ -10,6 +10,11 @@
                                   ``widget_<name>(ctx)`` functions; run as a Streamlit page it renders itself
 
 Adding a lesson means adding such a pair here; the app builds its pages from ``catalog()``.
+
+The public API (``__all__``): what the app (``app.py``, the ``ui`` pages) may import from the lessons: the
+catalog, and the render entry points of ``lessons/render.py`` (a lesson page, the progress kept in the URL).
+The ``ui`` modules import nothing else of this package (tests/test_app_state_imports.py); the lessons in turn
+use the app's infrastructure from ``ui.runs`` and ``ui.state``, never a ``ui`` page.
 """
 
 from __future__ import annotations
@@ -17,6 +22,21 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+
+# the render entry points, imported on first use (``lessons.render`` imports Streamlit; ``catalog`` does not)
+_RENDER_API = ("render_lesson", "keep_widget_state", "sync_progress_url", "show_progress_error", "lesson_progress",
+               "progress_code", "restore_progress", "save_progress_url", "forget_progress")
+__all__ = ["Lesson", "catalog", "render_lesson", "keep_widget_state", "sync_progress_url", "show_progress_error",
+           "lesson_progress", "progress_code", "restore_progress", "save_progress_url", "forget_progress"]
+
+
+def __getattr__(name: str):
+    if name in _RENDER_API:
+        from . import render
+
+        return getattr(render, name)
+    raise AttributeError(f"module 'lessons' has no attribute {name!r}")
+
 
 LESSONS_DIR = Path(__file__).resolve().parent
 _NAME = re.compile(r"^l(\d+)_([a-z0-9_]+)\.md$")

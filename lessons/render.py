@@ -9,19 +9,20 @@ from pathlib import Path
 import streamlit as st
 
 from engine import EMBEDDED_MODEL
+from ui.runs import LESSON_RUNS, ProgressBox, preload_model, shared_model  # app infrastructure (not a page)
+from ui.state import OPEN_PRESET  # the Playground opens the preset a lesson leaves there
+
 from . import Lesson, catalog
 from .common import LessonContext, reporting
 from .exercise import Exercise, format_answer
 from .progress import MAX_ANSWER_CHARS, SavedProgress, decode, describe_code, encode
 from .recap import answer_rows, recap_html, recap_markdown, takeaways
-from .runs import LESSON_RUNS, ProgressBox, preload_model, shared_model
 from .text import fill, split_body
 
 PROGRESS = "lesson_progress"  # session_state: "slug:exercise id" -> {"raw": answer, "correct": bool}
 FIRST = "lesson_first_try"  # session_state: "slug:exercise id" -> the first committed answer was right
 SHOWN = "lesson_shown"  # session_state: slugs of lessons shown whole, without predicting
 KEEP = "keep_"  # widgets whose key starts with this keep their value while the learner is on another page
-OPEN_PRESET = "open_preset"  # session_state: a lesson's playground dict, which the Playground opens and drops
 URL_PARAM = "progress"  # the page URL's query parameter holding the progress code (lessons/progress.py)
 RESTORED = "lesson_progress_restored"  # session_state: the URL's code was read (once per session)
 PROGRESS_ERROR = "lesson_progress_error"  # session_state: why the URL's code was not restored (shown until answered)
@@ -52,7 +53,7 @@ def _memo_key(fn, args: tuple) -> tuple:
 
 def memo_for(box: ProgressBox):
     """A ``LessonContext.memo``: ``fn(*args)`` computed once per process for every session
-    (``lessons.runs.LESSON_RUNS``), its engine steps shown in ``box`` while it runs."""
+    (``ui.runs.LESSON_RUNS``), its engine steps shown in ``box`` while it runs."""
 
     def memo(fn, *args):
         key = _memo_key(fn, args)
@@ -69,7 +70,7 @@ def memo_for(box: ProgressBox):
 
 
 def context(where=None) -> tuple[LessonContext, ProgressBox]:
-    """The lesson's engine context: the process-wide shared model (``lessons.runs.shared_model``, the same
+    """The lesson's engine context: the process-wide shared model (``ui.runs.shared_model``, the same
     copy the Playground's sessions use; loaded when the lesson first needs it) and the cross-session run
     cache; and the box (in ``where``) that shows the engine's progress while a run is not cached yet."""
     box = ProgressBox(RUNS_TITLE, where)
@@ -145,6 +146,15 @@ def show_progress_error() -> None:
         st.session_state.pop(PROGRESS_ERROR, None)
     elif message := st.session_state.get(PROGRESS_ERROR):
         st.error(message, icon=":material/error:")
+
+
+def forget_progress() -> None:
+    """Forget every prediction made in this session (and lock the lessons shown whole again, for the next
+    learner); the page's URL then holds no progress code."""
+    st.session_state[PROGRESS] = {}
+    st.session_state[FIRST] = {}
+    st.session_state[SHOWN] = set()
+    save_progress_url()
 
 
 def lesson_progress(lesson: Lesson, exercise_ids) -> tuple[int, int, int]:

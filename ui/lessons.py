@@ -3,10 +3,9 @@
 import streamlit as st
 
 from engine import EMBEDDED_MODEL
-from lessons import catalog
-from lessons.render import (FIRST, PROGRESS, SHOWN, lesson_progress, progress_code, restore_progress,
-                            save_progress_url, show_progress_error)
-from lessons.runs import preload_model
+from lessons import (catalog, forget_progress, lesson_progress, progress_code, restore_progress, save_progress_url,
+                     show_progress_error)
+from ui.runs import preload_model
 
 preload_model(EMBEDDED_MODEL)  # in the background while the learner reads: the lessons find the model loaded
 
@@ -52,8 +51,5 @@ with st.expander("Continue on another browser: your progress code"):
                 save_progress_url()
                 st.rerun()
 if st.button("Forget my answers", help="Clear every prediction made in this session"):
-    st.session_state[PROGRESS] = {}
-    st.session_state[FIRST] = {}
-    st.session_state[SHOWN] = set()  # lock the hidden parts again, for the next learner
-    save_progress_url()
+    forget_progress()  # also locks the hidden parts again, for the next learner
     st.rerun()

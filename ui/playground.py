@@ -16,22 +16,18 @@ from engine import EngineConfig, SamplingParams, metrics
 from engine.config import (CONTIGUOUS_POLICIES, DEFAULT_MAX_NUM_BATCHED_TOKENS_V1, PREEMPTION_MODES,
                            SCHEDULING_POLICIES, SEMANTICS)
 from engine.scenarios.presets import SCENARIOS
-from lessons.render import OPEN_PRESET
 from ui import class_server, presenter
 from ui.exports import export_panel
 from ui.lab import (MAX_RUN_STEPS, POLICY_LABELS, POLICY_RESERVES, SCHEDULING_LABELS, SEMANTICS_LABELS,
                     LabSettings, count_only_tokenizer, engine_semantics_line)
 from ui.scenario_io import follow_step, open_scenario_link, scenario_sidebar
 from ui.stage_gate import stage_slot
-from ui.state import (applied_settings, build_lab, default_settings, get_lab, overridden_fields, preset_settings,
-                      pending_stage_presses, shared_model, stage_keys, take_stage_presses)
-from viz import (block_pool_figure, block_table_rows, contiguous_region_figure, paged_slots_figure,
-                 swap_pool_figure, timeline_figure)
-from viz.block_table import block_table_figure
-from viz.presenter import phase_moment, phased
+from ui.state import (OPEN_PRESET, applied_settings, build_lab, default_settings, get_lab, overridden_fields,
+                      pending_stage_presses, preset_settings, shared_model, stage_keys, take_stage_presses)
+from viz import block_table_rows, swap_pool_figure, timeline_figure
 from viz.colors import colour_key, request_color, request_id_of
-from viz.steps import (SEMANTICS_SHORT, latest_sequences, sharing_counts, step_label, step_sentences,
-                        step_tokens_figure)
+from viz.stage import stage_step
+from viz.steps import SEMANTICS_SHORT, latest_sequences, sharing_counts, step_label, step_tokens_figure
 
 PRESET_DEFAULTS = {"block_size": 16, "num_blocks": 64, "max_model_len": 256}
 BUDGET_HELP = ("vLLM V1's max_num_batched_tokens: the most tokens one engine step computes. Every running "
@@ -521,12 +517,14 @@ def views(lab, present: bool = False) -> None:
     class_server.history_note(lab)  # a class server keeps the last steps only: say when older ones were dropped
     previous = history[index - 1][0] if index > 0 else None
     phase = phase_control(lab, paged)  # a beam step: which of its two moments every view below shows
-    moment = phase_moment(paged, previous, phase)
-    metrics_row(lab, paged, contiguous, moment)
+    # the step read once for every view below (``viz.stage``: the presenter view and the exports read it so too)
+    step = stage_step(paged, contiguous, previous, order=lab.order, decode=shared_model(lab.settings.model)[1].decode,
+                      budget=lab.step_budget(), final_lengths=lab.contiguous_final_lengths(), phase=phase)
+    metrics_row(lab, paged, contiguous, step.moment)
     st.caption(sharing_line(lab, history, index))
-    pools(lab, paged, contiguous, phase, moment)
-    step_in_words(paged, contiguous, lab.step_budget())
-    tables_and_text(lab, paged, [p for p, _ in history[: index + 1]], phase)
+    pools(lab, step)
+    step_in_words(step)
+    tables_and_text(lab, step, [p for p, _ in history[: index + 1]])
     timeline(lab, history, index, paged, contiguous)
     lab.play_drawn(paged.step)  # Play's measured rate counts the steps the page drew (``Lab.play_rate``)
 
@@ -644,12 +642,13 @@ def metrics_row(lab, paged, contiguous, moment: dict | None = None) -> None:
                          f"{POLICY_RESERVES[lab.settings.contiguous_policy]}")
 
 
-def pools(lab, paged, contiguous, phase: int = 0, moment: dict | None = None) -> None:
-    """The paged block pool (left) and both memories slot by slot (right), with the colour key; a beam step in
-    phase ``phase`` (``phase_control``), titled with that moment's blocks in use (``moment``)."""
-    snap = paged.snapshot
+def pools(lab, step) -> None:
+    """The paged block pool (left) and both memories slot by slot (right), with the colour key, of the moment
+    ``step`` shows (``viz.stage.StageStep``: a beam step in the phase chosen, titled with that moment's
+    blocks in use, this step's changed blocks outlined)."""
+    snap = step.record.snapshot
+    contiguous = step.contiguous
     order = lab.order
-    decode = shared_model(lab.settings.model)[1].decode
     left, right = st.columns(2)
     with left:
         st.subheader("Paged block pool")
@@ -658,25 +657,18 @@ def pools(lab, paged, contiguous, phase: int = 0, moment: dict | None = None) ->
         slot_mode = st.toggle("Slot view (one cell per token slot)", value=False, disabled=snap.num_blocks > 128,
                               key="slot_mode")
         # the title names the step and the semantics, so a downloaded image says what it shows
-        said = f" ({moment['label']})" if moment and moment["label"] else ""
-        title = (f"step {paged.step}{said}, {SEMANTICS_SHORT[paged.semantics]}: USED/{snap.num_blocks} "
-                 f"blocks in use<br><sub>{step_label(paged)}</sub>")
-        st.plotly_chart(phased(paged, None, lambda s, events: block_pool_figure(  # a beam step: the phase shown
-            s, order, decode=decode, highlight=sorted({b for e in events if e.kind != "append" for b in e.blocks}),
-            selected=None if selected == "none" else selected, slot_mode=slot_mode,
-            title=title.replace("USED", str(s.num_blocks - s.num_free_blocks), 1)), phase=phase),
+        st.plotly_chart(step.pool_figure(title="step {step}{label}, {semantics}: {used}/{blocks} blocks in "
+                                               "use<br><sub>{kind}</sub>",
+                                         selected=None if selected == "none" else selected, slot_mode=slot_mode),
                         width="stretch", key="pool")
         if snap.num_swap_blocks:
             st.plotly_chart(swap_pool_figure(snap, order), width="stretch", key="swap")
             st.caption(f"swapped out: {', '.join(snap.swapped) or 'none'}")
     with right:
         st.subheader("Same memory, slot by slot")
-        st.plotly_chart(phased(paged, None, lambda s, events: paged_slots_figure(s, order), phase=phase),
-                        width="stretch", key="paged_slots")
+        st.plotly_chart(step.slots_figure(), width="stretch", key="paged_slots")
         if contiguous is not None:
-            st.plotly_chart(contiguous_region_figure(contiguous.snapshot.contiguous, order,
-                                                     lab.contiguous_final_lengths()),
-                            width="stretch", key="region")
+            st.plotly_chart(step.region_figure(), width="stretch", key="region")
             for note in lab.notes:
                 st.caption(note)
         else:
@@ -702,31 +694,29 @@ def sharing_line(lab, history, index: int) -> str:
     return f"Sharing so far (paper, vLLM V0): {forks}; {hits}."
 
 
-def step_in_words(paged, contiguous, budget: int | None = None) -> None:
+def step_in_words(step) -> None:
     """The step by its parts (decode tokens, prefill chunks), then the allocator's decisions, several of one
-    kind said once ("7 sequences found the same 5 cached blocks"): ``viz.steps.step_sentences``."""
+    kind said once ("7 sequences found the same 5 cached blocks"): ``viz.stage.StageStep.sentences``."""
     st.subheader("This step, in words")
-    lines = step_sentences(paged, contiguous, budget)
+    lines = step.sentences()
     st.markdown("\n".join(f"- {html.escape(x)}" for x in lines) or "nothing changed")
 
 
-def tables_and_text(lab, record, records: list, phase: int = 0) -> None:
+def tables_and_text(lab, step, records: list) -> None:
     """Block tables as a picture (each logical block's arrow to its physical block, this step's new blocks and
     copy-on-write, the picked token's slot), the same tables as rows below (folded), and each sequence's text
-    tinted by logical block. ``record``: the paged StepRecord shown (its snapshot and events); ``records``:
-    the paged steps up to it, so that the text of requests that finished earlier stays on screen."""
-    decode = shared_model(lab.settings.model)[1].decode
-    snap = record.snapshot
+    tinted by logical block. ``step``: the paged step shown (``viz.stage.StageStep``: its moment's snapshot
+    and events); ``records``: the paged steps up to it, so that the text of requests that finished earlier
+    stays on screen."""
+    decode = step.decode
+    snap = step.record.snapshot
     selected = st.session_state.get("selected", "none")  # the pool's "Highlight a request"
     st.subheader("Block tables")
     if snap.sequences:  # a row per sequence (``block_table_rows``)
         picture = st.container()  # the picture first, the pick's widgets under it (they are read before it is drawn)
         token = token_locator(snap, snap.block_size)
-        # a beam step in the phase shown (the copies, or the selection: ``viz.presenter.phased``)
-        figure = phased(record, records[-2] if len(records) > 1 else None, lambda s, events: block_table_figure(
-            s, lab.order, selected=None if selected == "none" else selected, events=events, decode=decode,
-            token=token if token and any(q.seq_id == token[0] and q.block_table for q in s.sequences) else None,
-            title=f"Block tables after step {record.step}: logical -> physical"), phase=phase)
+        # a beam step in the phase shown (the copies, or the selection); a pick the moment does not hold is dropped
+        figure = step.tables_figure(selected=None if selected == "none" else selected, token=token)
         picture.plotly_chart(figure, width="stretch", key="block_tables")
         # drawn only while open (a lazy expander): a table to serialise on every step otherwise
         rows_panel = st.expander("Block tables as rows (logical -> physical)", key="block_rows_open",

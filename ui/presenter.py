@@ -32,9 +32,9 @@ import streamlit as st
 
 from engine import metrics
 from ui.lab import POLICY_LABELS
-from viz import block_pool_figure, contiguous_region_figure
 from ui.state import viewport
-from viz.presenter import one_line_cells, phase_moment, phased, presenter_sizes, projector_style
+from viz.presenter import one_line_cells, phased, presenter_sizes, projector_style
+from viz.stage import StageStep, stage_step
 from viz.steps import SEMANTICS_SHORT, step_label, step_sentences
 
 PRESENT_PARAM = "present"  # ?present=1 opens the Playground in the presenter view
@@ -161,46 +161,44 @@ def words_markdown(sentences: list[str]) -> str:
     return "\n".join("- " + html.escape(x).replace("-&gt;", "\u2192") for x in sentences)
 
 
+def projector_tables(step: StageStep, size: dict, width: int):
+    """The block-table picture of ``step`` (the stage's, ``viz.stage.StageStep.tables_figure``) at the
+    projector's type: laid out for the pool row's height and ``width`` px, every text ``size["font"]`` px, the
+    title on one line; the copy-on-write's caption is left out (the sentences above say it)."""
+    fig = step.tables_figure(title="block tables", compact=True, font_px=size["font"], height_px=size["pool"],
+                             width_px=width, captions=False)
+    return projector_style(fig, height=size["pool"], min_font=size["font"], scale=1.0)
+
+
+def projector_pool(step: StageStep, size: dict, width: float):
+    """The paged pool of ``step`` (``viz.stage.StageStep.pool_figure``: its changed blocks outlined) at the
+    projector's type, ``width`` px wide, titled with the moment's blocks in use and which phase it is."""
+    fig = projector_style(step.pool_figure(title="paged pool{label}: {used}/{blocks} blocks in use"),
+                          height=size["pool"], min_font=size["font"])
+    rows, cols = max(1, len(fig.data[0].z)), max(1, len(fig.data[0].z[0]))
+    one_line_cells(fig, (size["pool"] - fig.layout.margin.t - 10) / rows, size["font"], col_px=width / cols)
+    return fig
+
+
 def stage_tables_figure(paged, previous, order: list[str], size: dict, decode, width: int, phase: int | None = None):
-    """The block-table picture of ``paged`` (``viz.block_table``) at the projector's type: laid out for the
-    pool row's height and ``width`` px, every text ``size["font"]`` px, the title on one line; the
-    copy-on-write's caption is left out (the sentences above say it). A beam step is drawn in phase ``phase``
-    (``selection_phases``: 0 the copies, 1 the beam selection; the stage's one phase choice, ``Lab.phase_of``);
-    None: both, with a button each (``phases_figure``). ``previous``: the record before (the pruned beams'
-    tokens)."""
-    from viz.block_table import block_table_figure
-
-    def one(source, events=None):
-        fig = block_table_figure(source, order, compact=True, decode=decode, title="block tables", events=events,
-                                 font_px=size["font"], height_px=size["pool"], width_px=width, captions=False)
-        return projector_style(fig, height=size["pool"], min_font=size["font"], scale=1.0)
-
-    return phased(paged, previous, one, size["font"], phase=phase)
-
-
-def block_table_picture(lab, paged, size: dict, decode, previous=None, phase: int | None = None):
-    """``stage_tables_figure`` in the right half of this window."""
-    width = (viewport() or {"w": 1280})["w"] // 2 - 40  # the picture's column: half the window, less padding
-    return stage_tables_figure(paged, previous, lab.order, size, decode, width, phase)
+    """``projector_tables`` of ``paged``. A beam step is drawn in phase ``phase`` (``selection_phases``: 0 the
+    copies, 1 the beam selection; the stage's one phase choice, ``Lab.phase_of``); None: both, with a button
+    each (``phases_figure``). ``previous``: the record before (the pruned beams' tokens)."""
+    step = stage_step(paged, None, previous, order=order, decode=decode, phase=phase)
+    if phase is not None:
+        return projector_tables(step, size, width)
+    return phased(paged, previous, lambda snap, events: projector_tables(step.at(snap, events), size, width),
+                  size["font"])
 
 
 def stage_pool_figure(paged, previous, order: list[str], size: dict, decode, width: float, phase: int | None = None):
-    """The paged pool at the projector's type, ``width`` px wide; a beam step in phase ``phase`` (as
-    ``stage_tables_figure``), titled with that moment's blocks in use and which phase it is
-    (``phase_moment``'s label), outlining what it changed."""
-    def one(snap, events):
-        changed = sorted({b for e in events if e.kind != "append" for b in e.blocks})
-        label = ""
-        if phase is not None and (said := phase_moment(paged, previous, phase)["label"]):
-            label = f" ({said})"
-        title = f"paged pool{label}: {snap.num_blocks - snap.num_free_blocks}/{snap.num_blocks} blocks in use"
-        fig = projector_style(block_pool_figure(snap, order, decode=decode, highlight=changed, title=title),
-                              height=size["pool"], min_font=size["font"])
-        rows, cols = max(1, len(fig.data[0].z)), max(1, len(fig.data[0].z[0]))
-        one_line_cells(fig, (size["pool"] - fig.layout.margin.t - 10) / rows, size["font"], col_px=width / cols)
-        return fig
-
-    return phased(paged, previous, one, size["font"], phase=phase)
+    """``projector_pool`` of ``paged``; a beam step in phase ``phase`` (as ``stage_tables_figure``), titled
+    with that moment's blocks in use and which phase it is (``phase_moment``'s label)."""
+    step = stage_step(paged, None, previous, order=order, decode=decode, phase=phase)
+    if phase is not None:
+        return projector_pool(step, size, width)
+    return phased(paged, previous, lambda snap, events: projector_pool(step.at(snap, events), size, width),
+                  size["font"])
 
 
 def finished_on(history: list, index: int, has_work: bool) -> bool:
@@ -292,7 +290,10 @@ def views(lab, history: list, index: int, has_work: bool, decode) -> None:
     # step), the requests running in the numbers beside it are not finished
     has_work = not finished_on(history, index, has_work)
     phase = lab.phase_of(paged)
-    moment = phase_moment(paged, previous, phase)
+    # the step read once for every view below (``viz.stage``: the Playground and the exports read it so too)
+    step = stage_step(paged, contiguous, previous, order=lab.order, decode=decode, budget=lab.step_budget(),
+                      final_lengths=lab.contiguous_final_lengths(), phase=phase)
+    moment = step.moment
     sentences = few_sentences(paged, contiguous, lab.step_budget(), phase if lab.phases(paged) > 1 else None)
     column = column_lines(lab, paged, contiguous, moment, history[-1][0].step, has_work)
     vp = viewport() or {}
@@ -302,16 +303,15 @@ def views(lab, history: list, index: int, has_work: bool, decode) -> None:
     left, right = st.columns([1, 1])
     with left, st.container(key="present_pool"):
         width = vp.get("w", 1280) / 2 - 60  # the pool's column: half the window, less padding
-        steady_chart(stage_pool_figure(paged, previous, lab.order, size, decode, width, phase), "present_pool_fig",
-                     config={"displayModeBar": False})
+        steady_chart(projector_pool(step, size, width), "present_pool_fig", config={"displayModeBar": False})
     with right, st.container(key="present_tables"):
-        steady_chart(block_table_picture(lab, paged, size, decode, previous, phase), "present_tables_fig",
+        tables_width = vp.get("w", 1280) // 2 - 40  # the picture's column: half the window, less padding
+        steady_chart(projector_tables(step, size, tables_width), "present_tables_fig",
                      config={"displayModeBar": False})
     low_left, low_right = st.columns([3, 2])
     with low_left, st.container(key="present_contiguous"):
         if contiguous is not None:
-            layout = contiguous.snapshot.contiguous
-            fig = contiguous_region_figure(layout, lab.order, lab.contiguous_final_lengths())
+            fig = step.region_figure()
             fig.update_layout(title_text=f"contiguous baseline: {layout_line(contiguous.snapshot)}",
                               margin={"t": 36, "b": 36})
             steady_chart(projector_style(fig, height=size["strip"], min_font=size["font"], scale=1.0),

@@ -39,6 +39,8 @@ from typing import Callable
 
 import plotly.graph_objects as go
 
+from engine.records import blocks_new_in_tables
+
 from .colors import FREE, OUTLINE, SELECTED, SHARED, TEXT, request_color, request_id_of
 from .plain import figure
 
@@ -53,27 +55,8 @@ ARROW_GAP = 2.6                  # room between the last logical block and the p
 PHYS_PITCH_X = 2.2               # the folded column's second half, this far right of the first
 CHAR_EM = 0.6                    # a character's width, in font sizes (Open Sans, Plotly's font, ~0.55)
 HEADERS = ("physical block x ref count", "physical x refs", "physical")  # the longest that fits is drawn
+# what the picture outlines: the step's changed blocks a table took anew (``engine.records.blocks_new_in_tables``)
 CHANGED_KINDS = ("allocate", "new_block", "cow", "swap_in")
-
-
-def _changed_blocks(events) -> set[int]:
-    """Physical blocks the step wrote into a table anew: allocated (less prefix-cache hits of that request,
-    which only reused blocks), taken for a new token, copied to, swapped in."""
-    hits = {}
-    for e in events:
-        if e.kind == "prefix_hit":
-            hits.setdefault(e.request_id, set()).update(e.blocks)
-    changed: set[int] = set()
-    for e in events:
-        if e.kind == "allocate":
-            changed.update(b for b in e.blocks if b not in hits.get(e.request_id, set()))
-        elif e.kind == "new_block":
-            changed.update(e.blocks)
-        elif e.kind == "cow":
-            changed.add(e.data["dst"] if "dst" in e.data else e.blocks[-1])
-        elif e.kind == "swap_in":
-            changed.update(e.blocks)
-    return changed
 
 
 def _shown_rows(sequences, selected: str | None, max_rows: int) -> tuple[list, int]:
@@ -164,7 +147,7 @@ def block_table_picture(snapshot, events=(), request_order: list[str] | None = N
     pick = _token_pick(snapshot, token, rows)
     if pick and all(s.seq_id != pick["seq_id"] for s in rows):  # the picked sequence is always drawn
         rows = rows[:-1] + [next(s for s in snapshot.sequences if s.seq_id == pick["seq_id"])]
-    changed = _changed_blocks(events)
+    changed = blocks_new_in_tables(events)
     keep = pick["logical"] if pick else None
     while True:  # fewer logical blocks, then fewer rows, until the physical blocks fit their column
         num_logical = max((len(s.block_table) for s in rows), default=0)

@@ -3,8 +3,9 @@ and one step's view as PNG. Pure: plotly (and, for images, kaleido + imageio); n
 
 What a step shows (the same in every format): a header naming the step, its kind and the semantics; one
 panel per figure of ``PANELS`` (the paged block pool, the contiguous baseline's strip when there is one,
-the block-table picture), each the Playground's own figure builder; and the step in words
-(``viz.steps.step_sentences``, the sentences the Playground says).
+the block-table picture), each drawn by the stage's one assembly (``viz.stage.stage_step``: the step as
+recorded, the blocks it changed outlined as on the Playground); and the step in words (the sentences the
+Playground says).
 
 How the panels become one figure (``_stack``): every panel is a complete Plotly figure of its own; its traces
 move onto their own pair of axes (``x2``/``y2``, ...), its axes keep their settings with a new ``domain``
@@ -47,14 +48,8 @@ from typing import Callable
 import plotly.graph_objects as go
 import plotly.io as pio
 
-from .pool import block_pool_figure
-from .region import contiguous_region_figure
-from .steps import SEMANTICS_SHORT, step_label, step_sentences
-
-try:  # the block-table picture (viz/block_table.py) is drawn when that module is there
-    from .block_table import block_table_figure
-except ImportError:  # pragma: no cover - an older tree without it
-    block_table_figure = None
+from .stage import StageStep, stage_step
+from .steps import SEMANTICS_SHORT, step_label
 
 MAX_HTML_STEPS = 400   # steps in one HTML file; more are sampled (plotly.js ~4.7 MB + each step's JSON)
 MAX_VIDEO_STEPS = 240  # frames in one GIF / MP4 (~0.25 s each to render, ~100 KB each in a GIF)
@@ -76,46 +71,18 @@ class ExportError(RuntimeError):
 
 # ------------------------------------------------------------------------------------------------ panels
 @dataclass(frozen=True)
-class StepView:
-    """What every panel of one step is drawn from: the step's records and the run's settings."""
-
-    paged: object  # engine.records.StepRecord of the paged engine
-    contiguous: object | None  # the contiguous baseline's StepRecord of the same step, or None
-    order: list[str]  # request ids in first-seen order (fixes each request's colour)
-    decode: Callable[[list[int]], str] | None = None  # token ids -> text, for hovers
-    budget: int | None = None  # vLLM V1's token budget per step (None: the paper's semantics)
-
-
-@dataclass(frozen=True)
 class Panel:
-    """One figure of an exported step: ``build(view)`` returns it, or None when the step has nothing to show
-    in it (no contiguous baseline). Adding a figure to every export is one ``Panel`` line in ``PANELS``."""
+    """One figure of an exported step: ``build(step)`` returns it from the step as the stage shows it
+    (``viz.stage.StageStep``), or None when the step has nothing to show in it (no contiguous baseline).
+    Adding a figure to every export is one ``Panel`` line in ``PANELS``."""
 
     name: str
-    build: Callable[[StepView], go.Figure | None]
+    build: Callable[[StageStep], go.Figure | None]
 
 
-def changed_blocks(record) -> list[int]:
-    """Physical blocks a step changed structurally (every event but a plain append into a block with room):
-    what the pool outlines, as the Playground does."""
-    return sorted({b for e in record.events if e.kind != "append" for b in e.blocks})
-
-
-def _pool(v: StepView) -> go.Figure:
-    snap = v.paged.snapshot
-    title = f"Paged block pool: {snap.num_used_blocks}/{snap.num_blocks} blocks in use"
-    return block_pool_figure(snap, v.order, decode=v.decode, highlight=changed_blocks(v.paged), title=title)
-
-
-def _contiguous(v: StepView) -> go.Figure | None:
-    if v.contiguous is None:
-        return None
-    return contiguous_region_figure(v.contiguous.snapshot.contiguous, v.order)
-
-
-PANELS: list[Panel] = [Panel("paged block pool", _pool), Panel("contiguous baseline", _contiguous)]
-if block_table_figure is not None:
-    PANELS.append(Panel("block tables", lambda v: block_table_figure(v.paged, v.order, decode=v.decode)))
+PANELS: list[Panel] = [Panel("paged block pool", lambda s: s.pool_figure()),
+                       Panel("contiguous baseline", lambda s: s.region_figure()),
+                       Panel("block tables", lambda s: s.tables_figure())]
 
 
 # ------------------------------------------------------------------------------------------------ steps
@@ -131,10 +98,10 @@ def sample_steps(total: int, limit: int) -> list[int]:
     return sorted({round(i * (total - 1) / (limit - 1)) for i in range(limit)})
 
 
-def step_header(view: StepView, last: int) -> str:
+def step_header(step: StageStep, last: int) -> str:
     """The line above a step: "step 7 of 42: decode - paper (vLLM V0)"; ``last`` is the number of the run's
     last recorded step (not the count of records: a class server keeps only the latest steps)."""
-    p = view.paged
+    p = step.record
     return f"step {p.step} of {last}: {html.escape(step_label(p), quote=False)} - {SEMANTICS_SHORT[p.semantics]}"
 
 
@@ -166,10 +133,11 @@ def _steps(history, order, decode, budget, indices: list[int], on_step=None) -> 
     out = []
     for i in indices:
         paged, contiguous = history[i]
-        view = StepView(paged, contiguous, order, decode, budget)
-        figures = [panel.build(view) for panel in PANELS]
-        out.append(_Step(step_header(view, last), [f.to_dict() if f is not None else None for f in figures],
-                         sentences_text(step_sentences(paged, contiguous, budget))))
+        step = stage_step(paged, contiguous, history[i - 1][0] if i > 0 else None, order=order, decode=decode,
+                          budget=budget)  # the step as recorded (a beam step: after its selection)
+        figures = [panel.build(step) for panel in PANELS]
+        out.append(_Step(step_header(step, last), [f.to_dict() if f is not None else None for f in figures],
+                         sentences_text(step.sentences())))
         if on_step is not None:
             on_step(len(out), len(indices))
     return out

@@ -220,10 +220,13 @@ def phased(record, previous, draw, font: int = PROJECTOR_FONT, where: str = "top
 def phase_moment(record, previous, phase: int) -> dict:
     """The snapshot and events of phase ``phase`` of ``record`` (``selection_phases``; a step without phases:
     its own, phase 0), with ``label`` ("" for a step without phases, else e.g. "1/2 the copies"): what the
-    numbers and titles beside the step's pictures read, so they are of the moment the pictures show."""
+    numbers and titles beside the step's pictures read, so they are of the moment the pictures show. Raises
+    ValueError naming ``phase`` when the step has no such phase."""
     from .block_table import selection_phases
 
     phases = selection_phases(record, previous)
+    if isinstance(phase, bool) or not isinstance(phase, int) or not 0 <= phase < max(1, len(phases)):
+        raise ValueError(f"phase must be 0..{max(1, len(phases)) - 1} for step {record.step}, got {phase!r}")
     if not phases:
         return {"snapshot": record.snapshot, "events": record.events, "label": ""}
     p = phases[phase]

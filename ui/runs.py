@@ -1,7 +1,8 @@
-"""Engine work the app's pages share (the lessons and Compare; it lives here because lessons never import
-``ui``): finished runs kept once per process for every session (``RunCache``), the shared model loaded once
-with its progress shown (``shared_model``, ``preload_model``), and the box a page shows while either
-happens (``ProgressBox``).
+"""Engine work the app's pages share (the Playground, Compare and the lessons): finished runs kept once per
+process for every session (``RunCache``), the shared model loaded once with its progress shown
+(``shared_model``, ``preload_model``), and the box a page shows while either happens (``ProgressBox``). App
+infrastructure, not a page: the lessons import it from here (``lessons/render.py``), as they may import ui's
+helpers but never its pages; ui reaches the lessons only through ``lessons/__init__.py``'s public API.
 
 Why (issue: "every lesson page's first visit within 3 s on 2 cores, every Compare run within 2 s, anything
 longer than a second shows progress, never a bare spinner"; ``bench/lessons_speed.py`` measures it):
@@ -38,6 +39,8 @@ from typing import Any, Callable, Hashable
 import streamlit as st
 
 from engine import EMBEDDED_MODEL
+
+
 @dataclass(frozen=True)
 class Progress:
     """How far a piece of work has got: ``what`` it is doing now (a sentence), ``fraction`` of the whole

@@ -1,0 +1,133 @@
+"""The stage: what one recorded step shows, assembled once for the Playground, the presenter view and the
+exports (pure: plotly only, no Streamlit, no torch).
+
+``stage_step(record, contiguous, previous, order=..., phase=...)`` reads a step once: the moment shown (a
+beam-search step has two, ``viz.block_table.selection_phases``: the copies, then the beam selection; ``phase``
+picks one, None the step as recorded), that moment's snapshot and events, the blocks it changed
+(``engine.records.changed_blocks``) and the words. The ``StageStep`` it returns draws every view of the step
+from that one reading:
+
+- ``pool_figure``: the paged block pool (``viz.pool.block_pool_figure``), the changed blocks outlined;
+- ``slots_figure``: the same memory slot by slot (``viz.region.paged_slots_figure``);
+- ``tables_figure``: the block-table picture (``viz.block_table.block_table_figure``), outlining the blocks
+  the tables took anew (``engine.records.blocks_new_in_tables``);
+- ``region_figure``: the contiguous baseline's strip (``viz.region.contiguous_region_figure``), with the
+  final lengths known in advance when given;
+- ``sentences``: the step in words (``viz.steps.step_sentences``).
+
+Each page chooses only the look: the Playground its titles, the highlighted request, the slot view and the
+token pick; the presenter view the projector's type and sizes (``viz.presenter``); the exports the plain
+figures stacked into frames (``viz.export``). So a step's pool, tables and strip show the same moment and
+outline the same blocks on every stage (tests/test_stage_assembly.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import plotly.graph_objects as go
+
+from engine.records import changed_blocks
+
+from .block_table import block_table_figure
+from .pool import block_pool_figure
+from .presenter import phase_moment
+from .region import contiguous_region_figure, paged_slots_figure
+from .steps import SEMANTICS_SHORT, step_label, step_sentences
+
+# The pool's title, a ``str.format`` template: ``used`` / ``blocks`` (of the moment shown), ``label`` (" (1/2
+# the copies)" on a beam step's phase, else ""), ``step``, ``semantics`` (short), ``kind`` (``step_label``).
+POOL_TITLE = "Paged block pool: {used}/{blocks} blocks in use"
+
+
+@dataclass(frozen=True)
+class StageStep:
+    """One recorded step as the stage shows it (``stage_step``): the records, and the moment shown.
+
+    ``record`` / ``contiguous``: the paged engine's StepRecord and the baseline's of the same step (or None);
+    ``previous``: the paged record before (a beam step's pruned beams' tokens; may be None); ``order``: request
+    ids in first-seen order (each request's colour); ``decode``: token ids -> text for the hovers (or None);
+    ``budget``: vLLM V1's token budget per step (None: the paper's semantics); ``final_lengths``: the
+    baseline's sequences' final lengths known in advance (tokens, by sequence id; or None); ``phase``: the beam
+    step's moment shown (0 the copies, 1 the selection), None for the step as recorded. ``snapshot`` /
+    ``events`` / ``label``: that moment's (``viz.presenter.phase_moment``; ``label`` "" outside a beam step's
+    phases); ``changed``: the physical blocks it changed (``engine.records.changed_blocks`` of its events)."""
+
+    record: object
+    contiguous: object | None
+    previous: object | None
+    order: tuple[str, ...]
+    decode: Callable[[list[int]], str] | None
+    budget: int | None
+    final_lengths: dict | None
+    phase: int | None
+    snapshot: object
+    events: list
+    label: str
+    changed: tuple[int, ...]
+
+    @property
+    def moment(self) -> dict:
+        """The moment shown as ``viz.presenter.phase_moment`` gives it: ``snapshot``, ``events``, ``label``
+        (what the numbers beside the pictures read)."""
+        return {"snapshot": self.snapshot, "events": self.events, "label": self.label}
+
+    def at(self, snapshot, events, label: str = "") -> "StageStep":
+        """The same step at another moment (``viz.presenter.phased`` draws each phase of a beam step)."""
+        return replace(self, snapshot=snapshot, events=list(events), label=label,
+                       changed=tuple(changed_blocks(events)))
+
+    def pool_figure(self, title: str = POOL_TITLE, selected: str | None = None,
+                    slot_mode: bool = False) -> go.Figure:
+        """The paged pool of the moment shown, its changed blocks outlined; ``title`` a ``POOL_TITLE``-like
+        template; ``selected`` a request whose blocks are outlined too; ``slot_mode`` a cell per slot."""
+        s = self.snapshot
+        text = title.format(used=s.num_blocks - s.num_free_blocks, blocks=s.num_blocks,
+                            label=f" ({self.label})" if self.label else "", step=self.record.step,
+                            semantics=SEMANTICS_SHORT[self.record.semantics], kind=step_label(self.record))
+        return block_pool_figure(s, list(self.order), decode=self.decode, highlight=list(self.changed),
+                                 selected=selected, slot_mode=slot_mode, title=text)
+
+    def slots_figure(self) -> go.Figure:
+        """The paged memory of the moment shown, slot by slot."""
+        return paged_slots_figure(self.snapshot, list(self.order))
+
+    def tables_figure(self, title: str | None = None, token: tuple[str, int] | None = None, **style) -> go.Figure:
+        """The block-table picture of the moment shown (default title "Block tables after step N: logical ->
+        physical"). ``token``: a (sequence id, position) pick, dropped when that sequence holds no table at
+        this moment; ``style``: ``block_table_figure``'s look (selected, compact, font_px, height_px,
+        width_px, captions, max_rows, max_blocks)."""
+        s = self.snapshot
+        if token and not any(q.seq_id == token[0] and q.block_table for q in s.sequences):
+            token = None
+        step = self.record.step
+        title = title or f"Block tables{f' after step {step}' if step else ''}: logical -> physical"
+        return block_table_figure(s, list(self.order), events=self.events, decode=self.decode, token=token,
+                                  title=title, **style)
+
+    def region_figure(self) -> go.Figure | None:
+        """The contiguous baseline's strip of this step, or None without a baseline."""
+        if self.contiguous is None:
+            return None
+        return contiguous_region_figure(self.contiguous.snapshot.contiguous, list(self.order), self.final_lengths)
+
+    def sentences(self, **options) -> list[str]:
+        """The step in words (``viz.steps.step_sentences``, ``options`` its keyword arguments)."""
+        return step_sentences(self.record, self.contiguous, self.budget, **options)
+
+
+def stage_step(record, contiguous=None, previous=None, *, order, decode: Callable | None = None,
+               budget: int | None = None, final_lengths: dict | None = None, phase: int | None = None) -> StageStep:
+    """Read recorded step ``record`` (the paged engine's StepRecord) for the stage: see ``StageStep``.
+
+    ``phase``: a beam step's moment (``viz.presenter.phase_moment``: 0 the copies, 1 after the selection; a
+    step without phases has only 0); None: the step as recorded (its snapshot, all its events). Raises
+    ValueError naming ``phase`` when the step has no such phase."""
+    if phase is None:
+        snapshot, events, label = record.snapshot, list(record.events), ""
+    else:
+        moment = phase_moment(record, previous, phase)
+        snapshot, events, label = moment["snapshot"], list(moment["events"]), moment["label"]
+    return StageStep(record, contiguous, previous, tuple(order), decode, budget, final_lengths, phase, snapshot,
+                     events, label, tuple(changed_blocks(events)))

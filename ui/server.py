@@ -36,7 +36,9 @@ from engine.watch.exporter import hit_rate_window
 from engine.watch.rates import WINDOW_S
 from engine.watch.router import check_prompt, parse_ids, route
 from engine.watch.servers import ServerSpec, one_server, parse_page, servers_of_capture
-from viz.server import rates_figure, rates_line
+from engine.watch.cache_mirror import hash_labels
+from engine.watch.groups import tiers, tiers_line, top_extended
+from viz.server import MAX_TREE_BLOCKS, groups_figure, rates_figure, rates_line
 from viz.server import (STREAM_COUNTS_HELP, VLLM_EVENTS_FLAG, plural, batch_activity_figure, batch_line,
                         cache_size_figure, mirror_warnings, prefix_tree_figure, rank_numbers, server_numbers,
                         state_line, stream_caption)
@@ -360,8 +362,19 @@ def rank_panel(mirror, decode, num_gpu_blocks: int | None, key: str, wide: bool,
                        help=f"blocks stored and removed over {n['batches']:,} batches. The share of the pool needs "
                             f"the pool's size (num_gpu_blocks), from /metrics or the capture's header.")
     color_by = st.session_state.get("server_color_by", "age")
+    counts = tiers(mirror)
+    if tiers_line(counts):
+        st.caption(f"storage tiers (the events' medium): {tiers_line(counts)}")
     tree_place.plotly_chart(prefix_tree_figure(mirror, decode=decode, color_by=color_by, label=label,
                                                highlight=highlight), width="stretch", key=f"{key}_tree")
+    if len(mirror.blocks) > MAX_TREE_BLOCKS:  # the tree shows the latest 1,500: the whole pool by root prefix
+        tree_place.plotly_chart(groups_figure(mirror, decode, label=label), width="stretch", key=f"{key}_groups")
+        top = top_extended(mirror, 8)
+        if top:
+            name = hash_labels([h for h, _ in top])
+            with tree_place.expander(f"Top prefixes by reuse ({len(top)})"):
+                st.markdown("\n".join(
+                    f"- `{name[h]}` extended {plural(n, 'time')}: {_prefix_words(mirror, h, decode)}" for h, n in top))
     st.caption(rates_line(mirror.history),
                help="Over the last minute of the server's own clock (the batches' ts): blocks evicted and stored "
                     "per second, how long the evicted blocks had been cached, and hot prefixes evicted (a block "
@@ -482,6 +495,17 @@ def server_header(sv: ServerSpec, poller, now: float, narrow: bool) -> None:
     values, error, at = poller.latest()
     source = f"{poller.url}, read {max(0.0, now - at):.0f} s ago" if at else f"{poller.url}: reading..."
     server_row(values, error, source, narrow=narrow, scrapes=poller.history())
+
+
+def _prefix_words(mirror, h: str, decode) -> str:
+    """A cached block as the prefix it ends: its length and its last words (or ids)."""
+    ids = mirror.prefix_tokens(h)
+    if decode is None:
+        return f"{len(ids):,} tokens, ending {ids[-8:]}"
+    try:
+        return f"{len(ids):,} tokens, ending {decode(ids[-16:])!r}"
+    except Exception:  # a tokenizer that cannot decode these ids
+        return f"{len(ids):,} tokens, ending {ids[-8:]}"
 
 
 def _server_clock(mirror, scrapes: list | None) -> list | None:

@@ -513,3 +513,50 @@ def rates_line(history) -> str:
     hot = f"; {plural(r['hot_evicted'], 'hot prefix', 'hot prefixes')} evicted" if r["hot_evicted"] else ""
     return (f"last {min(WINDOW_S, r['seconds']):.0f} s of the server's clock: {r['evictions_per_s']:.3g} evictions / s "
             f"({plural(r['evicted'], 'block')}){age}, {r['stores_per_s']:.3g} stores / s{hot}")
+
+
+TIER_COLORS = {"GPU": "#0072B2", None: "#0072B2", "CPU": "#E69F00"}  # other tiers: the palette after these
+MAX_GROUP_BARS = 20
+
+
+def groups_figure(mirror, decode: Callable[[list[int]], str] | None = None, top: int = MAX_GROUP_BARS,
+                  label: str | None = None) -> go.Figure:
+    """A big pool by root prefix (``engine.watch.groups.root_groups``): one bar per prefix tree, the ``top``
+    holding the most blocks, stacked by storage tier when the events carry more than one ``medium``; the
+    label is the root block's text (or ids); the hover: distinct prefixes, longest chain, times extended
+    (the events' sign of reuse), newest block's age. Built in O(blocks): 10^5 blocks well within a second."""
+    from engine.watch.groups import root_groups, tiers
+
+    groups = root_groups(mirror)
+    shown = groups[:top]
+    media = sorted(tiers(mirror), key=lambda m: (m not in ("GPU", None), str(m)))
+    now = mirror.history[-1].ts if mirror.history else max((g.newest_ts for g in groups), default=0.0)
+    names = []
+    for i, g in enumerate(shown):
+        text = _text(decode, g.first_tokens, limit=40).replace("<br>", "") if decode else ""
+        names.append(f"{i + 1}. {text or _ids(g.first_tokens, limit=6)}")
+    fig = go.Figure()
+    for j, m in enumerate(media):
+        color = TIER_COLORS.get(m, PALETTE[(j + 2) % len(PALETTE)])
+        fig.add_trace(go.Bar(
+            y=names, x=[g.tiers.get(m, 0) for g in shown], orientation="h", name=str(m or "no medium"),
+            marker_color=color, showlegend=len(media) > 1,
+            customdata=[[g.distinct, g.depth, g.extended, max(0.0, now - g.newest_ts)] for g in shown],
+            hovertemplate=("%{y}<br>%{x:,} blocks" + (f" in {m}" if len(media) > 1 else "") +
+                           "<br>%{customdata[0]:,} distinct prefixes, longest chain %{customdata[1]:,} blocks"
+                           "<br>extended %{customdata[2]:,} times (requests that went on past one of its blocks)"
+                           "<br>newest block stored %{customdata[3]:.0f} s before the last batch<extra></extra>")))
+    total = len(groups)
+    more = f" (the {len(shown)} largest of {total:,})" if total > len(shown) else ""
+    fig.update_layout(
+        barmode="stack", plot_bgcolor="white",
+        title={"text": f"{label or f'rank {mirror.rank}'}: {plural(mirror.num_blocks, 'block')} in "
+                       f"{plural(total, 'prefix tree')}{more}, by root prefix", "font": {"size": 15}},
+        height=max(260, min(760, 26 * len(shown) + 120)), margin={"l": 10, "r": 10, "t": 50, "b": 40},
+        legend={"orientation": "h", "yanchor": "bottom", "y": 1.0, "x": 1, "xanchor": "right"},
+        xaxis={"title": {"text": "blocks held (copies counted)"}, "gridcolor": "#EEEEEE", "tickformat": ",d"},
+        yaxis={"autorange": "reversed", "automargin": True})
+    if not groups:
+        fig.add_annotation(text="The prefix cache is empty", showarrow=False, x=0.5, y=0.5, xref="paper",
+                           yref="paper")
+    return fig

@@ -69,6 +69,14 @@ class CachedBlock:
     copies: int
     stored_seq: int          # sequence number of the batch that first stored it
     stored_ts: float         # the publisher's timestamp of that batch (seconds since the epoch)
+    media: tuple = ()        # the storage tier of each copy (``medium`` of its BlockStored: "GPU", "CPU", ...)
+
+    def tier_counts(self) -> dict:
+        """medium -> copies held there (a block without ``media``: all its copies in ``medium``)."""
+        out: dict = {}
+        for m in self.media or (self.medium,) * self.copies:
+            out[m] = out.get(m, 0) + 1
+        return out
 
 
 @dataclass
@@ -130,6 +138,7 @@ class PrefixCacheMirror:
     # hash -> the server times (ts) of the last 16 stores that extended it (a tuple, replaced, never changed in
     # place: copies of the mirror share it)
     extended: dict = field(default_factory=dict)
+    extensions: dict = field(default_factory=dict)  # hash -> stores that extended it while cached, in all
     hot_evicted: int = 0
 
     # --- applying events ---------------------------------------------------------------------------------
@@ -146,13 +155,14 @@ class PrefixCacheMirror:
             if kind == "BlockStored":
                 stored += self._store(seq, ts, e)
             elif kind == "BlockRemoved":
-                n, h = self._remove(e["block_hashes"], seq, ts, ages)
+                n, h = self._remove(e["block_hashes"], seq, ts, ages, e.get("medium"))
                 removed += n
                 hot += h
             elif kind == "AllBlocksCleared":
                 removed += self._num_blocks
                 self.blocks.clear()
                 self.extended.clear()
+                self.extensions.clear()
                 self._order.clear()
                 self._num_blocks = self._kept_tokens = 0
                 cleared = True
@@ -185,6 +195,7 @@ class PrefixCacheMirror:
             self.orphan_stores += 1  # its parent was stored before we joined, or already evicted
         elif parent is not None:  # a request went on past a cached block: see HOT_MIN_EXTENSIONS
             self.extended[parent] = (self.extended.get(parent, ()) + (ts,))[-16:]
+            self.extensions[parent] = self.extensions.get(parent, 0) + 1
         tokens = e["token_ids"]
         for i, h in enumerate(e["block_hashes"]):
             block = self.blocks.get(h)
@@ -195,12 +206,13 @@ class PrefixCacheMirror:
                 self._kept_tokens += size
                 self.blocks[h] = CachedBlock(hash=h, parent=parent, token_ids=list(tokens[i * size:(i + 1) * size]),
                                              block_size=size, medium=e.get("medium"), copies=1, stored_seq=seq,
-                                             stored_ts=ts)
+                                             stored_ts=ts, media=(e.get("medium"),))
                 self._order.append(h)
                 if len(self._order) > 2 * len(self.blocks) + 1024:  # removed hashes pile up: rebuild (dict order)
                     self._order = deque(self.blocks)
             else:  # a new object, never changed in place: copies of the mirror share blocks (``copy``)
-                self.blocks[h] = dataclasses.replace(block, copies=block.copies + 1)
+                self.blocks[h] = dataclasses.replace(block, copies=block.copies + 1,
+                                                     media=(block.media or (block.medium,)) + (e.get("medium"),))
             parent = h  # a BlockStored chains its blocks: each one's parent is the previous
         self._num_blocks += len(e["block_hashes"])
         return len(e["block_hashes"])
@@ -215,6 +227,7 @@ class PrefixCacheMirror:
                 break
         gone = self.blocks.pop(oldest)
         self.extended.pop(oldest, None)
+        self.extensions.pop(oldest, None)
         self._num_blocks -= gone.copies
         self._kept_tokens -= len(gone.token_ids)
         self.capped_out += 1
@@ -225,9 +238,11 @@ class PrefixCacheMirror:
                       f"shows fewer blocks than the server holds, and removals of dropped blocks count as "
                       f"unknown")
 
-    def _remove(self, hashes: list[str], seq: int = 0, ts: float = 0.0, ages: list | None = None) -> tuple[int, int]:
-        """Remove one copy of each hash; returns (blocks removed, hot prefixes that left the view). ``ages``
-        gets each removed block's age (seconds cached, the server's clock)."""
+    def _remove(self, hashes: list[str], seq: int = 0, ts: float = 0.0, ages: list | None = None,
+                medium: str | None = None) -> tuple[int, int]:
+        """Remove one copy of each hash (the copy in ``medium``, the removal's tier, when one is there);
+        returns (blocks removed, hot prefixes that left the view). ``ages`` gets each removed block's age
+        (seconds cached, the server's clock)."""
         done = hot = 0
         for h in hashes:
             block = self.blocks.get(h)
@@ -239,6 +254,7 @@ class PrefixCacheMirror:
             if block.copies == 1:
                 del self.blocks[h]
                 self._kept_tokens -= len(block.token_ids)
+                self.extensions.pop(h, None)
                 recent = [t for t in self.extended.pop(h, ()) if ts - t <= HOT_WINDOW_S]
                 if len(recent) >= HOT_MIN_EXTENSIONS:
                     hot += 1
@@ -247,7 +263,10 @@ class PrefixCacheMirror:
                               f"from {block.token_ids[:4]}...), {len(recent)} requests extended it in the last "
                               f"{HOT_WINDOW_S:.0f} s; it had been cached {max(0.0, ts - block.stored_ts):.0f} s")
             else:  # a new object, never changed in place (``copy``)
-                self.blocks[h] = dataclasses.replace(block, copies=block.copies - 1)
+                media = list(block.media or (block.medium,) * block.copies)
+                media.remove(medium if medium in media else media[-1])
+                self.blocks[h] = dataclasses.replace(block, copies=block.copies - 1, media=tuple(media),
+                                                     medium=media[0])
             self._num_blocks -= 1
             done += 1
         return done, hot
@@ -266,6 +285,7 @@ class PrefixCacheMirror:
                       f"{'is' if self._num_blocks == 1 else 'are'} dropped from the view")
         self.blocks.clear()
         self.extended.clear()
+        self.extensions.clear()
         self._order.clear()
         self._num_blocks = self._kept_tokens = 0
         self.last_seq = None
@@ -356,6 +376,7 @@ class PrefixCacheMirror:
         clone._order = deque(self._order)
         clone.notes = list(self.notes)
         clone.extended = dict(self.extended)
+        clone.extensions = dict(self.extensions)
         return clone
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from .cache_mirror import BatchSummary, PrefixCacheMirror, hash_labels
 from .capture import (CaptureReplay, CaptureWriter, new_header, read_capture, replay_gap, server_pool,
                       server_scrapes)
+from .groups import root_groups, tiers, tiers_line
 from .kv_subscriber import KVEventSubscriber
 from .server_metrics import MetricsPoller
 from .servers import DEFAULT_NAME, ServerSpec, is_named, one_server, parse_servers, servers_of_capture
@@ -143,6 +144,13 @@ def state_lines(mirror: PrefixCacheMirror, decode=None, max_roots: int = 8, labe
                      f"block{'s' * (subtree != 1)}{text}")
     if len(roots) > max_roots:
         lines.append(f"  ... {len(roots) - max_roots} more roots")
+        groups = root_groups(mirror)[:5]  # a big pool: the trees that hold most of it
+        names = hash_labels([g.root for g in groups])
+        lines.append("  largest prefix trees: " + "; ".join(
+            f"{names[g.root]} {plural(g.blocks, 'block')} (extended {plural(g.extended, 'time')})" for g in groups))
+    counts = tiers(mirror)
+    if tiers_line(counts):
+        lines.append(f"  storage tiers: {tiers_line(counts)}")
     last = mirror.notes[-5:]
     if mirror.join_note and mirror.join_note not in last:  # where the view joined stays in the final state
         lines.append(f"  note: {mirror.join_note}")

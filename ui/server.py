@@ -405,17 +405,21 @@ def live_controls() -> None:
     c[0].text_input("KV events endpoints", DEFAULT_ENDPOINT, key="server_endpoints",
                     help="The server's ZMQ PUB endpoint(s), one per data-parallel rank, comma separated (vLLM "
                          "binds the endpoint's port plus the rank). Connect to the server's host: the config's "
-                         "tcp://*:5557 is read at tcp://HOST:5557.")
+                         "tcp://*:5557 is read at tcp://HOST:5557. Several servers: name each, separated by ';', "
+                         "e.g. vllm=tcp://127.0.0.1:5557; lab=tcp://127.0.0.1:6557 (the same NAME= in the "
+                         "replay and /metrics fields: vllm=http://127.0.0.1:8000/metrics).")
     c[1].button("Connect", type="primary", on_click=connect, width="stretch",
                 help="Start one subscriber per endpoint (stopping this tab's previous ones)")
     c[2].button("Stop", on_click=stop, width="stretch", help="Stop receiving; what was received stays on screen")
     with st.expander("Replay endpoints and /metrics"):
         st.text_input("Replay endpoints (optional)", DEFAULT_REPLAY, key="server_replays",
                       help="The replay (ROUTER) endpoint of each, in the same order, comma separated: batches "
-                           "missed while connecting or in a gap are asked for there. Empty: none.")
+                           "missed while connecting or in a gap are asked for there. Empty: none. Named servers: "
+                           "NAME=ENDPOINT[,ENDPOINT...] per server, separated by ';'.")
         st.text_input("/metrics URL (optional)", DEFAULT_METRICS, key="server_metrics_url",
                       help="The server's Prometheus /metrics: the pool's size, KV cache usage, its own hit rate. "
-                           "Empty: none.")
+                           "Empty: none. Named servers: NAME=URL per server, separated by ';' (each server's "
+                           "pool and counters are its own).")
 
 
 def live_mode() -> None:

@@ -8,5 +8,9 @@ KV-event stream (``engine.kv_events`` holds the schema both sides share).
   ``BlockRemoved`` / ``AllBlocksCleared``;
 - ``capture``: a stream recorded to JSON lines and replayed;
 - ``server_metrics``: a server's Prometheus /metrics read for its pool size and hit counters;
+- ``servers``: several named servers (``--server NAME=ENDPOINT[,...]``), their streams and /metrics;
+- ``router``: a prompt's cached prefix per server and the KV-aware router's choice (``python -m engine route``);
+- ``rates``: rates over time by the server's clock; ``groups``: big pools by root prefix, storage tiers;
+- ``exporter``: the mirror's numbers for Prometheus (``watch --metrics-port``);
 - ``command``: ``python -m engine watch`` and ``python -m engine replay``.
 """

@@ -132,7 +132,7 @@ def test_route_json_on_the_shipped_vllm_capture(capsys):
     assert (row["cached_prefix_blocks"], row["cached_prefix_tokens"]) == (n - 1, (n - 1) * 32)
     assert row["load_known"] and row["active_blocks"] == 0  # the capture's last /metrics: nothing running
     rc, out, _ = route_cli(["--capture", str(SHIPPED), "--prompt-ids", ",".join(map(str, ids + [7]))], capsys)
-    assert f"server: cached prefix {n * 32:,} tokens = {n} blocks of 32" in out
+    assert f"server: cached prefix {n * 32:,} tokens = {n} blocks of 32" in out  # n > 1
     assert "a KV-aware router would send it to: server" in out and "Dynamo" in out
 
 

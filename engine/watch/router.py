@@ -50,6 +50,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from .. import metrics
+from ..records import plural
 
 OVERLAP_SCORE_WEIGHT = 1.0   # Dynamo's default kv_overlap_score_weight
 DEFAULT_BLOCK_SIZE = 16      # vLLM's default, for a server whose block size nothing has told yet
@@ -213,7 +214,7 @@ def lines(result: dict) -> list[str]:
                 "load unknown (no /metrics: 0 active blocks counted)")
         rank = f" rank {r['rank']}" if r["rank"] else ""
         out.append(f"  {name}{rank}: cached prefix {r['cached_prefix_tokens']:,} tokens = "
-                   f"{r['cached_prefix_blocks']:,} blocks of {r['block_size']}"
+                   f"{plural(r['cached_prefix_blocks'], 'block')} of {r['block_size']}"
                    + (f" ({r['matched_blocks']} cached, the last-token rule leaves {r['cached_prefix_blocks']})"
                       if r["matched_blocks"] != r["cached_prefix_blocks"] else "")
                    + f"; prefill {r['prefill_blocks']:g} blocks, decode {r['decode_blocks']:,} blocks ({load}); "

@@ -24,7 +24,7 @@ def _cache(lab, total: int) -> dict:
     """This session's built files, of this run as recorded now only (an older run's are let go); the dict
     itself is handed to the HTML download's thread, which has no session state."""
     cache = st.session_state.setdefault(CACHE_KEY, {})
-    for old in [k for k in cache if k[:2] != (lab.token, total)]:
+    for old in [k for k in cache if k[:2] != (lab.protocol.token, total)]:
         cache.pop(old, None)
     return cache
 
@@ -45,7 +45,7 @@ def _name(lab, total: int, ext: str, step: int | None = None) -> str:
 
 def html_builder(lab, history, cache: dict, decode=None):
     """The deferred ``data`` of the HTML download: builds the page once per (lab, steps) when clicked."""
-    key = (lab.token, len(history), "html")
+    key = (lab.protocol.token, len(history), "html")
 
     def build() -> str:
         if key not in cache:
@@ -94,7 +94,7 @@ def export_panel(lab) -> None:
 
 def _video(lab, history, cache: dict, kind: str, fps: float, cap: int) -> None:
     total = len(history)
-    key = (lab.token, total, kind, fps, cap)
+    key = (lab.protocol.token, total, kind, fps, cap)
     if st.button(f"Build {kind} ({min(total, cap)} frames)", key="export_build_video"):
         with st.status(f"Drawing {min(total, cap)} steps for the {kind}...", expanded=True) as status:
             bar = st.progress(0.0)
@@ -116,7 +116,7 @@ def _video(lab, history, cache: dict, kind: str, fps: float, cap: int) -> None:
 
 def _png(lab, history, index: int, cache: dict) -> None:
     step = history[index][0].step
-    key = (lab.token, len(history), "png", index)
+    key = (lab.protocol.token, len(history), "png", index)
     if st.button(f"Build a PNG of step {step} (the step on screen)", key="export_build_png"):
         with st.status(f"Drawing step {step}...") as status:
             try:

@@ -1,6 +1,11 @@
 """A ``Lab``: one browser session's pair of engines (paged and contiguous baseline) on the same requests,
 with the recorded StepRecords for time travel. No Streamlit here, so it is tested directly.
 
+Its state is four named parts (each a small class below): ``Run`` (the settings, the engines, the requests and
+the recorded steps), ``Player`` (the step on screen, a beam step's phase, Play's speed and clock),
+``PressProtocol`` (the browser's press counter, what presses did or could not do) and ``SessionLimits`` (a
+class server's bound on the recorded steps and its memory charge); ``Lab`` composes them under one lock.
+
 Both engines get the same KV byte budget and the same requests at the same steps. Stepping the lab steps
 each engine that still has work; stepping back only moves a cursor over the recorded steps (nothing is
 re-run).
@@ -138,46 +143,226 @@ def run_sizes(settings: LabSettings, requests, num_blocks: int, swap_blocks: int
 
 
 @dataclass
-class Lab:
+class Run:
+    """The run: the settings in effect, the two engines (paged and contiguous baseline, or None), the requests
+    still to arrive and those added, and what the engines recorded (``history``: one (paged, contiguous)
+    StepRecord pair per step). ``failure``: a step that raised (the engines may be half-stepped: nothing more
+    runs). The lab changes it only under its lock (``Lab.step``)."""
+
     settings: LabSettings
-    paged: LLMEngine
+    paged: LLMEngine | None
     contiguous: LLMEngine | None
     # requests still to arrive, by arrival step, each with its final length when the policy needs it
     pending: list[tuple[WorkloadRequest, int | None]] = field(default_factory=list)
     history: list[tuple[StepRecord, StepRecord | None]] = field(default_factory=list)
-    order: list[str] = field(default_factory=list)
+    order: list[str] = field(default_factory=list)  # request ids in first-seen order (each request's colour)
     notes: list[str] = field(default_factory=list)
     semantics_note: str | None = None  # why the paper's semantics run although V1 was chosen (``fit_semantics``)
     # every request added so far as (id, request at the step it arrived, with its priority): the run as a file
     arrivals: list[tuple[str, WorkloadRequest]] = field(default_factory=list)
     queued: int = 0  # requests the preset or scenario file queued (those added by hand come on top)
     final_lens: dict[str, int] = field(default_factory=dict)  # baseline requests' known final lengths (tokens)
-    cursor: int = -1  # the step shown: -1 follows the latest, else a 0-based index into ``history``
-    playing: bool = False  # Play: steps on a timer (``play_tick``) at ``play_speed`` until Pause or nothing is left
-    play_speed: float = 2.0  # steps per second Play keeps to (``play_tick`` catches up when a tick comes late)
-    play_clock: tuple[float, int] = (0.0, 0)  # (when Play started, monotonic s; steps Play has run since)
-    # (steps the page has drawn since Play started, the last one's step number, when it was drawn): ``play_rate``
-    play_shown: tuple[int, int | None, float] = (0, None, 0.0)
-    play_base: int = 0  # the latest step number when Play started: ``play_rate`` counts the steps shown past it
-    # the phase shown of a beam step (its engine step number, 0-based phase): ``phase_of``, ``set_phase``
-    phase: tuple[int, int] | None = None
-    presses: int = 0  # stage presses counted in the browser (``take_presses``) handled so far
-    ignored: int = 0  # presses that did nothing (nothing left to run, already at the first step, ...)
-    ignored_why: str = ""  # why the last ignored press did nothing
-    notices: int = 0  # what presses did that the page says once (``notice``: the last), e.g. no event left
-    notice: str = ""
-    # (step on screen, what, the stage's one-line form) of the last Next event that found none
-    next_said: tuple[int | None, str, str] | None = None
     failure: str | None = None  # a step that raised: the engines may be half-stepped, so nothing more runs
-    # names this lab to the browser's press counter: a total counted for another lab is never run here
+
+    def has_work(self) -> bool:
+        """Whether a request is still to arrive or either engine has one unfinished."""
+        return bool(self.pending) or self.paged.has_unfinished() or (
+            self.contiguous is not None and self.contiguous.has_unfinished())
+
+    def final_lengths(self) -> dict[str, int]:
+        """The baseline's sequences' final lengths known in advance (tokens), by sequence id."""
+        if self.contiguous is None:
+            return {}
+        return {s.seq_id: self.final_lens[rid] for rid, r in self.contiguous.requests.items()
+                if rid in self.final_lens for s in r.seqs}
+
+
+@dataclass
+class Player:
+    """The playback over the recorded steps: which one is on screen (``cursor``: -1 follows the latest, else a
+    0-based index into ``Run.history``), the moment shown of a beam step (``phase``: (its engine step number,
+    0-based phase)), and Play: on or off, its speed (steps per second), its clock and the rate the page
+    measured while drawing. Times are monotonic seconds."""
+
+    cursor: int = -1
+    phase: tuple[int, int] | None = None
+    playing: bool = False  # Play: steps on a timer (``Lab.play_tick``) until Pause or nothing is left
+    speed: float = 2.0  # steps per second Play keeps to (``Lab.play_tick`` catches up when a tick comes late)
+    clock: tuple[float, int] = (0.0, 0)  # (when Play started; steps Play has run since)
+    # (steps the page has drawn since Play started, the last one's step number, when it was drawn): ``rate``
+    shown: tuple[int, int | None, float] = (0, None, 0.0)
+    base: int = 0  # the latest step number when Play started: ``rate`` counts the steps shown past it
+
+    def start_clock(self, latest_step: int, now: float | None = None) -> None:
+        """Play's pace counts afresh from ``now``, the latest step being ``latest_step``."""
+        self.clock = (time.monotonic() if now is None else now, 0)
+        self.shown = (0, None, 0.0)
+        self.base = latest_step
+
+    def pace(self, now: float) -> float | None:
+        """Steps per second Play has run since it started (None while paused or before its first second)."""
+        started, done = self.clock
+        elapsed = now - started
+        return done / elapsed if self.playing and elapsed >= 1.0 else None
+
+    def drawn(self, step: int, now: float) -> None:
+        """The page drew engine step ``step`` while playing (drawn again: counted once)."""
+        shown, last, _ = self.shown
+        if self.playing and step != last:
+            self.shown = (shown + 1, step, now)
+
+    def rate(self) -> float | None:
+        """Steps advanced on screen per second since Play started (see ``Lab.play_rate``), or None."""
+        started = self.clock[0]
+        shown, last, at = self.shown
+        elapsed = at - started
+        if not self.playing or not shown or last is None or elapsed < 1.0:
+            return None
+        return max(0, last - self.base) / elapsed
+
+
+@dataclass
+class PressProtocol:
+    """The stage's presses as the browser counts them (``ui.state.stage_keys``): a running total per lab
+    (``token`` names the lab: a total counted for another lab never runs here) and a log of the last kinds;
+    ``handled`` presses were run, each once (``Lab.take_presses``). A press that could do nothing is counted
+    in ``ignored`` with why (``ignored_why``); what a press did that the screen does not show is said once
+    (``notices``, the last ``notice``), and Next event's answer beside the step it was said on (``next_said``:
+    (step, what, the stage's one-line form))."""
+
     token: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-    # A class server (ui.class_limits) keeps only the last ``history_limit`` steps (None: all); ``dropped_steps``
-    # counts the older ones dropped, so step numbers stay the engines' (``steps_run``, ``history_note``).
+    handled: int = 0
+    ignored: int = 0
+    ignored_why: str = ""
+    notices: int = 0
+    notice: str = ""
+    next_said: tuple[int | None, str, str] | None = None
+
+    def is_new_total(self, token, total, log) -> bool:
+        """Whether the browser's (``token``, ``total``, ``log``) is a count for this lab beyond ``handled``."""
+        return (isinstance(total, int) and not isinstance(total, bool) and isinstance(log, str)
+                and token == self.token and total > self.handled)
+
+    def pending_kinds(self, token, total, log) -> str:
+        """The kinds of the presses not run yet, as far as ``log`` reaches ("" for none or another lab's)."""
+        return log[-(total - self.handled):] if self.is_new_total(token, total, log) else ""
+
+    def ignore(self, why: str, said_on: int | None = None, short: str | None = None) -> str:
+        """A press that did nothing (see ``Lab._ignore``). Returns "ignored"."""
+        self.ignored_why = why
+        if said_on is None:
+            self.ignored += 1
+        else:
+            self.say(said_on, why, short)
+        return "ignored"
+
+    def say(self, step: int | None, what: str, short: str | None = None) -> None:
+        """Say ``what`` once (a ``notice``) and beside step ``step`` while it is on screen (``said_on``)."""
+        self.notices += 1
+        self.notice = what
+        self.next_said = (step, what, short or what)
+
+    def said_on(self, step: int, short: bool = False) -> str | None:
+        """What the last Next event said, while step ``step`` (the one it was said on) is on screen."""
+        said = self.next_said
+        return said[2 if short else 1] if said is not None and said[0] == step else None
+
+
+@dataclass
+class SessionLimits:
+    """A class server's bounds on one session's lab (``ui.class_limits``): it keeps only the last
+    ``history_limit`` recorded steps (None: all), ``dropped_steps`` counts the older ones dropped (so step
+    numbers stay the engines'), and ``memory`` is the session's charge (``Lab.plan_memory``) or None."""
+
     history_limit: int | None = field(default_factory=lambda: limits.history_limit())
     dropped_steps: int = 0
-    # A class server's charge for this lab (``plan_memory``): what it keeps, by part, against the session's share
     memory: limits.SessionPlan | None = None
-    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
+
+    def excess(self, recorded: int) -> int:
+        """How many of ``recorded`` steps are past ``history_limit`` (to drop, oldest first)."""
+        return max(0, recorded - self.history_limit) if self.history_limit else 0
+
+    def note(self, steps_run: int) -> str | None:
+        """What the page says once old steps were dropped, or None."""
+        if not self.dropped_steps:
+            return None
+        first, last = self.dropped_steps + 1, steps_run
+        why = self.memory.history_why() if self.memory is not None else ""
+        return (f"Steps 1-{self.dropped_steps:,} were dropped to save memory; the run continues (this class "
+                f"server keeps the last {self.history_limit:,} steps: {first:,}-{last:,}"
+                + (f"; {why}" if why else "") + ").")
+
+
+class _PartField:
+    """A field of one of the lab's parts under the name the app and the tests read on the lab (``lab.cursor``
+    is ``lab.player.cursor``): read and written through, so a caller needs no part for one number."""
+
+    def __init__(self, part: str, name: str | None = None) -> None:
+        self.part, self.name = part, name
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = self.name or name
+
+    def __get__(self, lab, owner=None):
+        return self if lab is None else getattr(getattr(lab, self.part), self.name)
+
+    def __set__(self, lab, value) -> None:
+        setattr(getattr(lab, self.part), self.name, value)
+
+
+class Lab:
+    """One browser session's lab, in four named parts and a lock (see the module docstring):
+
+    - ``run`` (``Run``): the settings, the engines, the requests and the recorded steps;
+    - ``player`` (``Player``): the step on screen, a beam step's phase, Play;
+    - ``protocol`` (``PressProtocol``): the browser's press counter and what presses said;
+    - ``session`` (``SessionLimits``): a class server's trimming of the recorded steps and memory charge.
+
+    The lab's methods change them together under one lock (a press moves the player, steps the run and
+    counts in the protocol at once). Their fields are also read on the lab under their old names
+    (``lab.history``, ``lab.cursor``, ``lab.token``, ``lab.history_limit``, ...: ``_PartField``)."""
+
+    settings = _PartField("run")
+    paged = _PartField("run")
+    contiguous = _PartField("run")
+    pending = _PartField("run")
+    history = _PartField("run")
+    order = _PartField("run")
+    notes = _PartField("run")
+    semantics_note = _PartField("run")
+    arrivals = _PartField("run")
+    queued = _PartField("run")
+    final_lens = _PartField("run")
+    failure = _PartField("run")
+    cursor = _PartField("player")
+    phase = _PartField("player")
+    playing = _PartField("player")
+    play_speed = _PartField("player", "speed")
+    play_clock = _PartField("player", "clock")
+    play_shown = _PartField("player", "shown")
+    play_base = _PartField("player", "base")
+    token = _PartField("protocol")
+    presses = _PartField("protocol", "handled")
+    ignored = _PartField("protocol")
+    ignored_why = _PartField("protocol")
+    notices = _PartField("protocol")
+    notice = _PartField("protocol")
+    next_said = _PartField("protocol")
+    history_limit = _PartField("session")
+    dropped_steps = _PartField("session")
+    memory = _PartField("session")
+
+    def __init__(self, settings: LabSettings, paged: LLMEngine, contiguous: LLMEngine | None, *,
+                 notes: list[str] | None = None, semantics_note: str | None = None) -> None:
+        self.run = Run(settings, paged, contiguous, notes=list(notes or []), semantics_note=semantics_note)
+        self.player = Player()
+        self.protocol = PressProtocol()
+        self.session = SessionLimits()
+        self._lock = threading.RLock()
+
+    def __repr__(self) -> str:
+        return (f"Lab(preset={self.settings.preset!r}, steps={self.steps_run}, cursor={self.cursor}, "
+                f"playing={self.playing}, token={self.token!r})")
 
     @staticmethod
     def needs_final_lengths(settings: LabSettings) -> bool:
@@ -296,8 +481,7 @@ class Lab:
         return len(self.history)
 
     def has_work(self) -> bool:
-        return bool(self.pending) or self.paged.has_unfinished() or (
-            self.contiguous is not None and self.contiguous.has_unfinished())
+        return self.run.has_work()
 
     def step(self) -> tuple[StepRecord, StepRecord | None]:
         """Admit arrivals due now, then one step of each engine (an engine with nothing to do idles), recorded.
@@ -334,8 +518,8 @@ class Lab:
     def _trim_history(self) -> None:
         """Keep at most ``history_limit`` recorded steps (a class server's memory bound): drop the oldest,
         keep the cursor on the same step (or on the oldest kept, when its step was dropped)."""
-        excess = len(self.history) - self.history_limit if self.history_limit else 0
-        if excess <= 0:
+        excess = self.session.excess(len(self.history))
+        if not excess:
             return
         del self.history[:excess]
         self.dropped_steps += excess
@@ -350,13 +534,7 @@ class Lab:
     def history_note(self) -> str | None:
         """What the page says once old steps were dropped (``_trim_history``), or None."""
         with self._lock:
-            if not self.dropped_steps:
-                return None
-            first, last = self.dropped_steps + 1, self.steps_run
-            why = self.memory.history_why() if self.memory is not None else ""
-            return (f"Steps 1-{self.dropped_steps:,} were dropped to save memory; the run continues (this class "
-                    f"server keeps the last {self.history_limit:,} steps: {first:,}-{last:,}"
-                    + (f"; {why}" if why else "") + ").")
+            return self.session.note(self.steps_run)
 
     def release(self, why: str) -> None:
         """Free this lab's engines and records (a class server releases an idle session's lab): nothing runs
@@ -476,14 +654,7 @@ class Lab:
         Next event at a finished run's end: the step on screen) it is an answer, not an ignored press: not
         counted in ``ignored`` (the page's "N presses ignored" toast), said once as a ``notice`` and beside
         the step (``next_said``; ``short``: the stage's one-line form)."""
-        self.ignored_why = why
-        if said_on is None:
-            self.ignored += 1
-        else:
-            self.notices += 1
-            self.notice = why
-            self.next_said = (said_on, why, short or why)
-        return "ignored"
+        return self.protocol.ignore(why, said_on, short)
 
     def take_presses(self, token, total, log) -> int:
         """The browser's press counter: ``total`` presses counted so far for the lab named ``token``, and
@@ -503,16 +674,13 @@ class Lab:
             return new
 
     def _is_new_total(self, token, total, log) -> bool:
-        return (isinstance(total, int) and not isinstance(total, bool) and isinstance(log, str)
-                and token == self.token and total > self.presses)
+        return self.protocol.is_new_total(token, total, log)
 
     def pending_kinds(self, token, total, log) -> str:
         """The kinds of the presses in the browser's counter (``take_presses``'s arguments) not run yet, as far
         as ``log`` reaches; "" for none, another lab's ``token`` or a malformed count. Read without the lock
         (a peek: ``take_presses`` runs them)."""
-        if not self._is_new_total(token, total, log):
-            return ""
-        return log[-(total - self.presses):]
+        return self.protocol.pending_kinds(token, total, log)
 
     def play_tick(self, now: float | None = None) -> int:
         """One Play tick: while ``playing``, as many steps as keep Play at ``play_speed`` steps per second
@@ -548,26 +716,20 @@ class Lab:
                 self._start_play_clock()
 
     def _start_play_clock(self) -> None:
-        self.play_clock = (time.monotonic(), 0)
-        self.play_shown = (0, None, 0.0)
-        self.play_base = self.history[-1][0].step if self.history else 0
+        self.player.start_clock(self.history[-1][0].step if self.history else 0)
 
     def play_pace(self, now: float | None = None) -> float | None:
         """Steps per second Play has run since it started (what ``play_tick`` keeps at ``play_speed``; None
         before its first second). More than the page shows when it draws slower than the speed: see
         ``play_rate``."""
         with self._lock:
-            started, done = self.play_clock
-            elapsed = (time.monotonic() if now is None else now) - started
-            return done / elapsed if self.playing and elapsed >= 1.0 else None
+            return self.player.pace(time.monotonic() if now is None else now)
 
     def play_drawn(self, step: int, now: float | None = None) -> None:
         """The page has finished drawing engine step ``step`` while playing (``now``: monotonic seconds, for
         tests). A step drawn again (a redraw without a new step) counts once."""
         with self._lock:
-            shown, last, _ = self.play_shown
-            if self.playing and step != last:
-                self.play_shown = (shown + 1, step, time.monotonic() if now is None else now)
+            self.player.drawn(step, time.monotonic() if now is None else now)
 
     def play_rate(self) -> float | None:
         """The rate the page says it measured while playing: the steps it advanced on screen per second since
@@ -577,12 +739,7 @@ class Lab:
         (``play_tick``) and the page draws the last of them, so counting drawings instead said 3.5 while the
         counter advanced 8.5 steps a second (issue 23). None before a second has passed or a step was drawn."""
         with self._lock:
-            started = self.play_clock[0]
-            shown, last, at = self.play_shown
-            elapsed = at - started
-            if not self.playing or not shown or last is None or elapsed < 1.0:
-                return None
-            return max(0, last - self.play_base) / elapsed
+            return self.player.rate()
 
     @staticmethod
     def key_events(record: StepRecord) -> list[str]:
@@ -663,23 +820,19 @@ class Lab:
         return self.history[self.cursor if self.cursor >= 0 else -1][0].step
 
     def _say(self, what: str, short: str | None = None) -> None:
-        self.notices += 1
-        self.notice = what
-        self.next_said = (self._shown_step(), what, short or what)
+        self.protocol.say(self._shown_step(), what, short)
 
     def said_on(self, record: StepRecord) -> str | None:
         """What the last Next event that found no event said (``next_said``), while the step it was said on
         (``record``) is still on screen; else None. The stage shows it beside the step (a toast is easily
         missed: at a finished run's end N showed only the last step's sentence, issue 23)."""
-        said = self.next_said
-        return said[1] if said is not None and said[0] == record.step else None
+        return self.protocol.said_on(record.step)
 
     def said_short_on(self, record: StepRecord) -> str | None:
         """``said_on`` in one short line, for the presenter view's column beside the strip (the long one,
         three or four lines there, made the figures above it shorter: the block tables then dropped logical
         blocks on the same step, issue 24's trial)."""
-        said = self.next_said
-        return said[2] if said is not None and said[0] == record.step else None
+        return self.protocol.said_on(record.step, short=True)
 
     def step_budget(self) -> int | None:
         """The paged engine's token budget per step in vLLM V1 (``max_num_batched_tokens``, tokens); None in
@@ -690,11 +843,8 @@ class Lab:
         """The baseline's sequences' final lengths known in advance (tokens), by sequence id: from its
         policy's learnt lengths or ``ignore_eos``. ``viz.region`` draws a live row's slots past it as internal
         fragmentation; without it a row's future is only "reserved, not yet used"."""
-        if self.contiguous is None:
-            return {}
         with self._lock:
-            return {s.seq_id: self.final_lens[rid] for rid, r in self.contiguous.requests.items()
-                    if rid in self.final_lens for s in r.seqs}
+            return self.run.final_lengths()
 
     def seek(self, cursor: int) -> None:
         """Show recorded step ``cursor`` (0-based; -1 or the last step: follow the latest)."""

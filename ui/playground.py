@@ -315,7 +315,7 @@ def main() -> None:
     # only it, not the sidebar's forms above (a class server steps many labs at once: issue 16's load goals).
     # Play re-runs it on a timer; each tick runs the steps that keep Play at its speed (``Lab.play_tick``).
     timer = timer_of(lab)
-    st.fragment(run_every=1.0 / lab.play_speed if lab.playing else None)(stage)(lab, present, timer)
+    st.fragment(run_every=1.0 / lab.player.speed if lab.player.playing else None)(stage)(lab, present, timer)
 
 
 def stage(lab, present: bool, timer: tuple[bool, float | None]) -> None:
@@ -335,7 +335,7 @@ def stage(lab, present: bool, timer: tuple[bool, float | None]) -> None:
         run_presses(lab)
     with stage_slot():
         run_presses(lab)
-        st.session_state["playing"] = lab.playing  # a mirror for reading; the lab keeps it with the steps
+        st.session_state["playing"] = lab.player.playing  # a mirror for reading; the lab keeps it with the steps
         # the (invisible) press counter: keys and the stage's clicks, whatever has the focus; in the presenter
         # view it also sends the window's size (a rerun: never in the Playground's view, where it would wipe a
         # message)
@@ -354,7 +354,7 @@ def stage(lab, present: bool, timer: tuple[bool, float | None]) -> None:
 
 def timer_of(lab) -> tuple[bool, float | None]:
     """What the stage fragment's timer depends on: whether Play runs, and at what speed (steps per second)."""
-    return lab.playing, lab.play_speed if lab.playing else None
+    return lab.player.playing, lab.player.speed if lab.player.playing else None
 
 
 PLAY_SPEEDS = [0.5, 1, 2, 4, 8]  # steps per second Play offers (``Lab.play_tick`` keeps to them)
@@ -377,7 +377,7 @@ def controls(lab, present: bool = False) -> None:
         st.error(f"The engines stopped: {lab.failure}. Nothing more runs in this lab: press **Reset**.")
     history, index, has_work = lab.frame()
     total = len(history)
-    st.session_state["cursor"] = lab.cursor  # a mirror for reading; the lab keeps the cursor with the steps
+    st.session_state["cursor"] = lab.player.cursor  # a mirror for reading; the lab keeps the cursor with the steps
     # on stage the toggle's column is wider: "Presenter view" at the projector's 18 px wrapped over the frame's
     # border at 1280 (issue 24's trial); its label stays on one line (``ui.presenter.CSS``)
     c = st.columns([1.0, 1.2, 1.4, 1.4, 1.0, 1.0, 1.6, 2.2] if present else [1.0, 1.2, 1.4, 1.4, 1.0, 1.0, 2.2, 1.6],
@@ -398,7 +398,7 @@ def controls(lab, present: bool = False) -> None:
                 disabled=not has_work and not replaying,
                 help=f"Run every step left, at once (at most {MAX_RUN_STEPS:,} per press); then scrub back with the "
                      f"slider.")
-    c[4].button("Pause" if lab.playing else "Play", key="stage_play", on_click=_toggle_play, width="stretch",
+    c[4].button("Pause" if lab.player.playing else "Play", key="stage_play", on_click=_toggle_play, width="stretch",
                 help=None if present else "Step automatically at the chosen speed (P)")  # on stage its tooltip
     # covered the first sentence (issue 24's trial)
     # Reset in its callback, before the stage takes its slot (under Pow2 / Oracle it first runs the requests
@@ -449,20 +449,20 @@ def said_ignored(lab, present: bool = False) -> None:
     toast: it covered the first sentence and the block tables' title for seconds, and the line beside the
     step says it (``Lab.said_short_on``)."""
     seen = st.session_state.get("ignored_seen")
-    if seen is None or seen[0] != lab.token:
-        seen = (lab.token, 0)
-    if lab.ignored > seen[1]:
-        n = lab.ignored - seen[1]
-        st.toast(f"{n} press{'es' * (n != 1)} ignored: {lab.ignored_why}.", icon=":material/block:",
-                 duration="long" if lab.ignored_why.startswith("Next event") else "short")
-    st.session_state["ignored_seen"] = (lab.token, lab.ignored)
+    if seen is None or seen[0] != lab.protocol.token:
+        seen = (lab.protocol.token, 0)
+    if lab.protocol.ignored > seen[1]:
+        n = lab.protocol.ignored - seen[1]
+        st.toast(f"{n} press{'es' * (n != 1)} ignored: {lab.protocol.ignored_why}.", icon=":material/block:",
+                 duration="long" if lab.protocol.ignored_why.startswith("Next event") else "short")
+    st.session_state["ignored_seen"] = (lab.protocol.token, lab.protocol.ignored)
     # what a press did that is not on screen (``Lab.notice``: "Next event" found no event left), said once
     told = st.session_state.get("notices_seen")
-    if told is None or told[0] != lab.token:
-        told = (lab.token, 0)
-    if lab.notices > told[1] and not present:
-        st.toast(lab.notice + ".", icon=":material/info:", duration="long")
-    st.session_state["notices_seen"] = (lab.token, lab.notices)
+    if told is None or told[0] != lab.protocol.token:
+        told = (lab.protocol.token, 0)
+    if lab.protocol.notices > told[1] and not present:
+        st.toast(lab.protocol.notice + ".", icon=":material/info:", duration="long")
+    st.session_state["notices_seen"] = (lab.protocol.token, lab.protocol.notices)
 
 
 def _toggle_play() -> None:
@@ -470,7 +470,7 @@ def _toggle_play() -> None:
     lab = get_lab()
     if lab is not None:
         lab.press("play")
-        st.session_state["playing"] = lab.playing
+        st.session_state["playing"] = lab.player.playing
 
 
 SCRUB_SET = "scrub_set"  # the slider's last positions set by the page (step numbers), newest last
@@ -487,7 +487,7 @@ def _scrubbed() -> None:
     if pending_presses(lab) and value in st.session_state.get(SCRUB_SET, [])[:-1]:
         return
     lab.seek(value - 1)
-    st.session_state["cursor"] = lab.cursor
+    st.session_state["cursor"] = lab.player.cursor
 
 
 def views(lab, present: bool = False) -> None:
@@ -559,7 +559,7 @@ def phase_control(lab, record) -> int:
 def advance_play(lab) -> None:
     """While playing: one engine step per timer tick (``Lab.play_tick``, atomic); when the work is done, stop
     and redraw the whole page (so the button says Play again)."""
-    if not lab.playing:
+    if not lab.player.playing:
         return
     if not lab.play_tick():  # nothing left (or paused meanwhile): Play has stopped
         st.session_state["playing"] = False

@@ -329,10 +329,10 @@ def views(lab, history: list, index: int, has_work: bool, decode) -> None:
 
 def playing_line(lab) -> str | None:
     """While Play runs: its speed and the rate measured since it started (``Lab.play_rate``)."""
-    if not lab.playing or (rate := lab.play_rate()) is None:
+    if not lab.player.playing or (rate := lab.play_rate()) is None:
         return None
-    return (f"Playing at {lab.play_speed:g} steps per second: {rate:.1f} measured since Play started"
-            + (" (the page draws every few steps to keep the pace)" if lab.play_speed > 2 else ""))
+    return (f"Playing at {lab.player.speed:g} steps per second: {rate:.1f} measured since Play started"
+            + (" (the page draws every few steps to keep the pace)" if lab.player.speed > 2 else ""))
 
 
 def layout_line(cs) -> str:

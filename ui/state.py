@@ -47,8 +47,8 @@ def build_lab(settings: LabSettings) -> bool:
     st.session_state["lab"] = lab
     class_server.seat_lab(lab)  # a class server releases it when this session idles (ui/class_server.py)
     st.session_state["lab_generation"] = st.session_state.get("lab_generation", 0) + 1  # a fresh settings form
-    st.session_state["cursor"] = lab.cursor  # a mirror of the lab's own cursor (-1: follow the latest step)
-    st.session_state["playing"] = lab.playing  # a mirror: a new run starts paused (Play on a preset nobody has
+    st.session_state["cursor"] = lab.player.cursor  # a mirror of the lab's own cursor (-1: follow the latest step)
+    st.session_state["playing"] = lab.player.playing  # a mirror: a new run starts paused (Play on a preset nobody has
     # seen yet surprises)
     st.session_state.pop("lab_error", None)
     return True
@@ -381,9 +381,9 @@ def stage_keys(lab: Lab, want_viewport: bool = False) -> None:
     (``.paged-attention-stage``), what a browser test compares: steps recorded, each engine's own step count,
     presses handled and ignored."""
     counts = lab.counts()
-    attrs = {**counts, "token": lab.token, "contiguousSteps": "" if counts["contiguousSteps"] is None
+    attrs = {**counts, "token": lab.protocol.token, "contiguousSteps": "" if counts["contiguousSteps"] is None
              else counts["contiguousSteps"]}
-    _stage()(key=STAGE_KEY, data={"token": lab.token, "handled": counts["handled"], "attrs": attrs,
+    _stage()(key=STAGE_KEY, data={"token": lab.protocol.token, "handled": counts["handled"], "attrs": attrs,
                                   "viewport": viewport(), "wantViewport": want_viewport},
              on_presses_change=lambda: None, on_viewport_change=lambda: None, width="stretch", height="content")
 

@@ -25,7 +25,8 @@ from .config import (CONTIGUOUS_POLICIES, EMBEDDED_MODEL, FINAL_LENGTH_POLICIES,
                      EngineConfig)
 from .records import StepRecord, write_trace
 from .scenarios.presets import SCENARIOS, get_scenario
-from .scenarios.workloads import learn_final_lengths, run_workload
+from .scenarios.run_spec import Run, RunSpec, run_paged_then_contiguous
+from .scenarios.workloads import run_workload
 
 MIB = 1024 * 1024
 
@@ -89,42 +90,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def engine_config(args, scenario, allocator: str = "paged") -> EngineConfig:
-    """Scenario defaults, overridden by the flags the user gave."""
-    fields = dict(scenario.engine_defaults)
-    fields["allocator"] = allocator
-    if args.reservation is not None:
-        fields["reservation_tokens"] = args.reservation
-    if args.block_size is not None:
-        fields["block_size"] = args.block_size
-    if args.num_blocks is not None:
-        fields["num_blocks"] = args.num_blocks
-        fields.pop("kv_budget_bytes", None)
+def run_spec(args, scenario) -> RunSpec:
+    """The run's spec: the scenario's settings (``RunSpec.from_preset``), overridden by the flags the user
+    gave. ``--max-num-batched-tokens`` is V1's token budget under ``--semantics v1``, else the paper's
+    prefill budget (``RunSpec.prefill_budget``); ``--max-num-seqs`` defaults to the engine's 256 for both
+    engines (V1 refuses a smaller token budget, as vLLM does). Raises ValueError naming a bad flag."""
+    fields = {flag: getattr(args, flag) for flag in ("block_size", "num_blocks", "max_model_len", "reservation",
+                                                     "preemption_mode", "contiguous_policy", "watermark",
+                                                     "scheduling_policy")
+              if getattr(args, flag, None) is not None}
     if args.kv_budget_mb is not None:
         if not math.isfinite(args.kv_budget_mb) or args.kv_budget_mb <= 0:
             raise ValueError(f"--kv-budget-mb must be a finite number > 0, got {args.kv_budget_mb}")
-        fields["kv_budget_bytes"] = int(args.kv_budget_mb * MIB)
-        fields.pop("num_blocks", None)
-    if args.max_model_len is not None:
-        fields["max_model_len"] = args.max_model_len
-    for flag in ("preemption_mode", "contiguous_policy", "watermark", "scheduling_policy", "max_num_batched_tokens",
-                 "max_num_seqs"):
-        if getattr(args, flag, None) is not None:
-            fields[flag] = getattr(args, flag)
-    if allocator == "paged":
-        fields["semantics"] = getattr(args, "semantics", "paper")
-        fields["kv_events_endpoint"] = getattr(args, "kv_events_endpoint", None)
-        fields["kv_events_replay_endpoint"] = getattr(args, "kv_events_replay_endpoint", None)
-        if fields["semantics"] == "v1":
-            fields.pop("swap_space_blocks", None)  # a scenario's swap pool: V1 has none
-            if fields.get("preemption_mode") == "swap":
-                raise ValueError(f"scenario {scenario.name!r} preempts by swap, which vLLM V1 does not have "
-                                 f"(recompute only): add --preemption-mode recompute to run it with --semantics v1")
-    else:  # the baseline is the paper's contiguous allocator under the paper's scheduler
-        fields.pop("scheduling_policy", None)
-        if getattr(args, "semantics", "paper") == "v1":
-            fields.pop("max_num_batched_tokens", None)  # V1's chunking budget; the paper's must hold a prompt
-    return EngineConfig(model=args.model, device=args.device, **fields)
+        fields["kv_budget_mb"] = args.kv_budget_mb
+    semantics = getattr(args, "semantics", "paper")
+    budget = getattr(args, "max_num_batched_tokens", None)
+    spec = RunSpec.from_preset(scenario.name, model=args.model, device=args.device, seed=args.seed,
+                               semantics=semantics, max_num_batched_tokens=budget if semantics == "v1" else None,
+                               prefill_budget=None if semantics == "v1" else budget,
+                               max_num_seqs=getattr(args, "max_num_seqs", None) or EngineConfig.max_num_seqs,
+                               kv_events_endpoint=getattr(args, "kv_events_endpoint", None),
+                               kv_events_replay_endpoint=getattr(args, "kv_events_replay_endpoint", None), **fields)
+    if semantics == "v1" and spec.preemption_mode == "swap":
+        raise ValueError(f"scenario {scenario.name!r} preempts by swap, which vLLM V1 does not have "
+                         f"(recompute only): add --preemption-mode recompute to run it with --semantics v1")
+    return spec
+
+
+def engine_config(args, scenario, allocator: str = "paged") -> EngineConfig:
+    """Scenario defaults, overridden by the flags the user gave: ``run_spec(args, scenario).engine_config``."""
+    return run_spec(args, scenario).engine_config(allocator)
 
 
 def paged_summary(engine, records: list[StepRecord], outputs) -> dict:
@@ -340,9 +335,10 @@ def run(args) -> int:
     if events and "paged" not in wanted:  # EngineConfig refuses the pair; the contiguous config never gets it
         raise ValueError(f"{' and '.join(events)}: the contiguous allocator has no prefix cache, so it publishes no "
                          f"KV events; use --allocator paged or both (the paged engine publishes)")
-    configs = {a: engine_config(args, scenario, a) for a in ("paged", "contiguous")}  # bad flags fail first
+    spec = run_spec(args, scenario)
+    configs = {a: spec.engine_config(a) for a in ("paged", "contiguous")}  # bad flags fail first
     # "pow2" and "oracle" reserve by each request's true final length: a paged run of the same requests
-    # learns them (the same seeds give the same tokens on both allocators)
+    # learns them (run_paged_then_contiguous; the same seeds give the same tokens on both allocators)
     oracle = "contiguous" in wanted and configs["contiguous"].contiguous_policy in FINAL_LENGTH_POLICIES
     allocators = ["paged", "contiguous"] if oracle else wanted
     engines = _build_engines(LLMEngine, configs, allocators, scenario, args.seed)
@@ -353,11 +349,11 @@ def run(args) -> int:
         if longest > cont.max_model_len:
             print(f"note: on the contiguous baseline requests stop at its {cont.max_model_len}-slot reservation; "
                   f"the longest request here needs {longest}, so its outputs are cut short", file=sys.stderr)
-    runs = {}
-    for alloc in allocators:
+
+    def run_engine(what: str, config, final_lens) -> Run:
+        """One of the engines built above, the scenario run ``--passes`` times on it, its trace written."""
+        alloc = "paged" if what == "paged" else "contiguous"
         engine = engines[alloc]
-        final_lens = (learn_final_lengths(runs["paged"][2], runs["paged"][1]) if alloc == "contiguous" and oracle
-                      else None)
         records: list[StepRecord] = []
         outputs = []
         for k in range(args.passes):
@@ -366,13 +362,22 @@ def run(args) -> int:
             outputs += run_workload(engine, scenario.make(args.seed, _tokenizer(engine)),
                                     on_step=_recorder(records, args.step_delay), final_lens=final_lens)
         engine.close()  # sends the KV events still queued
-        runs[alloc] = (engine, records, outputs)
         if args.trace and alloc in wanted:
             path = Path(args.trace)
             if alloc == "contiguous" and len(wanted) > 1:
                 path = path.with_name(f"{path.stem}.contiguous{path.suffix}")
             write_trace(records, path)
-    runs = {a: runs[a] for a in wanted}
+        return Run(engine, records, outputs)
+
+    first = engines[allocators[0]]
+    if "contiguous" in wanted:
+        done = run_paged_then_contiguous(spec, scenario.make(args.seed, _tokenizer(first)),
+                                         (first.model, first.tokenizer), paged="paged" in wanted,
+                                         run_engine=run_engine)
+        runs = {"paged": done.paged, "contiguous": done.contiguous[spec.contiguous_policy]}
+    else:
+        runs = {"paged": run_engine("paged", configs["paged"], None)}
+    runs = {a: (runs[a].engine, runs[a].records, runs[a].outputs) for a in wanted}
     if args.semantics == "v1" and "contiguous" in wanted:
         print("note: the contiguous baseline runs the paper's scheduler (vLLM V0); --semantics v1 applies to the "
               "paged engine", file=sys.stderr)
@@ -408,6 +413,10 @@ def main(argv: list[str] | None = None) -> int:
             return watch.watch(args)
         if args.command == "replay":
             return watch.replay(args)
+        if args.command == "route":
+            from .watch import router
+
+            return router.main(args)
         return run(args)
     except ValueError as exc:  # bad flags, bad model: one clear line, no traceback
         print(f"error: {exc}", file=sys.stderr)

@@ -1,9 +1,10 @@
 """Compare: one workload run to completion on the paged engine and on the contiguous baseline under each of
 its four reservation policies, in the same KV byte budget; their accounting side by side.
 
-Settings come from the Playground's one path (``ui.state.preset_settings`` -> ``LabSettings.config``), so a
-scenario's own engine settings (its pool, reservation, preemption mode, prefix caching) hold here too. The
-paged run goes first: the final lengths it reaches (``learn_final_lengths``) are what "pow2" and "oracle"
+Settings come from the Playground's one path (``ui.state.preset_settings``: a ``RunSpec``, whose
+``engine_config`` builds every engine), so a scenario's own engine settings (its pool, reservation, preemption
+mode, prefix caching) hold here too. The runs are ``engine.scenarios.run_spec.run_paged_then_contiguous``: the
+paged run goes first, and the final lengths the baselines' scheduler reaches are what "pow2" and "oracle"
 must know in advance. Every number in the table is ``engine.cli``'s summary, built from ``engine.metrics``.
 
 The paged engine runs the semantics chosen on the page (the paper's, vLLM V0, or vLLM V1 with its token
@@ -25,14 +26,15 @@ import time
 import pandas as pd
 import streamlit as st
 
-from engine import LLMEngine, metrics
+from engine import metrics
 from engine.cli import contiguous_summary, paged_summary
 from engine.model_loader import load_shared
-from engine.config import CONTIGUOUS_POLICIES, DEFAULT_MAX_NUM_BATCHED_TOKENS_V1, FINAL_LENGTH_POLICIES, SEMANTICS
+from engine.config import CONTIGUOUS_POLICIES, DEFAULT_MAX_NUM_BATCHED_TOKENS_V1, SEMANTICS
 from engine.scenarios.presets import SCENARIOS
-from engine.scenarios.workloads import learn_final_lengths, run_workload
+from engine.scenarios.run_spec import lengths_known, run_paged_then_contiguous
 from ui.runs import COMPARE_RUNS, ProgressBox, preload_model, token_detail
-from ui.lab import (POLICY_LABELS, POLICY_RESERVES, SEMANTICS_LABELS, Lab, engine_semantics_line,
+from ui import class_limits as limits
+from ui.lab import (POLICY_LABELS, POLICY_RESERVES, SEMANTICS_LABELS, engine_semantics_line,
                     fit_semantics, max_num_seqs_for, semantics_line)
 from ui.state import preset_settings
 from viz import contiguous_region_figure, paged_slots_figure, timeline_figure
@@ -91,68 +93,50 @@ class _Runs:
 
 def run_all(name: str, seed: int, semantics: str = "paper", budget: int | None = None, report=None) -> dict:
     """Run ``name`` on the paged engine in ``semantics`` ("paper" | "v1"; ``budget``: V1's token budget per
-    step), then on the contiguous baseline under every policy (the paper's scheduler). ``report(what,
-    fraction, detail)``, if given, is called after every engine step (``ui.runs.RunCache.get``'s).
+    step), then on the contiguous baseline under every policy (the paper's scheduler):
+    ``engine.scenarios.run_spec.run_paged_then_contiguous``. ``report(what, fraction, detail)``, if given, is
+    called after every engine step (``ui.runs.RunCache.get``'s).
 
     Returns {"name", "seed", "settings", "semantics", "semantics_line", "semantics_note", "budget", "paged":
     (records, summary), "policies": {policy: (records, summary)}, "skipped": {policy: reason}, "seconds":
     {"paged", "learn", "contiguous": {policy: s}, "total"}}; the settings are those in effect (a workload V1
     cannot run runs in the paper's semantics, "semantics_note" says why). The result may be shared by every
     session (``cached_run_all``): read it, never change it.
-    Raises ValueError (settings, or the paged engine refusing a request); a policy that cannot run is listed
-    in "skipped" with the engine's reason.
+    Raises ValueError (settings, a class server's caps, or the paged engine refusing a request); a policy
+    that cannot run is listed in "skipped" with the engine's reason.
     """
     start = time.perf_counter()
     settings, note = settings_for(name, seed, semantics, budget)
-    scenario = SCENARIOS[name]
+    limits.check_spec(settings)  # a class server's caps and models, before anything is loaded or allocated
     loaded = load_shared(settings.model)  # no drawing: this may run in a worker thread (the page loaded it)
-    paged = LLMEngine(settings.config("paged"), loaded)
-    workload = scenario.make(seed, _tokenize(paged.tokenizer))
+    workload = SCENARIOS[name].make(seed, _tokenize(loaded[1]))
+    limits.check_request_count(0, sum(r.params.n if settings.semantics == "v1" else 1 for r in workload.requests))
     n = len(workload.requests)
-    paper = dataclasses.replace(settings, semantics="paper", scheduling_policy="fcfs", max_num_batched_tokens=None)
-    learn = paged.semantics != "paper" and Lab.needs_final_lengths(dataclasses.replace(paper, contiguous_policy="oracle"))
+    learn = settings.semantics != "paper" and not lengths_known(workload)
     progress = _Runs(report, 1 + learn + len(CONTIGUOUS_POLICIES),
                      sum(r.params.max_tokens * r.params.num_seqs for r in workload.requests),
                      all(r.params.length_known for r in workload.requests))
-    records: list = []
-    outputs = run_workload(paged, workload, on_step=progress.on_step(
-        f"Running {n} request{'s' * (n != 1)} of {name} on the paged engine ({SEMANTICS_LABELS[paged.semantics]})",
-        records))
-    progress.done += 1
-    seconds = {"paged": time.perf_counter() - start, "learn": 0.0, "contiguous": {}}
+    label = {"paged": f"Running {n} request{'s' * (n != 1)} of {name} on the paged engine "
+                      f"({SEMANTICS_LABELS[settings.semantics]})",
+             "learn": "Learning the final lengths the baselines' scheduler (the paper's) reaches"}
+    label.update({p: f"Running the same requests on the contiguous baseline, {POLICY_LABELS[p]}: it reserves "
+                     f"{POLICY_RESERVES[p]}" for p in CONTIGUOUS_POLICIES})
+
+    def on_step(what: str):
+        progress.done = (0 if what == "paged" else 1 if what == "learn"
+                         else 1 + learn + CONTIGUOUS_POLICIES.index(what))
+        return progress.on_step(label[what], [])
+
+    runs = run_paged_then_contiguous(settings, workload, loaded, CONTIGUOUS_POLICIES, on_step=on_step,
+                                     skip_refused=True)
+    paged = runs.paged.engine
     result = {"name": name, "seed": seed, "settings": settings, "semantics": paged.semantics,
               "semantics_line": engine_semantics_line(paged), "semantics_note": note,
               "budget": paged.max_num_batched_tokens if paged.semantics == "v1" else None,
-              "paged": (records, paged_summary(paged, records, outputs)), "policies": {}, "skipped": {},
-              "seconds": seconds}
-    finals = learn_final_lengths(outputs, records)
-    if learn:
-        t0 = time.perf_counter()
-        learned: list = []  # the records too: a beam search may run past its longest output (learn_final_lengths)
-        finals = learn_final_lengths(run_workload(
-            LLMEngine(paper.config("paged"), loaded), workload,
-            on_step=progress.on_step("Learning the final lengths the baselines' scheduler (the paper's) reaches",
-                                     learned)), learned)
-        progress.done += 1
-        seconds["learn"] = time.perf_counter() - t0
-    for policy in CONTIGUOUS_POLICIES:
-        t0 = time.perf_counter()
-        records = []
-        try:
-            config = dataclasses.replace(settings, contiguous_policy=policy).config("contiguous")
-            engine = LLMEngine(config, loaded)
-            outputs = run_workload(engine, workload, on_step=progress.on_step(
-                f"Running the same requests on the contiguous baseline, {POLICY_LABELS[policy]}: it reserves "
-                f"{POLICY_RESERVES[policy]}", records),
-                final_lens=finals if policy in FINAL_LENGTH_POLICIES else None)
-        except ValueError as exc:
-            result["skipped"][policy] = str(exc)
-            continue
-        finally:
-            progress.done += 1
-        result["policies"][policy] = (records, contiguous_summary(engine, records, outputs))
-        seconds["contiguous"][policy] = time.perf_counter() - t0
-    seconds["total"] = time.perf_counter() - start
+              "paged": (runs.paged.records, paged_summary(paged, runs.paged.records, runs.paged.outputs)),
+              "policies": {p: (r.records, contiguous_summary(r.engine, r.records, r.outputs))
+                           for p, r in runs.contiguous.items()},
+              "skipped": runs.skipped, "seconds": {**runs.seconds, "total": time.perf_counter() - start}}
     return result
 
 

@@ -79,18 +79,7 @@ def preset_settings(preset: str, model: str = EMBEDDED_MODEL, **overrides) -> La
     (``engine.scenarios.scenario_file.registry_settings``, which also wrote the files).
     The one path from a preset to engine settings: the Playground, Compare, scenario links and the lessons'
     "Open this in the Playground" all use it. Raises ValueError for an unknown preset or field."""
-    from engine.scenarios import scenario_file
-    shipped = scenario_file.load_preset(preset)
-    if shipped is None:
-        semantics, fields = scenario_file.registry_settings(preset)
-        fields.update(semantics=semantics, seed=scenario_file.PRESET_SEED)
-    else:
-        fields = dict(shipped.settings.model_dump(), semantics=shipped.semantics, seed=shipped.seed)
-    unknown = set(overrides) - set(LabSettings.__dataclass_fields__)
-    if unknown:
-        raise ValueError(f"unknown Playground setting(s): {', '.join(sorted(unknown))}")
-    fields.update(overrides)
-    return LabSettings(model=model, preset=preset, **fields)
+    return LabSettings.from_preset(preset, model, **overrides)  # engine.scenarios.run_spec.RunSpec
 
 
 def scenario_settings(scenario, model: str = EMBEDDED_MODEL) -> LabSettings:
@@ -102,8 +91,7 @@ def scenario_settings(scenario, model: str = EMBEDDED_MODEL) -> LabSettings:
 
     if scenario.name in SCENARIOS and scenario == scenario_file.load_preset(scenario.name):
         return preset_settings(scenario.name, model)
-    return LabSettings(model=model, preset="custom", scenario=scenario, semantics=scenario.semantics,
-                       seed=scenario.seed, **scenario.settings.model_dump())
+    return LabSettings.from_scenario(scenario, model)
 
 
 def default_settings() -> LabSettings:

@@ -129,15 +129,23 @@ def test_no_text_above_a_question_gives_its_answer_away(built, lesson):
                 assert not _leaks(seen, needle), f"lesson {lesson.number}, {ex.id}: {needle!r} is stated above it"
 
 
-def test_the_readme_gives_no_lesson_answer_away(built):
+def lesson_sections() -> dict[str, str]:
+    """The text that presents the lessons before a learner takes them: the README's "Who it is for" (its
+    "Lessons" section moved to docs/learning.md, issue 28) and the learning guide's "The lessons" section."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme.split("\n## Lessons", 1)[1].split("\n## ", 1)[0]
-    for lesson in LESSONS:
-        for ex in built[lesson.slug][2].values():
-            for needle in _needles(ex):
-                assert not _leaks(section, needle), f"README states {needle!r}, lesson {lesson.number}'s {ex.id}"
-            if ex.kind == "choice" and len(ex.expected) >= 12:
-                assert ex.expected not in section, f"README states lesson {lesson.number}'s {ex.id}"
+    guide = (ROOT / "docs" / "learning.md").read_text(encoding="utf-8")
+    return {"README": readme.split("\n## Who it is for", 1)[1].split("\n## ", 1)[0],
+            "docs/learning.md": guide.split("\n## The lessons", 1)[1].split("\n## ", 1)[0]}
+
+
+def test_the_readme_gives_no_lesson_answer_away(built):
+    for where, section in lesson_sections().items():
+        for lesson in LESSONS:
+            for ex in built[lesson.slug][2].values():
+                for needle in _needles(ex):
+                    assert not _leaks(section, needle), f"{where} states {needle!r}, lesson {lesson.number}'s {ex.id}"
+                if ex.kind == "choice" and len(ex.expected) >= 12:
+                    assert ex.expected not in section, f"{where} states lesson {lesson.number}'s {ex.id}"
 
 
 def answer_free_documents() -> list[Path]:

@@ -55,11 +55,13 @@ def test_a_pool_of_100000_blocks_is_grouped_and_drawn_within_a_second(big):
     from viz.server import groups_figure
 
     assert big.num_blocks >= 100_000
-    t0 = time.perf_counter()
+    # CPU time, not wall time: a loaded machine (the suite's two workers and more) stretched the wall time of
+    # the same work to 2.6 s; measured 0.15-0.22 s of CPU (0.21-0.32 s wall) on a quiet run of this machine
+    t0 = time.process_time()
     groups = root_groups(big)
-    fig = groups_figure(big, top=20)
-    took = time.perf_counter() - t0
-    assert took < 1.0, f"{took:.2f} s"
+    fig = groups_figure(big, top=20, groups=groups)
+    took = time.process_time() - t0
+    assert took < 1.0, f"{took:.2f} s of CPU"
     assert len(groups) == 100 and sum(g.blocks for g in groups) == big.num_blocks
     assert groups[0].blocks == 10 + 182 * 10 and groups[0].extended == 182 and groups[0].depth == 20
     assert [b.y for b in fig.data][0][0].startswith("1. ") and len(fig.data[0].y) == 20

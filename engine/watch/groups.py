@@ -69,18 +69,25 @@ def roots_of(mirror) -> dict[str, tuple[str, int]]:
 def root_groups(mirror) -> list[RootGroup]:
     """Every prefix tree of the view, most blocks first."""
     groups: dict[str, RootGroup] = {}
+    blocks, extensions = mirror.blocks, mirror.extensions
     for h, (root, depth) in roots_of(mirror).items():
-        b = mirror.blocks[h]
+        b = blocks[h]
         g = groups.get(root)
         if g is None:
-            g = groups[root] = RootGroup(root=root, first_tokens=list(mirror.blocks[root].token_ids))
+            g = groups[root] = RootGroup(root=root, first_tokens=list(blocks[root].token_ids))
         g.blocks += b.copies
         g.distinct += 1
-        g.depth = max(g.depth, depth)
-        g.extended += mirror.extensions.get(h, 0)
-        for medium, n in b.tier_counts().items():
-            g.tiers[medium] = g.tiers.get(medium, 0) + n
-        g.newest_ts = max(g.newest_ts, b.stored_ts)
+        if depth > g.depth:
+            g.depth = depth
+        if h in extensions:
+            g.extended += extensions[h]
+        if len(b.media) == 1:  # the common case, without a dict per block
+            g.tiers[b.media[0]] = g.tiers.get(b.media[0], 0) + 1
+        else:
+            for medium, n in b.tier_counts().items():
+                g.tiers[medium] = g.tiers.get(medium, 0) + n
+        if b.stored_ts > g.newest_ts:
+            g.newest_ts = b.stored_ts
     return sorted(groups.values(), key=lambda g: (-g.blocks, -g.extended, g.root))
 
 

@@ -143,8 +143,8 @@ def _screenshot_script():
 def test_the_lesson_screenshot_answers_nothing(built):
     """The learning guide (docs/learning.md) shows docs/screenshot_lesson.png: the script that takes it only
     opens and scrolls the lesson (typing an answer or pressing a button would put the engine's answer in the
-    guide), and the question it
-    frames is the lesson's first after its heading, so no earlier reveal is needed to reach it."""
+    guide), and the question it frames is the lesson's first after its heading, so no earlier reveal is
+    needed to reach it."""
     import ast
 
     fn, shot = _screenshot_script()

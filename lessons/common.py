@@ -3,14 +3,16 @@ plain data (snapshots, step records). No Streamlit here."""
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import LLMEngine, SamplingParams
 from engine.block_manager import BlockManager
 from engine.records import Snapshot, SequenceState, StepRecord
+from engine.scenarios.run_spec import RunSpec
 
 
 class LessonContext:
@@ -109,10 +111,12 @@ class EngineRun:
 
 def run_engine(loaded, requests: list[tuple[Any, SamplingParams]], max_steps: int = 2000, label: str = "the engine",
                *, request_ids: list[str] | None = None, arrivals: list[int] | None = None,
-               stop: Callable[[StepRecord], bool] | None = None, **config) -> EngineRun:
-    """Run ``requests`` (prompt text or token ids, params) on a fresh engine built from ``config``
-    (``EngineConfig`` fields) and the shared ``loaded`` model, to completion or to the first step for which
-    ``stop(record)`` is true.
+               stop: Callable[[StepRecord], bool] | None = None, spec: RunSpec | None = None,
+               allocator: str = "paged", **settings) -> EngineRun:
+    """Run ``requests`` (prompt text or token ids, params) on a fresh engine of ``allocator`` ("paged" or
+    "contiguous") built from the run spec ``spec`` (default ``RunSpec()``) with ``settings`` (``RunSpec``
+    fields) on top (``RunSpec.engine_config``: the one place an engine's config is derived) and the shared
+    ``loaded`` model, to completion or to the first step for which ``stop(record)`` is true.
 
     ``request_ids``: the engine's id for each request (default R1, R2, ... in the engine's own numbering).
     ``arrivals``: the step (1-based) before which each request is added (default: all before step 1);
@@ -125,7 +129,8 @@ def run_engine(loaded, requests: list[tuple[Any, SamplingParams]], max_steps: in
     if len(arrivals) != n or (request_ids is not None and len(request_ids) != n):
         raise ValueError(f"{n} requests but {len(arrivals)} arrival steps"
                          + (f" and {len(request_ids)} ids" if request_ids is not None else ""))
-    engine = LLMEngine(EngineConfig(device="auto", **config), loaded)
+    spec = dataclasses.replace(spec, **settings) if spec is not None else RunSpec(**settings)
+    engine = LLMEngine(spec.engine_config(allocator), loaded)
     order = sorted(range(n), key=lambda i: arrivals[i])  # stable: same-step requests keep their list order
     ids: list[str | None] = [None] * n
     report = _REPORT.get()
@@ -164,9 +169,7 @@ def scenario_requests(loaded, name: str) -> list[tuple[Any, SamplingParams]]:
 def scenario_run(loaded, name: str, **overrides) -> EngineRun:
     """Run scenario ``name`` (seed 0, every request at once) with its engine settings, then ``overrides``:
     the same requests and pool the Playground loads for that preset."""
-    from engine.scenarios.presets import get_scenario
-
-    config = {k: v for k, v in get_scenario(name).engine_defaults.items() if k != "reservation_tokens"}
-    config.update(overrides)
     label = name + (f" ({', '.join(f'{k}={v}' for k, v in overrides.items())})" if overrides else "")
-    return run_engine(loaded, scenario_requests(loaded, name), label=label, **config)
+    allocator = overrides.pop("allocator", "paged")
+    return run_engine(loaded, scenario_requests(loaded, name), label=label, allocator=allocator,
+                      spec=RunSpec.from_preset(name, **overrides))

@@ -6,10 +6,11 @@ read from the runs' step records (``engine.metrics.preemption_cost``)."""
 
 from __future__ import annotations
 
-from engine import EngineConfig, LLMEngine
+from engine import LLMEngine
 from engine.metrics import blocks_for, preemption_cost
 from engine.records import plural
 from engine.scenarios.presets import get_scenario
+from engine.scenarios.run_spec import RunSpec
 from lessons import batch_invariance
 from lessons.common import EngineRun, run_engine, scenario_requests, scenario_run
 from lessons.exercise import Exercise, Slip
@@ -93,7 +94,7 @@ def _run(loaded, order: tuple[str, ...] | None, stop_at_preemption: bool, **over
 
 def block_bytes(loaded) -> int:
     """Bytes of one block of the tight pool in the engine's own KV tensors (K and V, every layer)."""
-    engine = LLMEngine(EngineConfig(device="auto", **_config()), loaded)
+    engine = LLMEngine(RunSpec(**_config()).engine_config("paged"), loaded)
     return engine.kv_cache.nbytes // engine.num_blocks
 
 

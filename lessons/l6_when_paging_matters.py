@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine import EngineConfig, LLMEngine
+from engine import LLMEngine
 from engine.block_manager import BlockManager
 from engine.contiguous import ContiguousAllocator
 from engine.metrics import blocks_for, pct
+from engine.scenarios.run_spec import RunSpec
 from lessons import kv_math
 from lessons.common import scenario_run
 from lessons.exercise import Exercise, Slip
@@ -58,8 +59,7 @@ def slots_per_byte(loaded) -> dict:
     """Token slots a paged pool and a contiguous region get from the same KV budget (1 MiB)."""
     out = {}
     for allocator in ("paged", "contiguous"):
-        e = LLMEngine(EngineConfig(device="auto", kv_budget_bytes=2**20, block_size=16, allocator=allocator,
-                                   max_model_len=256), loaded)
+        e = LLMEngine(RunSpec(kv_budget_mb=1, block_size=16, max_model_len=256).engine_config(allocator), loaded)
         cache = e.kv_cache
         nbytes = sum(t.numel() * t.element_size() for t in cache.key_cache + cache.value_cache)
         out[allocator] = {"slots": cache.num_blocks * cache.block_size, "bytes": nbytes}

@@ -598,3 +598,12 @@ def test_the_readme_is_short_and_every_guide_starts_from_a_fresh_clone():
         assert f"](docs/{guide}.md)" in readme, guide
         cmds = commands_in((ROOT / "docs" / f"{guide}.md").read_text(encoding="utf-8"), guide)
         assert cmds[0].argv[:2] == ["git", "clone"], (guide, cmds[0].text)
+
+
+def test_every_headline_figure_links_to_what_measures_it():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("\n## Headline figures", 1)[1].split("\n## ", 1)[0]
+    bullets = re.split(r"\n- ", section)[1:]
+    assert len(bullets) >= 5
+    for bullet in bullets:
+        assert re.search(r"\]\(docs/[\w-]+\.md(#[\w-]+)?\)", bullet), bullet[:80]

@@ -126,12 +126,13 @@ def bench_decode(batch, ctx, block_size, with_baseline=True, graphs=False, **lau
 
 
 def bench_engine(batches, max_tokens=128):
-    from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine import LLMEngine, SamplingParams
+    from engine.scenarios.run_spec import RunSpec
     rows = []
     for backend in ("triton", "torch"):
         for batch in batches:
-            eng = LLMEngine(EngineConfig(device="cuda", block_size=16, num_blocks=batch * 16 + 64,
-                                         max_model_len=256, attention_backend=backend))
+            eng = LLMEngine(RunSpec(device="cuda", block_size=16, num_blocks=batch * 16 + 64, max_model_len=256,
+                                    attention_backend=backend).engine_config("paged"))
             prompts = [f"ROMEO. My lord {i}, " for i in range(batch)]
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
             eng.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up / compile

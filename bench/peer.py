@@ -224,11 +224,12 @@ def summarize(wall_s: float, steps: int, tokens: int, ttft: list[float]) -> dict
 
 
 def lab_config(wl: BenchWorkload):
-    from engine import EMBEDDED_MODEL, EngineConfig
-    return EngineConfig(model=EMBEDDED_MODEL, semantics="v1", block_size=wl.block_size, num_blocks=wl.num_blocks,
-                        max_model_len=wl.max_model_len, max_num_seqs=wl.max_num_seqs,
-                        max_num_batched_tokens=wl.max_num_batched_tokens, device="cpu", dtype="float32",
-                        enable_prefix_caching=True)
+    from engine import EMBEDDED_MODEL
+    from engine.scenarios.run_spec import RunSpec
+    return RunSpec(model=EMBEDDED_MODEL, semantics="v1", block_size=wl.block_size, num_blocks=wl.num_blocks,
+                   max_model_len=wl.max_model_len, max_num_seqs=wl.max_num_seqs,
+                   max_num_batched_tokens=wl.max_num_batched_tokens, device="cpu", dtype="float32",
+                   enable_prefix_caching=True).engine_config("paged")
 
 
 def run_lab(wl: BenchWorkload, loaded, threads: int, records: bool,

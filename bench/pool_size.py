@@ -28,9 +28,10 @@ POOLS = (256, 4096, 65536)
 
 def one_run(num_blocks: int, loaded) -> tuple[float, float]:
     """(median decode step ms, ms to read a mid-run step's ``ref_counts``: its full per-block lists built)."""
-    from engine import EngineConfig, LLMEngine, SamplingParams
-    engine = LLMEngine(EngineConfig(semantics="v1", block_size=16, num_blocks=num_blocks, max_model_len=256,
-                                    device="cpu", dtype="float32"), loaded=loaded)
+    from engine import LLMEngine, SamplingParams
+    from engine.scenarios.run_spec import RunSpec
+    engine = LLMEngine(RunSpec(semantics="v1", block_size=16, num_blocks=num_blocks, max_model_len=256,
+                               device="cpu", dtype="float32").engine_config("paged"), loaded=loaded)
     for i in range(16):
         engine.add_request([5 + i] * 20 + list(range(10, 30)),
                            SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True))

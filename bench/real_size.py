@@ -59,12 +59,14 @@ def _sync(device: str) -> None:
 
 
 def run_lab(model, tokenizer, device: str, dtype: str, ids: list[list[int]], max_tokens: int) -> dict:
-    from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine import LLMEngine, SamplingParams
+    from engine.scenarios.run_spec import RunSpec
     batch, total = len(ids), len(ids[0]) + max_tokens
     blocks = batch * -(-total // 16) + 16
-    engine = LLMEngine(EngineConfig(semantics="v1", device=device, dtype=dtype, block_size=16, num_blocks=blocks,
-                                    max_model_len=total, max_num_seqs=max(batch, 1),
-                                    max_num_batched_tokens=max(2048, len(ids[0]))), loaded=(model, tokenizer))
+    engine = LLMEngine(RunSpec(semantics="v1", device=device, dtype=dtype, block_size=16, num_blocks=blocks,
+                               max_model_len=total, max_num_seqs=max(batch, 1),
+                               max_num_batched_tokens=max(2048, len(ids[0]))).engine_config("paged"),
+                       loaded=(model, tokenizer))
     engine.generate([ids[0]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     engine.reset_prefix_cache()  # the warm-up's prompt must not be a prefix hit for the timed run
     _sync(device)

@@ -26,14 +26,15 @@ from .report import write_section
 ROOT = Path(__file__).resolve().parent.parent
 ONE_RUN = r"""
 import sys, time, torch
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import LLMEngine, SamplingParams
+from engine.scenarios.run_spec import RunSpec
 from engine.threads import choose_num_threads
 from peer.workload import shared_prefix_requests
 setting = sys.argv[1]
 n = choose_num_threads("cli")[0] if setting == "auto" else int(setting)
 torch.set_num_threads(n)
-e = LLMEngine(EngineConfig(semantics="v1", block_size=32, num_blocks=512, max_model_len=512, device="cpu",
-                           dtype="float32"))
+e = LLMEngine(RunSpec(semantics="v1", block_size=32, num_blocks=512, max_model_len=512, device="cpu",
+                      dtype="float32").engine_config("paged"))
 for r in shared_prefix_requests(max_tokens=48):
     e.add_request(r.prompt_token_ids, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
 t0 = time.perf_counter()

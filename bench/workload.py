@@ -31,14 +31,14 @@ sys.path[:] = [str(_HERE.parent)] + [p for p in sys.path if Path(p or ".").resol
 import torch  # noqa: E402
 
 from bench.report import write_section  # noqa: E402
-from engine import EngineConfig, LLMEngine, metrics  # noqa: E402
+from engine import LLMEngine, metrics  # noqa: E402
 from engine.scenarios.presets import get_scenario  # noqa: E402
+from engine.scenarios.run_spec import RunSpec  # noqa: E402
 from engine.scenarios.workloads import run_workload  # noqa: E402
 
 
 def run_engine(scenario, seed: int, allocator: str, **overrides) -> dict:
-    fields = {**scenario.engine_defaults, **overrides}
-    engine = LLMEngine(EngineConfig(device="cpu", allocator=allocator, **fields))
+    engine = LLMEngine(RunSpec.from_preset(scenario.name, device="cpu", **overrides).engine_config(allocator))
     tokenize = lambda t: engine.tokenizer(t, add_special_tokens=False)["input_ids"]  # noqa: E731
     workload = scenario.make(seed, tokenize)
     records = []

@@ -64,7 +64,7 @@ class RunSpec:
 
     Beyond a file: ``model`` (a file runs on the embedded model), ``kv_budget_mb`` (> 0: size the pool from
     this KV budget instead of ``num_blocks``), and what the CLI and the benchmarks set (the Playground keeps
-    the defaults): ``device``, ``dtype``, ``max_num_seqs`` (None: ``max_num_seqs_for``),
+    the defaults): ``device``, ``dtype``, ``attention_backend``, ``max_num_seqs`` (None: ``max_num_seqs_for``),
     ``prefill_budget`` (the paper's scheduler's ``max_num_batched_tokens``: a prefill step's token budget,
     at least ``max_model_len``; None: ``max_model_len``), ``kv_events_endpoint`` and
     ``kv_events_replay_endpoint`` (the paged engine publishes its KV events there).
@@ -89,6 +89,7 @@ class RunSpec:
     scenario: ScenarioFile | None = None  # "custom": a scenario file's requests to queue
     device: str = "auto"
     dtype: str | None = None
+    attention_backend: str = "auto"
     max_num_seqs: int | None = None  # None: max_num_seqs_for(semantics, max_num_batched_tokens)
     prefill_budget: int | None = None  # the paper's scheduler's max_num_batched_tokens (the CLI's, in paper)
     kv_events_endpoint: str | None = None
@@ -167,7 +168,8 @@ class RunSpec:
             raise ValueError(f"kv_budget_mb must be a finite number of MiB (0: use num_blocks), got "
                              f"{spec.kv_budget_mb!r}")
         budget = int(spec.kv_budget_mb * MIB) if spec.kv_budget_mb > 0 else None
-        return EngineConfig(model=spec.model, device=spec.device, dtype=spec.dtype, block_size=spec.block_size,
+        return EngineConfig(model=spec.model, device=spec.device, dtype=spec.dtype,
+                            attention_backend=spec.attention_backend, block_size=spec.block_size,
                             num_blocks=None if budget else spec.num_blocks, kv_budget_bytes=budget,
                             max_model_len=spec.max_model_len, enable_prefix_caching=spec.enable_prefix_caching,
                             preemption_mode=spec.preemption_mode,

@@ -19,7 +19,8 @@ A scenario file (``ScenarioFile``, format version ``FORMAT_VERSION``)::
       ]
     }
 
-``settings`` are the Playground's ``LabSettings`` fields that decide a run (tokens, blocks; ``reservation``:
+``settings`` are the ``RunSpec`` fields that decide a run (``engine.scenarios.run_spec``, the Playground's
+``LabSettings``: tokens, blocks; ``reservation``:
 the contiguous baseline's slots per request under the "max" policy, null: ``max_model_len``; ``watermark``
 null: the semantics' default). The model stays out: a scenario runs on the embedded model (its token ids are
 that tokenizer's). A request's fields are ``SamplingParams``' (vLLM's names; ``beam_width`` is beam search),
@@ -93,7 +94,8 @@ class _Strict(BaseModel):
 
 
 class ScenarioSettings(_Strict):
-    """The engine settings of a run (the Playground's ``LabSettings`` fields of the same names)."""
+    """The engine settings of a run as a file holds them, validated (``RunSpec``'s fields of the same names;
+    ``RunSpec.from_scenario`` reads them)."""
 
     block_size: int = Field(16, ge=1, le=1024)
     num_blocks: int = Field(64, ge=1, le=MAX_NUM_BLOCKS)
@@ -530,7 +532,7 @@ def request_spec(request: WorkloadRequest) -> RequestSpec:
 def from_workload(workload: Workload, settings: Mapping[str, Any], semantics: str = "paper",
                   name: str | None = None, description: str | None = None, seed: int | None = None) -> ScenarioFile:
     """A scenario file from a workload and the run's settings (a mapping holding at least the
-    ``ScenarioSettings`` fields, e.g. a ``LabSettings``' fields; others are ignored), validated like a
+    ``ScenarioSettings`` fields, e.g. a ``RunSpec``'s fields; others are ignored), validated like a
     loaded file. Raises ValueError naming the bad field."""
     chosen = {k: settings[k] for k in ScenarioSettings.model_fields if k in settings}
     data = dict(name=name or workload.name, description=workload.description if description is None else description,

@@ -59,7 +59,7 @@ class _Bound:
         return f"{self.fn.__module__}.{self.fn.__qualname__}"
 
 
-# Progress of the engine runs below, for the page that waits for them (``lessons.runs.ProgressBox``): a
+# Progress of the engine runs below, for the page that waits for them (``ui.runs.ProgressBox``): a
 # ``report(what, fraction, detail)`` function, set per thread (each Streamlit session runs in its own), None
 # outside the app.
 _REPORT: ContextVar[Callable | None] = ContextVar("lesson_run_progress", default=None)

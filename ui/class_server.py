@@ -15,7 +15,7 @@ every ``REAP_INTERVAL_S``: a seat whose session the runtime no longer serves (``
 for ``ClassLimits.closed_seconds`` (10 s) has its lab released, and the freed memory is handed back to the
 operating system (``free_memory``: ``gc.collect`` then glibc's ``malloc_trim(0)``). A tab that reconnects
 later finds a note and a fresh lab, as after an idle release. Nothing else keeps a lab: the registry below
-holds it only while its session is served, the lessons' and Compare's shared runs (``lessons.runs``) are
+holds it only while its session is served, the lessons' and Compare's shared runs (``ui.runs``) are
 their own, and a link's replay (``ui.scenario_io.run_steps``) returns to Streamlit at least twice a second,
 where Streamlit stops a closed tab's script run.
 

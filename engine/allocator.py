@@ -66,6 +66,9 @@ class KVAllocator(Protocol):
     def attention_view(self, seq_id: str) -> tuple[list[int], int]:
         """(block table, first slot of a contiguous range) for attention."""
 
+    def group_views(self, seq_id: str, start: int, end: int) -> tuple[tuple[list[int], ...], tuple[list[int], ...]]:
+        """(block table, slot mapping of tokens ``start .. end-1``) of each KV cache group, in group order."""
+
     def table_of(self, seq_id: str) -> tuple[list[int], int] | None:
         """(table, tokens held), or None if ``seq_id`` holds nothing."""
 

@@ -56,6 +56,7 @@ class BlockManager(KVCacheManager):
         evict_uncached_first: freed blocks without a prefix-cache hash go to the front of the free queue
             (reused first), cached ones to the back (vLLM V1's ``BlockPool.free_blocks``); False puts all at
             the back in the order freed (the paper's engine).
+        groups: the model's KV cache groups (``KVCacheManager``); None: one full-attention group.
 
     Raises:
         ValueError: a size is not a positive integer (``num_swap_blocks`` may be 0), or a bad watermark.
@@ -63,7 +64,7 @@ class BlockManager(KVCacheManager):
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
                  num_swap_blocks: int = 0, watermark: float = 0.0, event_log: EventLog | None = None,
-                 evict_uncached_first: bool = False) -> None:
+                 evict_uncached_first: bool = False, groups=None) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -71,7 +72,8 @@ class BlockManager(KVCacheManager):
             raise ValueError(f"num_swap_blocks must be an integer >= 0, got {num_swap_blocks!r}")
         if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0 <= watermark < 1:
             raise ValueError(f"watermark must be a number in [0, 1), got {watermark!r}")
-        super().__init__(num_blocks, block_size, enable_prefix_caching, event_log, evict_uncached_first)
+        super().__init__(num_blocks, block_size, enable_prefix_caching, event_log, evict_uncached_first,
+                         groups=groups)
         self.num_blocks = num_blocks
         self.evict_uncached_first = evict_uncached_first
         self.watermark_blocks = int(watermark * num_blocks)
@@ -141,7 +143,7 @@ class BlockManager(KVCacheManager):
     def owners(self) -> list[list[str]]:
         """For each physical block, the sequences whose tables point at it."""
         owners: list[list[str]] = [[] for _ in range(self.num_blocks)]
-        for seq_id, table in self.block_tables.items():
+        for seq_id, table in self.all_block_tables():
             for b in table:
                 owners[b].append(seq_id)
         return owners
@@ -149,7 +151,7 @@ class BlockManager(KVCacheManager):
     def invariant_violations(self) -> list[str]:
         """Broken invariants (empty when consistent): counts equal table references, free exactly at count
         0, and the prefix cache both ways (``BlockPool.invariant_violations``)."""
-        return self.pool.invariant_violations(self.block_tables.values())
+        return self.pool.invariant_violations(table for _, table in self.all_block_tables())
 
     # ---------------------------------------------------------------------------------------- snapshots
     def snapshot_fields(self) -> dict:

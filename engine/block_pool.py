@@ -16,6 +16,11 @@ State, kept in plain lists and dicts (nano-vllm style), each indexed by physical
   hash -> every block carrying it, an ordered set (vLLM's ``BlockHashToBlockMap``). Two blocks may carry
   the same hash (two requests computed the same prefix before either was cached); evicting one leaves
   the others findable.
+- KV cache groups (a hybrid model: ``engine.single_type_kv_cache_manager``): every group draws from this
+  one pool, and a block is cached under its hash *and its group* (vLLM's ``BlockHashWithGroupId``,
+  vllm/v1/core/kv_cache_utils.py:74), as the same prefix has other K/V in a sliding-window layer than in a
+  full one: ``group_cached_blocks[g]`` is group ``g``'s map (``cached_blocks`` is group 0's) and
+  ``block_groups[b]`` the group of a cached block.
 
 A block hash is chained: SHA-256 over the parent block's hash and this block's token ids, so equal hashes
 mean equal whole prefixes (``block_hash``). A free cached block keeps its hash until the free queue hands
@@ -24,8 +29,10 @@ it out again (least recently freed first); that eviction drops the hash ("BlockR
 KV cache events in vLLM's schema (``vllm/distributed/kv_events.py``) are queued in ``kv_events`` and
 drained once per engine step: {"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids",
 "block_size", "lora_id", "medium", "lora_name"}, {"type": "BlockRemoved", "block_hashes", "medium"},
-{"type": "AllBlocksCleared"}. Typed lab events (``engine.records.EventKind``: EVICT, RESET_PREFIX_CACHE)
-go to the event log; their sentences are written in ``engine.narration``.
+{"type": "AllBlocksCleared"}; an event of a group other than 0 also carries "group_idx" (vLLM's
+``BlockStored.group_idx``, which its consumers read as 0 when absent). Typed lab events
+(``engine.records.EventKind``: EVICT, RESET_PREFIX_CACHE) go to the event log; their sentences are
+written in ``engine.narration``.
 
 ``stats`` holds the prefix cache's counters (vLLM's ``PrefixCacheStats``): the KV cache manager counts
 queries and hits there, the pool its evictions.
@@ -55,6 +62,15 @@ def block_hash(parent_hash: str, token_ids) -> str:
     return h.hexdigest()[:16]
 
 
+def prefix_hashes(token_ids: list[int], block_size: int, num_blocks: int):
+    """The chained hashes of the first ``num_blocks`` full blocks of ``token_ids``, computed lazily (a
+    lookup that misses early hashes no further)."""
+    parent = NONE_HASH
+    for i in range(num_blocks):
+        parent = block_hash(parent, token_ids[i * block_size:(i + 1) * block_size])
+        yield parent
+
+
 def new_stats() -> dict:
     """Zeroed prefix-cache counters: first admissions, re-admissions after a preemption, evictions."""
     return {"requests": 0, "queries": 0, "hits": 0, "preempted_requests": 0, "preempted_queries": 0,
@@ -82,6 +98,8 @@ class BlockPool:
         self.fills: list[int] = [0] * num_blocks
         self.block_hashes: list[str | None] = [None] * num_blocks
         self.cached_blocks: dict[str, dict[int, None]] = {}
+        self.group_cached_blocks: list[dict[str, dict[int, None]]] = [self.cached_blocks]
+        self.block_groups: dict[int, int] = {}  # cached block -> its KV cache group (absent: group 0)
         self.stats = new_stats()
         self.kv_events: list[dict] = []
         self._last_stored: tuple | None = None  # key of the last BlockStored (a request's logical block)
@@ -111,13 +129,16 @@ class BlockPool:
     def _evict(self, b: int) -> None:
         """Drop free block ``b``'s hash: the cache must no longer find it ("BlockRemoved", EVICT)."""
         old = self.block_hashes[b]
-        copies = self.cached_blocks[old]
+        group = self.block_groups.pop(b, 0)
+        cache = self.group_cached_blocks[group]
+        copies = cache[old]
         del copies[b]
         if not copies:
-            del self.cached_blocks[old]
+            del cache[old]
         self.block_hashes[b] = None
         self.stats["evictions"] += 1
-        self.kv_events.append({"type": "BlockRemoved", "block_hashes": [old], "medium": "GPU"})
+        self.kv_events.append({"type": "BlockRemoved", "block_hashes": [old], "medium": "GPU",
+                               **({"group_idx": group} if group else {})})
         self.log.emit(EventKind.EVICT, None, [b], hash=old, still_cached=len(copies))
 
     def touch(self, blocks: list[int]) -> None:
@@ -160,30 +181,38 @@ class BlockPool:
         return freed
 
     # ------------------------------------------------------------------------------------- prefix cache
-    def get_cached_block(self, h: str) -> int | None:
-        """The first block carrying hash ``h`` (None: no such prefix is cached)."""
-        blocks = self.cached_blocks.get(h)
+    def _cache(self, group: int) -> dict[str, dict[int, None]]:
+        while len(self.group_cached_blocks) <= group:
+            self.group_cached_blocks.append({})
+        return self.group_cached_blocks[group]
+
+    def get_cached_block(self, h: str, group: int = 0) -> int | None:
+        """The first block carrying hash ``h`` in KV cache group ``group`` (None: no such prefix is cached)."""
+        blocks = self._cache(group).get(h)
         return next(iter(blocks)) if blocks else None
 
-    def cache_full_block(self, b: int, parent: str, tokens: list[int], key: tuple) -> None:
+    def cache_full_block(self, b: int, parent: str, tokens: list[int], key: tuple, group: int = 0) -> None:
         """Give full block ``b`` (holding ``tokens``, after the prefix hashed ``parent``) its chained hash
-        and make it findable, with a "BlockStored" KV event. Consecutive blocks of one request cached in
-        one go share one event, as vLLM's ``cache_full_blocks`` sends one per call (hashes in order, their
-        tokens concatenated, the parent of the first): ``key`` is (request, logical block index)."""
+        and make it findable in KV cache group ``group``, with a "BlockStored" KV event. Consecutive blocks
+        of one request and group cached in one go share one event, as vLLM's ``cache_full_blocks`` sends
+        one per call and group (hashes in order, their tokens concatenated, the parent of the first):
+        ``key`` is (request, logical block index)."""
         h = block_hash(parent, tokens)
         self.block_hashes[b] = h
-        self.cached_blocks.setdefault(h, {})[b] = None
+        self._cache(group).setdefault(h, {})[b] = None
+        if group:
+            self.block_groups[b] = group
         seq, index = key
         last = self.kv_events[-1] if self.kv_events else None
-        if last is not None and last["type"] == "BlockStored" and self._last_stored == (seq, index - 1):
+        if last is not None and last["type"] == "BlockStored" and self._last_stored == (seq, group, index - 1):
             last["block_hashes"].append(h)
             last["token_ids"].extend(tokens)
         else:
             self.kv_events.append({"type": "BlockStored", "block_hashes": [h],
                                    "parent_block_hash": parent if index > 0 else None,
                                    "token_ids": list(tokens), "block_size": self.block_size, "lora_id": None,
-                                   "medium": "GPU", "lora_name": None})
-        self._last_stored = key
+                                   "medium": "GPU", "lora_name": None, **({"group_idx": group} if group else {})})
+        self._last_stored = (seq, group, index)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash, as vLLM's ``BlockPool.reset_prefix_cache``: refused (returns False,
@@ -195,6 +224,8 @@ class BlockPool:
         self.block_hashes[:] = [None] * self.num_blocks
         self.fills[:] = [0] * self.num_blocks
         self.cached_blocks = {}
+        self.group_cached_blocks = [self.cached_blocks]
+        self.block_groups = {}
         self.resets += 1
         self.stats.update({k: 0 for k in self.stats if k != "evictions"})
         self.kv_events.append({"type": "AllBlocksCleared"})
@@ -216,17 +247,19 @@ class BlockPool:
         refs = [0] * self.num_blocks
         for table in tables:
             for b in table:
-                refs[b] += 1
+                if b >= 0:  # -1: the null block of a sliding-window table, nobody's block
+                    refs[b] += 1
         if refs != list(self.ref_counts):
             bad.append(f"reference counts {list(self.ref_counts)} differ from table references {refs}")
         if set(self.free_block_queue) != {b for b in range(self.num_blocks) if self.ref_counts[b] == 0}:
             bad.append("the free queue is not exactly the blocks with count 0")
         for b, h in enumerate(self.block_hashes):
-            if h is not None and b not in self.cached_blocks.get(h, {}):
+            if h is not None and b not in self.group_cached_blocks[self.block_groups.get(b, 0)].get(h, {}):
                 bad.append(f"block {b} carries hash {h} but the cache cannot find it")
-        for h, blocks in self.cached_blocks.items():
-            if not blocks:
-                bad.append(f"cache entry {h} holds no block")
-            bad += [f"cache entry {h} points at block {b}, which carries {self.block_hashes[b]}"
-                    for b in blocks if self.block_hashes[b] != h]
+        for g, cache in enumerate(self.group_cached_blocks):
+            for h, blocks in cache.items():
+                if not blocks:
+                    bad.append(f"cache entry {h} holds no block")
+                bad += [f"cache entry {h} points at block {b}, which carries {self.block_hashes[b]}"
+                        for b in blocks if self.block_hashes[b] != h or self.block_groups.get(b, 0) != g]
         return bad

@@ -266,6 +266,10 @@ class ContiguousAllocator:
         self._settle()
         return [], self.regions[seq_id][0]
 
+    def group_views(self, seq_id: str, start: int, end: int) -> tuple[tuple[list[int], ...], tuple[list[int], ...]]:
+        """One group (every layer keeps the whole context): (no block table,), (its slots,)."""
+        return ([],), (self.slot_mapping(seq_id, start, end),)
+
     def fork(self, parent_id: str, child_id: str) -> list[int]:
         """Give ``child_id`` a row of its own holding a copy of ``parent_id``'s written slots: a spare row
         of the request, else (beam search) the next row a sequence of the request frees in this step

@@ -5,11 +5,24 @@ It decides *what* to allocate; the blocks are counted in the ``BlockPool`` (``en
 the bytes live in ``engine.kv_cache.KVCache``. It needs no model, so the lessons drive it directly.
 
 Layers: ``KVCacheManager`` -> one ``SingleTypeKVCacheManager`` per KV cache group
-(``engine.single_type_kv_cache_manager``; today one group, ``FullAttentionManager``) -> the shared
+(``engine.single_type_kv_cache_manager``: ``FullAttentionManager``, ``SlidingWindowManager``) -> the shared
 ``BlockPool``. The group managers hold the block tables; this class adds what is per sequence whatever
 the group: tokens held, token ids (for hashing), the prefix-cache lookup and its counters, the event log
 and the data movement queued for the KV tensors. The paper's operations (fork, copy-on-write) act on the
 full-attention group, the only kind the paper's engine has.
+
+KV cache groups (vLLM V1's hybrid KV cache manager; ``groups``, one ``KVCacheGroupSpec`` each): a model
+whose layers all attend to everything has one group; a hybrid model (sliding-window and full-attention
+layers) has one per kind, each with its own block table per request, all drawing from one pool. Then this
+class is vLLM's ``HybridKVCacheCoordinator`` (vllm/v1/core/kv_cache_coordinator.py, vLLM 0.32) as well:
+``allocate_slots`` first lets each group give back the blocks its window left
+(``remove_skipped_blocks``), counts the blocks every group needs, takes them group by group, and caches
+each group's full blocks (one "BlockStored" per group); a new request's prefix-cache hit is the length
+every group agrees on (``find_longest_cache_hit``: full attention from the left, then a sliding group
+searched from the right within that length, once, as vLLM's "simple hybrid" of one full and one other
+kind; a uniform sliding-window model (Mistral) has its one sliding group only). ``block_tables`` are the
+first full-attention group's (the one a figure shows; with no full group, the first group's),
+``group_block_tables(seq)`` every group's.
 
 State, kept in plain lists and dicts (nano-vllm style):
 - ``block_tables[seq]``: logical block ``i`` of ``seq`` (tokens ``i*B .. i*B+B-1``) -> physical block id.
@@ -38,21 +51,11 @@ executed in order before the next forward pass.
 
 from __future__ import annotations
 
-from typing import Iterator
-
-from .block_pool import NONE_HASH, BlockPool, NoFreeBlocksError, block_hash
+from .block_pool import NONE_HASH, BlockPool, NoFreeBlocksError, block_hash, prefix_hashes  # noqa: F401
 from .metrics import blocks_for
 from .records import EventKind, EventLog
-from .single_type_kv_cache_manager import FullAttentionManager, SingleTypeKVCacheManager
-
-
-def prefix_hashes(token_ids: list[int], block_size: int, num_blocks: int) -> Iterator[str]:
-    """The chained hashes of the first ``num_blocks`` full blocks of ``token_ids``, computed lazily (a
-    lookup that misses early hashes no further)."""
-    parent = NONE_HASH
-    for i in range(num_blocks):
-        parent = block_hash(parent, token_ids[i * block_size:(i + 1) * block_size])
-        yield parent
+from .single_type_kv_cache_manager import (NULL_BLOCK, FullAttentionManager, KVCacheGroupSpec,
+                                           SingleTypeKVCacheManager, SlidingWindowManager, manager_for)
 
 
 class KVCacheManager:
@@ -64,18 +67,30 @@ class KVCacheManager:
         evict_uncached_first: the pool's free order (``BlockPool.free_blocks``): vLLM V1's when True.
         group_kinds: the manager class of each KV cache group, the first full attention (the paper's
             operations and the block tables shown are that group's).
+        groups: the KV cache groups of a model (``single_type_kv_cache_manager.group_layers``), in vLLM's
+            order; given, they decide the managers instead of ``group_kinds``.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
                  event_log: EventLog | None = None, evict_uncached_first: bool = False,
-                 group_kinds: tuple[type[SingleTypeKVCacheManager], ...] = (FullAttentionManager,)) -> None:
+                 group_kinds: tuple[type[SingleTypeKVCacheManager], ...] = (FullAttentionManager,),
+                 groups: tuple[KVCacheGroupSpec, ...] | None = None) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.log = event_log if event_log is not None else EventLog()
         self.pool = BlockPool(num_blocks, block_size, self.log, evict_uncached_first)
-        # one manager per KV cache group; a hybrid model's sliding-window group would be a second class
-        self.managers: list[SingleTypeKVCacheManager] = [kind(self.pool, enable_prefix_caching) for kind in group_kinds]
-        self.full = self.managers[0]
+        # one manager per KV cache group, all over the one pool
+        if groups is not None:
+            self.managers: list[SingleTypeKVCacheManager] = [
+                manager_for(spec, self.pool, enable_prefix_caching, g) for g, spec in enumerate(groups)]
+        else:
+            self.managers = [kind(self.pool, enable_prefix_caching) for kind in group_kinds]
+            for g, m in enumerate(self.managers):
+                m.group_id = g
+        self.groups = groups
+        # a model with other than one full-attention group takes vLLM's group-by-group path
+        self.hybrid = len(self.managers) > 1 or not isinstance(self.managers[0], FullAttentionManager)
+        self.full = next((m for m in self.managers if isinstance(m, FullAttentionManager)), self.managers[0])
         self.block_tables: dict[str, list[int]] = self.full.req_to_blocks  # the full-attention group's tables
         self.num_tokens: dict[str, int] = {}
         self.token_ids: dict[str, list[int]] = {}
@@ -104,8 +119,47 @@ class KVCacheManager:
         block of the last token). Changes nothing. Empty when prefix caching is off."""
         if not self.enable_prefix_caching:
             return []
+        if self.hybrid:  # the hit every group agrees on, as the shown group's blocks
+            return self.find_longest_cache_hit(token_ids)[0][self.managers.index(self.full)]
         return self.full.find_longest_cache_hit(
             prefix_hashes(token_ids, self.block_size, (len(token_ids) - 1) // self.block_size))
+
+    def find_longest_cache_hit(self, token_ids: list[int]) -> tuple[tuple[list[int], ...], int]:
+        """The longest prefix of ``token_ids`` cached for every KV cache group at once: (each group's hit
+        blocks, ``NULL_BLOCK`` where a sliding group needs none; the hit's tokens). Never the last token's
+        block (vLLM's ``get_computed_blocks`` caps the hit at ``num_tokens - 1``). Changes nothing.
+
+        vLLM 0.32's ``HybridKVCacheCoordinator.find_longest_cache_hit`` (kv_cache_coordinator.py:796-931):
+        full-attention groups first (their left-to-right scan bounds the rest), then each other group
+        within the length so far; a group that finds less shortens it and the search restarts, except for
+        the "simple hybrid" of one full and one other kind, where one pass settles it. The full groups'
+        blocks are then cut to the agreed length."""
+        B, groups = self.block_size, range(len(self.managers))
+        if not self.enable_prefix_caching or not token_ids:
+            return tuple([] for _ in groups), 0
+        max_blocks = (len(token_ids) - 1) // B
+        hashes = list(prefix_hashes(token_ids, B, max_blocks))
+        is_full = [isinstance(m, FullAttentionManager) for m in self.managers]
+        order = sorted(groups, key=lambda g: not is_full[g])
+        kinds = {(type(m), getattr(m, "sliding_window", None)) for m in self.managers}
+        simple = len(kinds) == 2 and is_full[order[0]]
+        blocks: list[list[int] | None] = [None] * len(self.managers)
+        lengths = [0] * len(self.managers)
+        hit = max_blocks * B
+        while True:
+            current = hit
+            for g in order:
+                if is_full[g] and blocks[g] is not None:  # full attention is downward-closed: look up once
+                    current = min(current, lengths[g])
+                    continue
+                blocks[g] = self.managers[g].find_longest_cache_hit(hashes, current // B)
+                current = lengths[g] = len(blocks[g]) * B
+            if current >= hit:
+                break
+            hit = current
+            if simple:
+                break
+        return tuple(b[:hit // B] for b in blocks), hit
 
     def free_blocks_needed(self, num_tokens: int, token_ids: list[int] | None = None) -> int:
         """Free-queue blocks that allocating ``num_tokens`` tokens would consume: fresh blocks, plus cached
@@ -281,9 +335,14 @@ class KVCacheManager:
             KeyError: unknown ``seq_id``.
         """
         self._table(seq_id)
-        table, freed = self.full.free(seq_id)
-        for m in self.managers[1:]:
-            m.free(seq_id)
+        if self.hybrid:  # group by group, each table tail first (vLLM's ``KVCacheCoordinator.free``)
+            table, freed = [], []
+            for m in self.managers:
+                t, f = m.free(seq_id)
+                table += [b for b in t if b != NULL_BLOCK]
+                freed += f
+        else:
+            table, freed = self.full.free(seq_id)
         del self.num_tokens[seq_id]
         self.token_ids.pop(seq_id, None)
         cached = sum(self.pool.block_hashes[b] is not None for b in freed)
@@ -295,7 +354,17 @@ class KVCacheManager:
         """Free-queue blocks that holding the first ``num_tokens`` tokens of ``seq_id`` would take (vLLM V1's
         ``get_num_blocks_to_allocate``): new blocks beyond those it holds, or for a sequence holding none,
         beyond its prefix-cache hit on ``token_ids``, plus the hit blocks that sit free (ref count 0) and
-        would leave the free queue. Changes nothing."""
+        would leave the free queue. Changes nothing, except with KV cache groups: there a sequence that
+        holds blocks first gives back those its windows left (as vLLM's ``allocate_slots`` does before it
+        counts), and a sequence holding none is being admitted (vLLM's ``full_sequence_must_fit`` gate:
+        a sliding group counts at most its ``max_admission_blocks``)."""
+        if self.hybrid:
+            if seq_id in self.num_tokens:
+                self.remove_skipped_blocks(seq_id, self.num_tokens[seq_id])
+                return sum(m.get_num_blocks_to_allocate(seq_id, num_tokens, []) for m in self.managers)
+            hits, computed = self.find_longest_cache_hit(token_ids)
+            return sum(m.get_num_blocks_to_allocate(seq_id, num_tokens, hits[g], computed, apply_admission_cap=True)
+                       for g, m in enumerate(self.managers))
         hits = [] if seq_id in self.block_tables or token_ids is None else self.match_prefix(token_ids)
         need = 0
         for m in self.managers:
@@ -321,6 +390,8 @@ class KVCacheManager:
         """
         if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be a positive integer, got {num_new_tokens!r}")
+        if self.hybrid:
+            return self._allocate_slots_by_group(seq_id, token_ids, num_new_tokens, preempted)
         new = seq_id not in self.block_tables
         held = len(self.match_prefix(token_ids)) * self.block_size if new else self.num_tokens[seq_id]
         total = held + num_new_tokens
@@ -351,6 +422,130 @@ class KVCacheManager:
         self.log.emit(EventKind.ALLOCATE, seq_id, written, num_tokens=total, cached_tokens=0,
                       facts={"chunk": num_new_tokens, "start": held, "fresh": fresh})
         return 0
+
+    def _allocate_slots_by_group(self, seq_id: str, token_ids: list[int], num_new_tokens: int,
+                                 preempted: bool) -> int:
+        """``allocate_slots`` over several KV cache groups (or one that is not full attention), in vLLM
+        0.32's order (kv_cache_manager.py:371-618): give back the blocks the windows left, count what every
+        group needs (nothing changes if it does not fit), add a new request's hit blocks, take new blocks
+        group by group, cache each group's full blocks."""
+        B = self.block_size
+        new = seq_id not in self.num_tokens
+        if new:
+            hits, computed = self.find_longest_cache_hit(token_ids)
+        else:
+            hits, computed = tuple([] for _ in self.managers), self.num_tokens[seq_id]
+        total = computed + num_new_tokens
+        if total > len(token_ids):
+            raise ValueError(f"{seq_id}: {total} tokens to hold but only {len(token_ids)} token ids")
+        if not new:
+            self.remove_skipped_blocks(seq_id, computed)
+        need = sum(m.get_num_blocks_to_allocate(seq_id, total, hits[g], computed) for g, m in enumerate(self.managers))
+        if need > self.pool.num_free_blocks:
+            raise NoFreeBlocksError(f"sequence {seq_id!r} needs {need} free blocks to hold {total} tokens, "
+                                    f"{self.pool.num_free_blocks} free")
+        if new:
+            if self.enable_prefix_caching:
+                prefix = "preempted_" if preempted else ""
+                self.stats[prefix + "requests"] += 1
+                self.stats[prefix + "queries"] += len(token_ids)
+                self.stats[prefix + "hits"] += computed
+            for g, m in enumerate(self.managers):
+                m.save_new_computed_blocks(seq_id, hits[g], computed)
+        fresh = [m.allocate_new_blocks(seq_id, total) for m in self.managers]
+        for m in self.managers:
+            table = m.req_to_blocks[seq_id]
+            for i in range(computed // B, len(table)):
+                if table[i] != NULL_BLOCK:
+                    self.pool.fills[table[i]] = min(B, total - i * B)
+        self.num_tokens[seq_id] = total
+        self.token_ids[seq_id] = list(token_ids[:total])
+        for g, m in enumerate(self.managers):
+            m.cache_blocks(seq_id, self.token_ids[seq_id], range(len(hits[g]) if new else computed // B, total // B))
+        self._log_allocation(seq_id, new, computed, total, hits, fresh)
+        return computed if new else 0
+
+    def _log_allocation(self, seq_id, new, computed, total, hits, fresh) -> None:
+        """The lab's events of one ``allocate_slots`` over groups, told for the shown group's table."""
+        g = self.managers.index(self.full)
+        table, B = self.block_tables[seq_id], self.block_size
+        if new:
+            self.log.emit(EventKind.ALLOCATE, seq_id, [b for b in table if b != NULL_BLOCK],
+                          facts={"block_size": B}, num_tokens=total, cached_tokens=computed)
+            if computed:
+                self.log.emit(EventKind.PREFIX_HIT, seq_id, [b for b in hits[g] if b != NULL_BLOCK],
+                              num_tokens=computed, readmission=False)
+        elif total - computed == 1 and fresh[g]:
+            self.log.emit(EventKind.NEW_BLOCK, seq_id, fresh[g], position=computed, logical_block=len(table) - 1)
+        elif total - computed == 1:
+            self.log.emit(EventKind.APPEND, seq_id, [table[-1]], position=computed,
+                          facts={"fill": computed % B + 1, "block_size": B})
+        else:
+            self.log.emit(EventKind.ALLOCATE, seq_id, table[computed // B:], num_tokens=total, cached_tokens=0,
+                          facts={"chunk": total - computed, "start": computed, "fresh": fresh[g]})
+
+    def remove_skipped_blocks(self, seq_id: str, num_computed_tokens: int) -> list[int]:
+        """Every group gives back the blocks no token after ``num_computed_tokens`` attends to (vLLM's
+        ``KVCacheCoordinator.remove_skipped_blocks``); a sliding group's table holds ``NULL_BLOCK`` there.
+        Each group that gave blocks back logs one LEAVE_WINDOW event. Returns the blocks given back."""
+        freed_all = []
+        for g, m in enumerate(self.managers):
+            freed = m.remove_skipped_blocks(seq_id, num_computed_tokens)
+            if freed:
+                freed_all += freed
+                self.log.emit(EventKind.LEAVE_WINDOW, seq_id, freed, group=g, position=num_computed_tokens,
+                              facts={"window": m.sliding_window})
+        return freed_all
+
+    # ------------------------------------------------------------------------------------- KV cache groups
+    def set_max_in_flight_tokens(self, max_in_flight_tokens: int, max_model_len: int) -> None:
+        """Cap what an admission counts for a sliding group (vLLM 0.32's
+        ``SlidingWindowSpec.max_admission_blocks_per_request``, kv_cache_interface.py:859-884):
+        ``ceil(min(window - 1 + max_in_flight_tokens, max_model_len) / B) + 1`` blocks, where
+        ``max_in_flight_tokens`` is the step's token budget (``max_num_batched_tokens``, one batch in
+        flight without async scheduling): a request never holds more in that group, as its window frees
+        blocks before each chunk takes new ones."""
+        for m in self.managers:
+            if isinstance(m, SlidingWindowManager):
+                tokens = min(m.sliding_window - 1 + max_in_flight_tokens, max_model_len)
+                m.max_admission_blocks = blocks_for(tokens, self.block_size) + 1
+
+    def group_block_tables(self, seq_id: str) -> tuple[list[int], ...]:
+        """``seq_id``'s block table in every KV cache group, in group order (``NULL_BLOCK`` where a sliding
+        group gave its block back)."""
+        self._table(seq_id)
+        return tuple(list(m.req_to_blocks[seq_id]) for m in self.managers)
+
+    def slot_mappings(self, seq_id: str, start: int, end: int) -> tuple[list[int], ...]:
+        """Slot ids of tokens ``start .. end-1`` in every group (token ``t`` of group ``g``: ``table_g[t //
+        B] * B + t % B``). Raises ValueError if ``seq_id`` does not hold a token of the range (in a sliding
+        group: one that left the window)."""
+        if start > end:
+            raise ValueError(f"slot_mapping range start {start} is after end {end}")
+        if not 0 <= start and end <= self.num_tokens.get(seq_id, 0):
+            raise ValueError(f"positions {start}..{end - 1} are not held by sequence {seq_id!r} "
+                             f"({self.num_tokens.get(seq_id, 0)} tokens)")
+        B, out = self.block_size, []
+        for table in self.group_block_tables(seq_id):
+            slots = [table[p // B] * B + p % B for p in range(start, end)]
+            if any(table[p // B] == NULL_BLOCK for p in range(start, end)):
+                raise ValueError(f"sequence {seq_id!r}: a position of {start}..{end - 1} left the window")
+            out.append(slots)
+        return tuple(out)
+
+    def group_views(self, seq_id: str, start: int, end: int) -> tuple[tuple[list[int], ...], tuple[list[int], ...]]:
+        """(block table, slot mapping of tokens ``start .. end-1``) of each KV cache group, in group order:
+        what a ``SchedulerOutput`` carries for one sequence."""
+        if not self.hybrid:
+            return (list(self._table(seq_id)),), (self.slot_mapping(seq_id, start, end),)
+        return self.group_block_tables(seq_id), self.slot_mappings(seq_id, start, end)
+
+    def all_block_tables(self):
+        """(sequence id, its table in one group without null entries) for every group's tables: each
+        block reference the pool counts."""
+        for m in self.managers:
+            for seq_id, table in m.req_to_blocks.items():
+                yield seq_id, [b for b in table if b != NULL_BLOCK]
 
     # ------------------------------------------------------------------------------------------- drains
     def drain_events(self) -> list:

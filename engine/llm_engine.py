@@ -32,7 +32,7 @@ from .block_manager import BlockManager
 from .contiguous import ContiguousAllocator
 from .config import DEFAULT_MAX_NUM_BATCHED_TOKENS_V1, EngineConfig, SamplingParams
 from .input_processor import InputProcessor
-from .kv_cache import KVCache, num_blocks_for_budget
+from .kv_cache import KVCache, check_groups_supported, kv_cache_groups, num_blocks_for_budget, page_bytes
 from .memory_check import check_memory
 from .model_loader import geometry_from_config, load_model, resolve_device, resolve_dtype
 from .model_runner import ModelRunner
@@ -71,6 +71,10 @@ class LLMEngine:
         self.backend = kernels.resolve_backend(config.attention_backend, self.device)
         self.model, self.tokenizer = loaded or load_model(config.model, self.device, self.dtype)
         self.geometry = geometry_from_config(self.model.config, self.dtype)
+        # vLLM's KV cache groups (one for a model whose layers all attend to everything); refused here
+        # where the semantics keep one table for every layer (ValueError, saying why)
+        self.kv_cache_groups = kv_cache_groups(self.model.config)
+        check_groups_supported(self.kv_cache_groups, config.model, config.semantics)
         self.block_size = config.block_size
 
         model_max = self.model.config.max_position_embeddings
@@ -93,7 +97,8 @@ class LLMEngine:
         if self.block_size > self.max_model_len:
             raise ValueError(f"block_size {self.block_size} exceeds max_model_len {self.max_model_len}: one block "
                              f"would be longer than the longest sequence")
-        check_memory(self.device, self.num_blocks, self.block_size, self.geometry.bytes_per_block(self.block_size),
+        check_memory(self.device, self.num_blocks, self.block_size,
+                     page_bytes(self.geometry, self.block_size, self.kv_cache_groups),
                      self._swap_pool_blocks(config))
         if config.allocator == "contiguous" and config.contiguous_policy == "max":
             reservation = config.reservation_tokens or self.max_model_len
@@ -179,9 +184,11 @@ class LLMEngine:
             return allocator, kv_cache, ModelRunner(self.model, kv_cache, self.backend, contiguous=True)
         allocator = BlockManager(self.num_blocks, self.block_size, enable_prefix_caching=config.enable_prefix_caching,
                                  num_swap_blocks=swap_blocks, watermark=config.watermark, event_log=self.log,
-                                 evict_uncached_first=config.semantics == "v1")
+                                 evict_uncached_first=config.semantics == "v1", groups=self.kv_cache_groups)
+        # a sliding group's admission cap: the window plus one step's tokens in flight (no async scheduling)
+        allocator.set_max_in_flight_tokens(self.max_num_batched_tokens, self.max_model_len)
         kv_cache = KVCache(self.geometry, self.num_blocks, self.block_size, self.device, dtype,
-                           num_swap_blocks=swap_blocks)
+                           num_swap_blocks=swap_blocks, groups=self.kv_cache_groups)
         return allocator, kv_cache, ModelRunner(self.model, kv_cache, self.backend)
 
     def reset_prefix_cache(self) -> bool:
@@ -194,7 +201,7 @@ class LLMEngine:
         if config.num_blocks is not None:
             return config.num_blocks
         if config.kv_budget_bytes is not None:
-            return num_blocks_for_budget(config.kv_budget_bytes, self.geometry, self.block_size)
+            return num_blocks_for_budget(config.kv_budget_bytes, self.geometry, self.block_size, self.kv_cache_groups)
         tokens = DEFAULT_POOL_REQUESTS * (config.max_model_len or model_max)
         return -(-tokens // self.block_size)
 

@@ -39,6 +39,24 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def blocks_left_window(num_computed_tokens: int, block_size: int, sliding_window: int) -> int:
+    """Blocks a sliding-window KV cache group has given back from the start of a request's table once
+    ``num_computed_tokens`` tokens are computed: those wholly before the window of the next token,
+    ``max(0, num_computed_tokens - sliding_window + 1) // block_size`` (vLLM's
+    ``SlidingWindowManager.get_num_skipped_tokens``, then whole blocks; a query at position p reads
+    p - W + 1 .. p)."""
+    return max(0, num_computed_tokens - sliding_window + 1) // block_size
+
+
+def hybrid_blocks_saved(num_computed_tokens: int, block_size: int, group_windows) -> int:
+    """Blocks a request of a hybrid model holds fewer than its all-full-attention twin (the same KV cache
+    groups, the same bytes per block, every layer attending to everything) once ``num_computed_tokens``
+    tokens are computed and its next tokens scheduled: the blocks each sliding-window group has given back
+    (``blocks_left_window``), summed over the groups (``group_windows``: each group's window, None for
+    full attention). Times the bytes per block, the memory the windows save."""
+    return sum(blocks_left_window(num_computed_tokens, block_size, w) for w in group_windows if w is not None)
+
+
 # ------------------------------------------------------------------------------------------ one snapshot
 def slots_used(snap) -> int:
     """Token slots holding K/V of live sequences (tokens)."""

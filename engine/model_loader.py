@@ -26,8 +26,10 @@ MAX_DOWNLOAD_ENV = "PAL_MAX_DOWNLOAD_MB"
 DEFAULT_MAX_DOWNLOAD_MB = 2048
 
 # Model types whose decoder layers have the Llama shape the model runner drives (pre-norm, q/k/v/o
-# projections, RoPE, gated MLP). Qwen3 adds per-head q/k RMSNorms, which the runner applies.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# projections, RoPE, gated MLP). Qwen3 adds per-head q/k RMSNorms, which the runner applies. Some layers
+# of Mistral, Ministral and Qwen2/3 may attend over a sliding window: the engine reads them into KV cache
+# groups (``engine.kv_cache.kv_cache_groups``) and runs them with V1 semantics.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _IMPORT_LOCK = threading.Lock()
@@ -111,22 +113,6 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
-def _active_sliding_window(config) -> int | None:
-    """The attention window of a config whose layers (some or all) attend to only the last
-    ``sliding_window`` tokens, when it is shorter than ``max_position_embeddings``; else None.
-
-    Mistral applies ``sliding_window`` to every layer; Qwen2/Qwen3 only with ``use_sliding_window`` true,
-    and then to the layers that ``layer_types`` marks "sliding_attention".
-    """
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return window if window < config.max_position_embeddings else None
-
-
 def _is_local(model: str) -> bool:
     return os.path.isdir(os.path.expanduser(model))
 
@@ -161,7 +147,7 @@ def load_model(model: str, device: torch.device, dtype: str):
 
     Raises:
         ModelLoadError: the path/id cannot be found (offline with an uncached hub id included), the
-            model type is not Llama-family, the model uses sliding-window attention, the weights are not
+            model type is not Llama-family, the weights are not
             safetensors, or anything else fails while loading (a corrupt config.json or weights file, an
             unreadable file): always one line that names ``model`` as given, never a traceback.
     """
@@ -203,12 +189,6 @@ def _load_model(model: str, device: torch.device, dtype: str):
         raise ModelLoadError(
             f"model {model!r} has model_type {config.model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    window = _active_sliding_window(config)
-    if window is not None:
-        raise ModelLoadError(
-            f"model {model!r} uses sliding-window attention (sliding_window={window} in config.json, below "
-            f"max_position_embeddings={config.max_position_embeddings}); sliding-window attention is not "
-            f"supported yet")
     if not _is_local(model):
         _check_hub_size(model)  # config.json is small; the weights are not: refuse before fetching them
     try:

@@ -12,6 +12,14 @@ builds a padded ``[batch, seq]`` causal mask and expects one cache per batch row
 "varlen" layout) with one shared pool. Driving the layers ourselves keeps that layout explicit and the
 code short, and it stays the model's math: our tests check greedy tokens and logits against
 ``model.generate``.
+
+KV cache groups (a hybrid model: some layers attend over a sliding window, some to everything; vLLM V1's
+hybrid KV cache manager): each group has its own block table and slot mapping per sequence
+(``SchedulerOutput``'s ``block_tables[g]`` / ``slot_mappings[g]``), and layer ``l`` reads and writes
+through the ones of its group (``KVCache.layer_group[l]``) with its own window
+(``KVCache.layer_window[l]``), as vLLM's model runner hands each attention layer its group's
+``AttentionMetadata``. A sliding group's table holds -1 (the null block) where blocks left the window:
+attention never reads there, as every position it reads is inside the window.
 """
 
 from __future__ import annotations
@@ -30,16 +38,16 @@ import kernels
 class SeqInput:
     """One sequence's share of a step.
 
-    ``token_ids`` are the tokens computed now, at positions ``start_pos ..``; ``slot_mapping`` says where
-    their K/V go; ``block_table`` lists the sequence's physical blocks; after this step the cache holds
-    ``start_pos + len(token_ids)`` of its tokens.
+    ``token_ids`` are the tokens computed now, at positions ``start_pos ..``; ``slot_mappings[g]`` says
+    where their K/V go in KV cache group ``g``; ``block_tables[g]`` lists the sequence's physical blocks
+    there; after this step the cache holds ``start_pos + len(token_ids)`` of its tokens.
     """
 
     seq_id: str
     token_ids: list[int]
     start_pos: int
-    slot_mapping: list[int]
-    block_table: list[int]
+    slot_mappings: tuple[list[int], ...]
+    block_tables: tuple[list[int], ...]
     region_start: int = 0  # contiguous baseline: the first slot of the sequence's reserved range
 
 
@@ -59,6 +67,8 @@ class ModelRunner:
         self.apply_rope = sys.modules[type(first_attn).__module__].apply_rotary_pos_emb
         self.head_dim = first_attn.head_dim
         self.layers = [_fused_layer(layer) for layer in base.layers]
+        self.layer_group = kv_cache.layer_group
+        self.layer_window = kv_cache.layer_window
 
     def execute_model(self, output) -> dict[str, torch.Tensor]:
         """Run one step as the scheduler wrote it down (a ``scheduler_output.SchedulerOutput``, the only thing
@@ -67,8 +77,8 @@ class ModelRunner:
         self.kv_cache.apply(output.kv_ops)
         if not output.scheduled:
             return {}
-        logits = self.execute([SeqInput(s.seq_id, s.token_ids, s.num_computed_tokens, s.slot_mappings[0],
-                                        s.block_tables[0], s.region_start) for s in output.scheduled])
+        logits = self.execute([SeqInput(s.seq_id, s.token_ids, s.num_computed_tokens, s.slot_mappings,
+                                        s.block_tables, s.region_start) for s in output.scheduled])
         return {s.seq_id: logits[i] for i, s in enumerate(output.scheduled) if s.sample}
 
     @torch.inference_mode()
@@ -80,27 +90,32 @@ class ModelRunner:
         positions = torch.tensor(
             [s.start_pos + i for s in seqs for i in range(len(s.token_ids))], device=dev
         )
-        slot_mapping = torch.tensor([x for s in seqs for x in s.slot_mapping], device=dev)
+        num_groups = len(seqs[0].slot_mappings)
+        slot_mappings = [torch.tensor([x for s in seqs for x in s.slot_mappings[g]], device=dev)
+                         for g in range(num_groups)]
         q_lens = torch.tensor([len(s.token_ids) for s in seqs])
         query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.long)
         query_start_loc[1:] = torch.cumsum(q_lens, 0)
         context_lens = torch.tensor([s.start_pos + len(s.token_ids) for s in seqs])
-        if self.contiguous:
-            where = torch.tensor([s.region_start for s in seqs])  # each sequence's range, no block table
-        else:
-            max_blocks = max(len(s.block_table) for s in seqs)
-            where = torch.full((len(seqs), max_blocks), -1, dtype=torch.int32)
-            for i, s in enumerate(seqs):
-                where[i, : len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
-        meta = (where.to(dev), context_lens.to(dev), query_start_loc.to(dev))
+        metas = []
+        for g in range(num_groups):
+            if self.contiguous:
+                where = torch.tensor([s.region_start for s in seqs])  # each sequence's range, no block table
+            else:
+                max_blocks = max(len(s.block_tables[g]) for s in seqs)
+                where = torch.full((len(seqs), max_blocks), -1, dtype=torch.int32)
+                for i, s in enumerate(seqs):
+                    where[i, : len(s.block_tables[g])] = torch.tensor(s.block_tables[g], dtype=torch.int32)
+            metas.append((where.to(dev), context_lens.to(dev), query_start_loc.to(dev)))
         maxima = {"max_query_len": int(q_lens.max()), "max_context_len": int(context_lens.max())}
 
-        hidden = self._forward(input_ids, positions, slot_mapping, meta, maxima)
+        hidden = self._forward(input_ids, positions, slot_mappings, metas, maxima)
         last = (query_start_loc[1:] - 1).to(dev)
         return self.model.lm_head(hidden[last]).float()
 
-    def _forward(self, input_ids, positions, slot_mapping, meta, maxima) -> torch.Tensor:
-        """Decoder stack on ``T`` packed tokens -> final hidden states ``[T, hidden]``."""
+    def _forward(self, input_ids, positions, slot_mappings, metas, maxima) -> torch.Tensor:
+        """Decoder stack on ``T`` packed tokens -> final hidden states ``[T, hidden]``; layer ``l`` reads
+        and writes through its KV cache group's slot mapping and block tables, with its own window."""
         base = self.base
         num_tokens = input_ids.shape[0]
         h = base.embed_tokens(input_ids)[None]  # [1, T, hidden]: the modules expect a batch dim
@@ -117,12 +132,14 @@ class ModelRunner:
             q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [1, heads, T, D]
             q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0]  # [T, heads, D]
             kc, vc = self.kv_cache.key_cache[layer_idx], self.kv_cache.value_cache[layer_idx]
-            kernels.write_kv(k, v, kc, vc, slot_mapping, backend=self.backend)
+            group = self.layer_group[layer_idx]
+            kernels.write_kv(k, v, kc, vc, slot_mappings[group], backend=self.backend)
             if self.contiguous:
-                o = kernels.contiguous_attention(q, kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:]), *meta,
-                                                 scale=fl.scaling)
+                o = kernels.contiguous_attention(q, kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:]),
+                                                 *metas[group], scale=fl.scaling)
             else:
-                o = kernels.paged_attention(q.contiguous(), kc, vc, *meta, scale=fl.scaling, backend=self.backend,
+                o = kernels.paged_attention(q.contiguous(), kc, vc, *metas[group], scale=fl.scaling,
+                                            backend=self.backend, sliding_window=self.layer_window[layer_idx],
                                             **maxima)
             h = residual + fl.o_proj(o.reshape(1, num_tokens, -1))
             gate, up = F.linear(fl.post_attention_layernorm(h), fl.gate_up_weight, fl.gate_up_bias).chunk(2, dim=-1)

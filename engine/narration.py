@@ -84,6 +84,10 @@ _WRITERS = {
     EventKind.SWAP_IN: lambda rid, blocks, data, facts: _swap(rid, blocks, data, facts, out=False),
     EventKind.RESET_PREFIX_CACHE: lambda rid, blocks, data, facts: (
         f"prefix cache reset: {_n(data['num_blocks'], 'cached block')} forgotten"),
+    EventKind.LEAVE_WINDOW: lambda rid, blocks, data, facts: (
+        f"{rid}: {_n(len(blocks), 'block')} {blocks} left the {facts['window']}-token sliding window of KV cache "
+        f"group {data['group']} (token {data['position']} attends to {max(0, data['position'] - facts['window'] + 1)}.."
+        f"{data['position']} only): given back, the null block in that table now"),
 }
 
 

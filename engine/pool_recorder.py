@@ -56,7 +56,7 @@ class PoolRecorder:
             self.resets = pool.resets
         else:
             owners: dict[int, list[str]] = {b: [] for b in self.dirty}
-            for seq_id, table in m.block_tables.items():
+            for seq_id, table in m.all_block_tables():
                 for b in table:
                     if b in owners:
                         owners[b].append(seq_id)

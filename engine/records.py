@@ -44,6 +44,7 @@ class EventKind(StrEnum):
     SWAP_IN = "swap_in"        # blocks copied back from the swap pool into fresh GPU blocks
     FINISH = "finish"          # a request (or one of its samples / beams) finished
     RESET_PREFIX_CACHE = "reset_prefix_cache"  # every free block's hash dropped (vLLM: reset_prefix_cache)
+    LEAVE_WINDOW = "leave_window"  # a sliding-window KV cache group gave back blocks its window left
 
 
 EVENT_KINDS = tuple(k.value for k in EventKind)
@@ -82,6 +83,8 @@ class SeqStatus(StrEnum):
 # | swap_out / swap_in | pairs ([gpu, cpu] / [cpu, gpu]), seqs (sequence ids)                         |
 # | finish             | reason ("stop" | "length" | "pruned"), final_len (tokens)                    |
 # | reset_prefix_cache | num_blocks (hashes dropped)                                                 |
+# | leave_window       | group (the KV cache group), position (tokens computed: the window of the    |
+# |                    | next token starts at position - window + 1)                                 |
 EVENT_DATA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "admit": {"num_tokens": int, "computed": int, "readmission": bool},
     "wait": {"reason": str},
@@ -98,6 +101,7 @@ EVENT_DATA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "swap_in": {"pairs": list, "seqs": list},
     "finish": {"reason": str, "final_len": int},
     "reset_prefix_cache": {"num_blocks": int},
+    "leave_window": {"group": int, "position": int},
 }
 
 

@@ -109,10 +109,10 @@ class Scheduler:
         scheduled = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start, end = seq.num_computed_tokens - n, seq.num_computed_tokens
-            table, region_start = bm.attention_view(seq.seq_id)
+            region_start = bm.attention_view(seq.seq_id)[1]
+            tables, slots = bm.group_views(seq.seq_id, start, end)  # one of each per KV cache group
             scheduled.append(ScheduledSeqData(owner[seq.seq_id], seq.seq_id, seq.token_ids[start:end], start,
-                                              (list(table),), (bm.slot_mapping(seq.seq_id, start, end),),
-                                              region_start, sample=end == seq.num_tokens))
+                                              tables, slots, region_start, sample=end == seq.num_tokens))
         finished, self._finished = self._finished, []
         return SchedulerOutput(self.step_count, batch.kind, scheduled, kv_ops, self._fork_samples(batch),
                                list(self._preempted), finished)

@@ -4,7 +4,11 @@
 The scheduler decides (``Scheduler.schedule``) and writes it down here; the model runner reads only this
 (``ModelRunner.execute_model``): it applies ``kv_ops`` to the KV tensors, then computes each scheduled
 sequence's ``token_ids`` at positions ``num_computed_tokens ..`` with its K/V written to
-``slot_mappings[g]`` and read through ``block_tables[g]`` (one per KV cache group ``g``; today one group).
+``slot_mappings[g]`` and read through ``block_tables[g]``, one per KV cache group ``g`` (vLLM's
+``NewRequestData.block_ids``, a tuple with one list per group): a model whose layers all attend to every
+token has one group; a hybrid model one per kind of layer (``engine.single_type_kv_cache_manager``), and a
+sliding-window group's table holds -1, the null block, where its blocks left the window (no token computed
+now reads or writes there).
 The engine samples from the logits and hands the tokens back (``Scheduler.update_from_output``), which
 appends, finishes, frees and forks. Nothing here is a live object: lists of ints and strings only.
 

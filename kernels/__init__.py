@@ -64,11 +64,13 @@ def contiguous_attention(query, key_region, value_region, region_starts, context
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, context_lens, query_start_loc, scale,
-                    backend: str = "torch", max_query_len: int | None = None, max_context_len: int | None = None):
-    """Causal attention of packed queries ``[num_tokens, num_heads, head_dim]`` through block tables.
+                    backend: str = "torch", max_query_len: int | None = None, max_context_len: int | None = None,
+                    sliding_window: int | None = None):
+    """Causal attention of packed queries ``[num_tokens, num_heads, head_dim]`` through block tables;
+    ``sliding_window`` W: a query at position p reads positions p - W + 1 .. p only (None: all).
 
     See ``kernels.torch_ref.paged_attention`` for shapes; every backend has the same contract.
     """
     return _impl(backend).paged_attention(query, key_cache, value_cache, block_tables, context_lens,
                                           query_start_loc, scale, max_query_len=max_query_len,
-                                          max_context_len=max_context_len)
+                                          max_context_len=max_context_len, sliding_window=sliding_window)

@@ -4,6 +4,13 @@ It gathers K/V through the block tables into contiguous, padded tensors (one ind
 runs ordinary masked attention on them in float32: a whole decode batch in one call, prefill chunks one
 sequence at a time (``causal_attention``). The Triton kernels
 must match it.
+
+Sliding window (a layer of a hybrid model, or every layer of a Mistral-style one): with
+``sliding_window`` W a query at position p reads positions p - W + 1 .. p (W keys, itself included:
+transformers' ``sliding_window_overlay`` keeps ``kv_idx > q_idx - W``; vLLM's attention backends take
+``window_size = (W - 1, 0)``). The blocks wholly before a chunk's first window are -1 in the table (the
+null block its KV cache group put there, ``engine.single_type_kv_cache_manager``): a chunk gathers from the
+block of its first query's window on, and a decode row masks whatever its padded gather read before it.
 """
 
 from __future__ import annotations
@@ -36,8 +43,8 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, context_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    scale: float, max_query_len: int | None = None, max_context_len: int | None = None
-                    ) -> torch.Tensor:
+                    scale: float, max_query_len: int | None = None, max_context_len: int | None = None,
+                    sliding_window: int | None = None) -> torch.Tensor:
     """Causal attention of packed query tokens against each sequence's cached context.
 
     Args:
@@ -51,6 +58,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             ``context_len - q_len .. context_len - 1``). Decode is the case q_len = 1.
         scale: softmax scale, usually head_dim ** -0.5.
         max_query_len, max_context_len: host-side maxima (saves reading them from the tensors).
+        sliding_window: W, each query reads only its last W positions (None: every earlier position).
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in the query's dtype. Grouped-query attention: query head
@@ -63,7 +71,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     num_seqs = context_lens.shape[0]
     max_q = max_query_len or int((query_start_loc[1:] - query_start_loc[:-1]).max())
     if max_q == 1 and query.shape[0] == num_seqs:
-        return _paged_decode(query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len)
+        return _paged_decode(query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len,
+                             sliding_window)
     # A mixed step (vLLM V1: decode tokens and prefill chunks together): the one-query rows as one decode
     # batch, each longer chunk on its own (measured: padding prefill chunks into one call was not faster).
     out = torch.empty_like(query)
@@ -75,9 +84,12 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         rows = torch.tensor([starts[i] for i in single], device=query.device)
         idx = torch.tensor(single, device=query.device)
         out[rows] = _paged_decode(query[rows], key_cache, value_cache, block_tables[idx], context_lens[idx], scale,
-                                  max(ctxs[i] for i in single))
+                                  max(ctxs[i] for i in single), sliding_window)
     for i in range(num_seqs):
-        if q_lens[i] > 1:  # one by one: SDPA's causal mask skips half the work, no padding to pay
+        if q_lens[i] > 1 and sliding_window is not None:
+            out[starts[i]:starts[i + 1]] = _windowed_chunk(query[starts[i]:starts[i + 1]], key_cache, value_cache,
+                                                           block_tables[i], ctxs[i], scale, sliding_window)
+        elif q_lens[i] > 1:  # one by one: SDPA's causal mask skips half the work, no padding to pay
             k = gather_kv(key_cache, block_tables[i], ctxs[i])
             v = gather_kv(value_cache, block_tables[i], ctxs[i])
             out[starts[i]:starts[i + 1]] = causal_attention(query[starts[i]:starts[i + 1]], k, v, scale)
@@ -110,7 +122,28 @@ def _split_chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
     return out[0].transpose(0, 1).to(q.dtype)
 
 
-def _paged_decode(query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len) -> torch.Tensor:
+def _windowed_chunk(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
+                    ctx: int, scale: float, window: int) -> torch.Tensor:
+    """One sequence's chunk of ``q_len`` queries (its last positions, ``ctx - q_len .. ctx - 1``) under a
+    sliding window of ``window`` tokens: K/V gathered from the block holding the first query's first
+    window position on (the blocks before it may be the null block), masked to ``p - window < key <= p``."""
+    q_len, block_size = q.shape[0], key_cache.shape[1]
+    lo = max(0, ctx - q_len - window + 1)  # the first position any query of the chunk reads
+    first = lo // block_size
+    blocks = block_table[first: -(-ctx // block_size)].long()
+    k = key_cache[blocks].reshape(-1, *key_cache.shape[2:])[: ctx - first * block_size]
+    v = value_cache[blocks].reshape(-1, *value_cache.shape[2:])[: ctx - first * block_size]
+    key_pos = torch.arange(first * block_size, ctx, device=q.device)[None, :]
+    q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
+    mask = (key_pos <= q_pos) & (key_pos > q_pos - window)
+    out = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None],
+                                         v.float().transpose(0, 1)[None], scale=scale, enable_gqa=True,
+                                         attn_mask=mask)
+    return out[0].transpose(0, 1).to(q.dtype)
+
+
+def _paged_decode(query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len,
+                  sliding_window: int | None = None) -> torch.Tensor:
     """One query token per sequence: every context gathered in one indexed read, padded to the longest.
 
     The gathered K/V stay in the pool's ``[token, kv_head, D]`` order and are multiplied one KV head at a
@@ -125,7 +158,11 @@ def _paged_decode(query, key_cache, value_cache, block_tables, context_lens, sca
     k = key_cache.index_select(0, tables).view(num_seqs, length, num_kv_heads, head_dim).float()
     v = value_cache.index_select(0, tables).view(num_seqs, length, num_kv_heads, head_dim).float()
     q = query.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    pad = (torch.arange(length, device=query.device)[None, :] >= context_lens[:, None])[:, None, :]
+    pos = torch.arange(length, device=query.device)[None, :]
+    pad = pos >= context_lens[:, None]
+    if sliding_window is not None:  # the query sits at context_len - 1: it reads its last W positions
+        pad |= pos < context_lens[:, None] - sliding_window
+    pad = pad[:, None, :]
     out = torch.empty_like(q)
     for h in range(num_kv_heads):
         scores = torch.matmul(q[:, h], k[:, :, h].transpose(1, 2))  # [S, G, L]

@@ -32,6 +32,13 @@ each K/V tile is read once for the whole group and multiplied with ``tl.dot``. T
 relatives are vLLM's Triton decode attention (``triton_decode_attention.py``, from LightLLM/SGLang) and
 its "unified" Triton attention.
 
+Sliding window (``sliding_window`` W, a layer of a hybrid model): a query at position p reads positions
+p - W + 1 .. p. The walk over the context starts at the first position the tile's first query reads
+(``max(kv_lo, q_pos_first - W + 1)``), so the blocks wholly before it, which may be -1 (the null block a
+sliding KV cache group puts where blocks left the window), are never read, and the mask adds
+``key_pos > q_pos - W``. A decode split whose whole range lies before the window computes nothing and
+weighs 0 in the merge.
+
 Gathering a tile: for tile token ``n`` the kernel loads the physical block id ``block_table[n // B]`` and
 reads the row at slot ``block * B + n % B``; rows inside one block are contiguous, so any block size
 (1, 3, 16, 128, ...) works and sizes >= 16 read memory in long runs.
@@ -105,10 +112,11 @@ def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, query_start_loc_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
     scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-    tokens_per_split,
+    tokens_per_split, window,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -140,12 +148,16 @@ def _paged_attention_kernel(
         acc = tl.zeros([BLOCK_M * G_PAD, D_PAD], tl.float32)
         # causal: no row of this tile looks past its last token
         hi = tl.minimum(kv_hi, ctx_len - q_len + tl.minimum(q_len, (m_tile + 1) * BLOCK_M))
+        lo = kv_lo
+        if SLIDING:  # nothing before the first query's window: those blocks may be the null block
+            lo = tl.maximum(kv_lo, ctx_len - q_len + m_tile * BLOCK_M - window + 1)
         offs_n0 = tl.arange(0, BLOCK_N)
         row_stride = NUM_KV_HEADS * HEAD_DIM
-        for start in range(kv_lo, hi, BLOCK_N):
+        for start in range(lo, hi, BLOCK_N):
             offs_n = start + offs_n0
             n_ok = offs_n < hi
             block = tl.load(block_tables_ptr + seq * stride_bt + offs_n // BLOCK_SIZE, mask=n_ok, other=0)
+            block = tl.maximum(block, 0)
             slot = block.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
             kv_off = slot[:, None] * row_stride + kv_head * HEAD_DIM + offs_d[None, :]
             kv_mask = n_ok[:, None] & d_ok[None, :]
@@ -157,6 +169,8 @@ def _paged_attention_kernel(
                 s = tl.dot(q, tl.trans(k))
             s = s * scale
             ok = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
+            if SLIDING:
+                ok = ok & (offs_n[None, :] > q_pos[:, None] - window)
             s = tl.where(ok, s, -1.0e30)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp(m_i - m_new)
@@ -235,7 +249,7 @@ def _num_splits(batch: int, num_kv_heads: int, max_context: int, device) -> int:
 def paged_attention(query, key_cache, value_cache, block_tables, context_lens, query_start_loc, scale,
                     max_query_len: int | None = None, max_context_len: int | None = None,
                     num_splits: int | None = None, block_m: int | None = None, block_n: int | None = None,
-                    num_warps: int | None = None, num_stages: int | None = None):
+                    num_warps: int | None = None, num_stages: int | None = None, sliding_window: int | None = None):
     """Triton paged attention; same contract as ``kernels.torch_ref.paged_attention``.
 
     Args:
@@ -250,6 +264,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, q
         num_splits: split-KV factor for decode (every sequence has one query token); None chooses.
         block_m, block_n: tile sizes (query tokens per program, context tokens per iteration); None chooses.
         num_warps, num_stages: Triton launch settings; None keeps Triton's defaults.
+        sliding_window: W, each query reads only its last W positions (None: every earlier position).
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in the query's dtype.
@@ -291,10 +306,11 @@ def paged_attention(query, key_cache, value_cache, block_tables, context_lens, q
         query, key_cache, value_cache, bt, context_lens.to(torch.int32).contiguous(),
         query_start_loc.to(torch.int32).contiguous(), out, part_out, part_lse,
         float(scale), query.stride(0), query.stride(1), out.stride(0), out.stride(1), bt.stride(0),
-        tokens_per_split,
+        tokens_per_split, int(sliding_window or 0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group, G_PAD=g_pad,
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits, IEEE=ieee, **launch,
+        BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits, IEEE=ieee, SLIDING=sliding_window is not None,
+        **launch,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](

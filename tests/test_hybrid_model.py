@@ -143,8 +143,9 @@ def test_vllm_serves_it_with_two_kv_cache_groups_and_the_same_tokens(hybrid, con
                           timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads((tmp_path / "out.json").read_text())
-    sliding = [f"model.layers.{i}.self_attn.attn" for i, k in enumerate(config["layer_types"]) if k == "sliding_attention"]
-    full = [f"model.layers.{i}.self_attn.attn" for i, k in enumerate(config["layer_types"]) if k == "full_attention"]
+    names = {k: [f"model.layers.{i}.self_attn.attn" for i, t in enumerate(config["layer_types"]) if t == k]
+             for k in ("sliding_attention", "full_attention")}
+    sliding, full = names["sliding_attention"], names["full_attention"]
     assert got["groups"] == [
         {"spec": "SlidingWindowSpec", "sliding_window": config["sliding_window"], "layers": sliding},
         {"spec": "FullAttentionSpec", "sliding_window": None, "layers": full},

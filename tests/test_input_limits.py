@@ -229,13 +229,24 @@ def tiny(cls, **kwargs):
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **kwargs)
 
 
-def test_sliding_window_models_are_refused(tmp_path):
-    from transformers import MistralConfig, Qwen2Config
+def test_sliding_window_models_load_and_only_v1_runs_them(tmp_path, model_path):
+    """Sliding-window layers load (issue 25: V1's KV cache groups hold them); the paper's semantics (and the
+    contiguous baseline, which runs them), keeping one table or row for every layer, refuse them saying why."""
+    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    msg = refusal(save_config(tmp_path / "mistral", tiny(MistralConfig, sliding_window=64)))
-    assert "sliding_window=64 in config.json" in msg and "sliding-window attention is not supported" in msg
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
     qwen = tiny(Qwen2Config, sliding_window=32, use_sliding_window=True, max_window_layers=1)
-    assert "sliding_window=32" in refusal(save_config(tmp_path / "qwen2", qwen))
+    for name, cls, config in (("mistral", MistralForCausalLM, tiny(MistralConfig, sliding_window=64)),
+                              ("qwen2", Qwen2ForCausalLM, qwen)):
+        cls(config).save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+        loaded = load_model(str(tmp_path / name), torch.device("cpu"), "float32")
+        kwargs = dict(model=str(tmp_path / name), device="cpu", dtype="float32", num_blocks=32, max_num_seqs=4)
+        with pytest.raises(ValueError, match=f"{name}' has sliding-window layers .* semantics='v1'"):
+            LLMEngine(EngineConfig(**kwargs), loaded=loaded)
+        with pytest.raises(ValueError, match="sliding-window layers .* semantics='v1'"):
+            LLMEngine(EngineConfig(**kwargs, allocator="contiguous"), loaded=loaded)
+        assert LLMEngine(EngineConfig(**kwargs, semantics="v1"), loaded=loaded).kv_cache_groups[-1].sliding_window
 
 
 def test_inactive_sliding_windows_still_load(tmp_path, model_path):

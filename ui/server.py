@@ -379,12 +379,15 @@ def rank_panel(mirror, decode, num_gpu_blocks: int | None, key: str, wide: bool,
                help="Over the last minute of the server's own clock (the batches' ts): blocks evicted and stored "
                     "per second, how long the evicted blocks had been cached, and hot prefixes evicted (a block "
                     "that 3 or more requests went on past in the last 60 s: engine.watch.cache_mirror)")
-    figs = [batch_activity_figure(mirror.history), cache_size_figure(mirror.history, num_gpu_blocks),
-            rates_figure(mirror.history, _server_clock(mirror, scrapes))]
-    places = st.columns(3) if wide else [st.container(), st.container(), st.container()]
+    figs = [batch_activity_figure(mirror.history), cache_size_figure(mirror.history, num_gpu_blocks)]
+    places = st.columns(2) if wide else [st.container(), st.container()]
     for i, (place, fig) in enumerate(zip(places, figs)):
         with place:
             st.plotly_chart(fig, width="stretch", key=f"{key}_fig{i}")
+    # folded: a figure redrawn every second only when asked for (the caption above says the last minute)
+    with st.expander("Rates over time (the server's clock): evictions / s, age at eviction, hit rate"):
+        st.plotly_chart(rates_figure(mirror.history, _server_clock(mirror, scrapes)), width="stretch",
+                        key=f"{key}_rates")
     notes = list(mirror.notes)
     if mirror.unknown_removals:
         notes.append(f"{mirror.unknown_removals:,} removals of blocks this view never saw stored (stored before "

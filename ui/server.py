@@ -635,8 +635,10 @@ def replay_mode() -> None:
     header = replay.capture.header
     total = len(replay)
     ranks = replay.capture.ranks
-    st.caption(f"**{rep['name']}**: {plural(total, 'batch', 'batches')} from rank{'s' * (len(ranks) != 1)} "
-               f"{', '.join(map(str, ranks)) or '-'}, recorded {str(header.get('created', '?'))[:10]} from "
+    servers = servers_of_capture(header, ranks)
+    whose = (f"servers {', '.join(sv.name for sv in servers)}" if header.get("servers") else
+             f"rank{'s' * (len(ranks) != 1)} {', '.join(map(str, ranks)) or '-'}")
+    st.caption(f"**{rep['name']}**: {plural(total, 'batch', 'batches')} from {whose}, recorded {str(header.get('created', '?'))[:10]} from "
                f"{_clip(str(header.get('source') or '?'), 48)}",
                help=f"source: {header.get('source')}; model: {header.get('model')}; endpoints: "
                     f"{', '.join(header.get('endpoints') or []) or '-'}; block size {header.get('block_size')}; "
@@ -754,7 +756,8 @@ def replay_view(rep: dict, armed_speed: float) -> None:
                     server_row(values, None, "the capture's last scrape at this point", narrow=len(tiles) > 1,
                                scrapes=capture_scrapes(replay, pos, sv.name))
             name = sv.label(r, single)
-            st.markdown(f"**{name}**")
+            if not (named and len(sv.streams) == 1):  # a one-rank server is named by its heading
+                st.markdown(f"**{name}**")
             rank_panel(mirror, decode, capture_pool(replay, sv.name, values), f"replay{r}", wide=len(tiles) == 1,
                        label=name, highlight=routed.get(r), scrapes=capture_epoch_scrapes(replay, pos, sv.name))
     if not named and metrics_now[servers[0].name] is not None:

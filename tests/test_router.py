@@ -155,6 +155,8 @@ def test_route_reads_a_capture_of_two_named_servers(two_servers, capsys):
     (["--server", "vllm", "--prompt-ids", "1"], "--server 'vllm': expected NAME=ENDPOINT"),
     (["--server", "a=tcp://127.0.0.1:1", "--metrics", "b=http://127.0.0.1:2/metrics", "--prompt-ids", "1"],
      "no --server is named 'b'"),
+    (["--server", "a=tcp://127.0.0.1:9", "--prompt-ids", "1", "--wait", "0.5"],
+     "no server's KV events could be read within --wait 0.5 s (tcp://127.0.0.1:9: "),
 ])
 def test_route_bad_input_is_one_line_naming_the_value(argv, said, capsys):
     rc, _, err = route_cli(argv, capsys)

@@ -307,6 +307,8 @@ def from_live(args):
             s.stop()
     problems = [f"{s.endpoint}: {v.state}" for s, v in zip(subs, views.values())
                 if v.state in ("unreachable", "not_publisher", "connecting")]
+    if len(problems) == len(subs):  # nothing to route on: an answer would only say every cache is empty
+        raise ValueError(f"no server's KV events could be read within --wait {args.wait:g} s ({'; '.join(problems)})")
     values = {}
     for sv in servers:
         if sv.metrics_url:

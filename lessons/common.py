@@ -13,6 +13,7 @@ from engine import LLMEngine, SamplingParams
 from engine.block_manager import BlockManager
 from engine.records import Snapshot, SequenceState, StepRecord
 from engine.scenarios.run_spec import RunSpec
+from ui import class_limits
 
 
 class LessonContext:
@@ -130,6 +131,7 @@ def run_engine(loaded, requests: list[tuple[Any, SamplingParams]], max_steps: in
         raise ValueError(f"{n} requests but {len(arrivals)} arrival steps"
                          + (f" and {len(request_ids)} ids" if request_ids is not None else ""))
     spec = dataclasses.replace(spec, **settings) if spec is not None else RunSpec(**settings)
+    class_limits.check_spec(spec)  # a class server's caps (deployment policy: the app's, not the engine's)
     engine = LLMEngine(spec.engine_config(allocator), loaded)
     order = sorted(range(n), key=lambda i: arrivals[i])  # stable: same-step requests keep their list order
     ids: list[str | None] = [None] * n

@@ -214,6 +214,22 @@ class BlockPool:
                                    "medium": "GPU", "lora_name": None, **({"group_idx": group} if group else {})})
         self._last_stored = (seq, group, index)
 
+    def cache_blocks(self, entries: list[tuple[int, str]], parent: str | None, tokens: list[int], group: int) -> None:
+        """Make each (block, hash) of ``entries`` findable in KV cache group ``group`` and send one
+        "BlockStored" with their hashes (possibly none) and ``tokens``, the whole range the call covered,
+        after the prefix hashed ``parent`` (None: from the start): vLLM's ``cache_full_blocks`` with a block
+        mask (a sliding-window group keeps only the blocks a hit can use)."""
+        for b, h in entries:
+            self.block_hashes[b] = h
+            self._cache(group).setdefault(h, {})[b] = None
+            if group:
+                self.block_groups[b] = group
+        self.kv_events.append({"type": "BlockStored", "block_hashes": [h for _, h in entries],
+                               "parent_block_hash": parent, "token_ids": list(tokens), "block_size": self.block_size,
+                               "lora_id": None, "medium": "GPU", "lora_name": None,
+                               **({"group_idx": group} if group else {})})
+        self._last_stored = None
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash, as vLLM's ``BlockPool.reset_prefix_cache``: refused (returns False,
         changes nothing) while any block is in use. Afterwards no block has a hash or holds tokens. The

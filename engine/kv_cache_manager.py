@@ -94,6 +94,11 @@ class KVCacheManager:
         self.block_tables: dict[str, list[int]] = self.full.req_to_blocks  # the full-attention group's tables
         self.num_tokens: dict[str, int] = {}
         self.token_ids: dict[str, list[int]] = {}
+        # KV cache groups: each sequence's prompt length and shared-prefix boundary (vLLM's
+        # ``Request.num_prompt_tokens`` / ``shared_prefix_boundary``), where a sliding group keeps a hit's blocks
+        self.num_prompt_tokens: dict[str, int] = {}
+        self.shared_prefix_boundary: dict[str, int] = {}
+        self._longest_hit = 0
         self.pending_ops: list[tuple[str, int, int]] = []
 
     @property
@@ -135,6 +140,7 @@ class KVCacheManager:
         the "simple hybrid" of one full and one other kind, where one pass settles it. The full groups'
         blocks are then cut to the agreed length."""
         B, groups = self.block_size, range(len(self.managers))
+        self._longest_hit = 0
         if not self.enable_prefix_caching or not token_ids:
             return tuple([] for _ in groups), 0
         max_blocks = (len(token_ids) - 1) // B
@@ -145,6 +151,7 @@ class KVCacheManager:
         simple = len(kinds) == 2 and is_full[order[0]]
         blocks: list[list[int] | None] = [None] * len(self.managers)
         lengths = [0] * len(self.managers)
+        self._longest_hit = 0  # the longest one group found (vLLM: ``longest_hit_length``)
         hit = max_blocks * B
         while True:
             current = hit
@@ -154,6 +161,7 @@ class KVCacheManager:
                     continue
                 blocks[g] = self.managers[g].find_longest_cache_hit(hashes, current // B)
                 current = lengths[g] = len(blocks[g]) * B
+                self._longest_hit = max(self._longest_hit, current)
             if current >= hit:
                 break
             hit = current
@@ -345,6 +353,8 @@ class KVCacheManager:
             table, freed = self.full.free(seq_id)
         del self.num_tokens[seq_id]
         self.token_ids.pop(seq_id, None)
+        self.shared_prefix_boundary.pop(seq_id, None)
+        self.num_prompt_tokens.pop(seq_id, None)
         cached = sum(self.pool.block_hashes[b] is not None for b in freed)
         self.log.emit(EventKind.FREE, seq_id, sorted(freed), facts={"cached": cached}, released=list(table))
         return sorted(freed)
@@ -372,7 +382,7 @@ class KVCacheManager:
         return need
 
     def allocate_slots(self, seq_id: str, token_ids: list[int], num_new_tokens: int,
-                       preempted: bool = False) -> int:
+                       preempted: bool = False, num_prompt_tokens: int | None = None) -> int:
         """vLLM V1's ``KVCacheManager.allocate_slots`` for one sequence: hold slots for ``num_new_tokens``
         more tokens of ``token_ids`` (all the sequence's tokens, prompt + generated). A sequence holding no
         blocks first takes its longest cached prefix (``get_computed_blocks``: never the last token's
@@ -380,6 +390,9 @@ class KVCacheManager:
         ``num_new_tokens`` start after the hit. Full blocks among the held tokens enter the prefix cache
         at once (``cache_blocks``), each with a "BlockStored" KV event; a block taken from the free queue
         that carried a hash is evicted first ("BlockRemoved").
+
+        ``num_prompt_tokens``: the sequence's prompt length (a sliding group caches the blocks a resend of
+        the prompt can hit; default: ``token_ids``' length at the sequence's first allocation).
 
         Returns:
             the tokens found in the prefix cache (0 for a sequence that already held blocks).
@@ -391,6 +404,8 @@ class KVCacheManager:
         if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens < 1:
             raise ValueError(f"num_new_tokens must be a positive integer, got {num_new_tokens!r}")
         if self.hybrid:
+            if num_prompt_tokens is not None or seq_id not in self.num_prompt_tokens:
+                self.num_prompt_tokens[seq_id] = num_prompt_tokens or len(token_ids)
             return self._allocate_slots_by_group(seq_id, token_ids, num_new_tokens, preempted)
         new = seq_id not in self.block_tables
         held = len(self.match_prefix(token_ids)) * self.block_size if new else self.num_tokens[seq_id]
@@ -433,6 +448,9 @@ class KVCacheManager:
         new = seq_id not in self.num_tokens
         if new:
             hits, computed = self.find_longest_cache_hit(token_ids)
+            # a prefix the full group holds beyond the common hit: the sliding group keeps a hit's blocks
+            # there too (vLLM's ``shared_prefix_boundary``, kv_cache_manager.py get_computed_blocks)
+            self.shared_prefix_boundary[seq_id] = self._longest_hit if self._longest_hit > computed else 0
         else:
             hits, computed = tuple([] for _ in self.managers), self.num_tokens[seq_id]
         total = computed + num_new_tokens
@@ -460,8 +478,11 @@ class KVCacheManager:
                     self.pool.fills[table[i]] = min(B, total - i * B)
         self.num_tokens[seq_id] = total
         self.token_ids[seq_id] = list(token_ids[:total])
+        boundaries = (self.num_prompt_tokens[seq_id] - 1,) + ((self.shared_prefix_boundary[seq_id],)
+                                                            if self.shared_prefix_boundary.get(seq_id) else ())
         for g, m in enumerate(self.managers):
-            m.cache_blocks(seq_id, self.token_ids[seq_id], range(len(hits[g]) if new else computed // B, total // B))
+            m.cache_blocks(seq_id, self.token_ids[seq_id], range(len(hits[g]) if new else computed // B, total // B),
+                           replay_boundaries=boundaries)
         self._log_allocation(seq_id, new, computed, total, hits, fresh)
         return computed if new else 0
 

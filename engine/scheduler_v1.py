@@ -205,7 +205,7 @@ class SchedulerV1(Scheduler):
                 need = bm.blocks_to_allocate(seq.seq_id, seq.token_ids, seq.num_computed_tokens + n)
             if req.status != RUNNING:
                 break  # vLLM: the request itself was the victim; nothing after it runs this step
-            bm.allocate_slots(seq.seq_id, seq.token_ids, n)
+            bm.allocate_slots(seq.seq_id, seq.token_ids, n, num_prompt_tokens=seq.prompt_len)
             self._add(req, n, batch)
             budget -= n
             i += 1
@@ -228,7 +228,7 @@ class SchedulerV1(Scheduler):
                 return
             self.waiting.remove(req)
             again = req.num_preemptions > 0
-            cached = bm.allocate_slots(seq.seq_id, seq.token_ids, n, preempted=again)
+            cached = bm.allocate_slots(seq.seq_id, seq.token_ids, n, preempted=again, num_prompt_tokens=seq.prompt_len)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = cached
             seq.num_computed_tokens = cached

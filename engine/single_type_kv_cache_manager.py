@@ -102,10 +102,11 @@ class SingleTypeKVCacheManager(ABC):
         table.extend(new)
         return new
 
-    def cache_blocks(self, request_id: str, token_ids: list[int], indices: Iterable[int]) -> None:
+    def cache_blocks(self, request_id: str, token_ids: list[int], indices: Iterable[int],
+                     replay_boundaries: tuple[int, ...] = ()) -> None:
         """Register the full logical blocks ``indices`` of the request (holding ``token_ids``) in the prefix
         cache, each hash chained from the previous block's; a block already cached, or whose parent is not
-        (e.g. after a swap-in), is left as it is."""
+        (e.g. after a swap-in), is left as it is. ``replay_boundaries``: see ``SlidingWindowManager``."""
         if not self.enable_caching:
             return
         table, B = self.req_to_blocks[request_id], self.block_size
@@ -218,21 +219,30 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             self.pool.free_blocks(freed)
         return freed
 
-    def cache_blocks(self, request_id: str, token_ids: list[int], indices: Iterable[int]) -> None:
-        """As full attention, but a null entry is skipped and each hash is chained from the token ids (the
-        parent block may be the null block already): vLLM's ``cache_full_blocks`` skips null blocks."""
+    def cache_blocks(self, request_id: str, token_ids: list[int], indices: Iterable[int],
+                     replay_boundaries: tuple[int, ...] = ()) -> None:
+        """Cache only the blocks a later hit can use (vLLM 0.32's ``reachable_block_mask`` under its default
+        ``prefix_cache_retention_interval`` 0, single_type_kv_cache_manager.py:1054-1133): a sliding group's
+        hit ending at a boundary needs just the ``contiguous_blocks_for_hit`` blocks before it, and the only
+        boundaries a later request can stop at are ``replay_boundaries`` (the prompt's last token, where a
+        resend of it stops: ``replay_boundaries`` in kv_cache_coordinator.py:65-86; and a prefix other
+        requests share that this group had not cached, vLLM's ``shared_prefix_boundary``). Every other full
+        block stays out of the cache, so it is freed as an uncached block (reused first). One "BlockStored"
+        per call as vLLM's ``cache_full_blocks``: the kept blocks' hashes (possibly none), the tokens of the
+        whole range, the parent the hash of the block before it (null or not)."""
         if not self.enable_caching:
             return
         table, B = self.req_to_blocks[request_id], self.block_size
         indices = list(indices)
         if not indices:
             return
+        need = self.contiguous_blocks_for_hit
+        keep = {i for b in replay_boundaries for i in range(max(0, b // B - need), b // B)}
         chain = [NONE_HASH, *prefix_hashes(token_ids, B, indices[-1] + 1)]
-        for i in indices:
-            b = table[i]
-            if b == NULL_BLOCK or self.pool.block_hashes[b] is not None:
-                continue
-            self.pool.cache_full_block(b, chain[i], token_ids[i * B:(i + 1) * B], (request_id, i), self.group_id)
+        entries = [(table[i], chain[i + 1]) for i in indices
+                   if i in keep and table[i] != NULL_BLOCK and self.pool.block_hashes[table[i]] is None]
+        self.pool.cache_blocks(entries, chain[indices[0]] if indices[0] > 0 else None,
+                               token_ids[indices[0] * B:(indices[-1] + 1) * B], self.group_id)
 
 
 @dataclass(frozen=True)

@@ -211,3 +211,22 @@ def test_a_uniform_sliding_window_model_has_one_sliding_group():
     assert km.slot_mappings("a", 17, 18) == ([km.block_tables["a"][4] * B + 1],)
     with pytest.raises(ValueError, match="left the window"):
         km.slot_mappings("a", 0, 1)
+
+
+def test_a_sliding_group_caches_only_the_blocks_a_resend_of_the_prompt_can_hit():
+    """vLLM 0.32 (``reachable_block_mask``, default ``prefix_cache_retention_interval`` 0): a sliding group
+    keeps in the prefix cache only the ceil((W - 1) / B) blocks before the prompt's last token; the full
+    group keeps every full block. The others are freed uncached, to the front of the free queue."""
+    km = KVCacheManager(64, B, enable_prefix_caching=True, evict_uncached_first=True, groups=HYBRID)
+    toks = ids(30)  # 7 full blocks; a resend stops at token 29: blocks 5 and 6 serve its sliding hit
+    km.allocate_slots("a", toks, 30, num_prompt_tokens=30)
+    sliding_ev, full_ev = km.drain_kv_events()
+    hashes = list(prefix_hashes(toks, B, 7))
+    assert full_ev["block_hashes"] == hashes and full_ev["group_idx"] == 1
+    assert sliding_ev["block_hashes"] == hashes[5:7] and sliding_ev["token_ids"] == toks[:28]  # the call's range
+    sliding = km.group_block_tables("a")[0]
+    assert [km.pool.block_hashes[b] is not None for b in sliding] == [False] * 5 + [True, True, False]
+    _decode(km, "a", toks, 2)  # token 30, 31: block 7 fills; past the prompt nothing more is kept
+    assert [ev for ev in km.drain_kv_events() if ev.get("group_idx", 0) == 0 and ev["block_hashes"]] == []
+    km.free("a")
+    assert km.allocate_slots("b", ids(30), 2) == 28  # the resend hits all 7 blocks in both groups

@@ -81,11 +81,12 @@ def test_the_final_length_run_keeps_no_step_records(class_mode, loaded, monkeypa
     """Under "oracle", the headless run that learns final lengths kept every record of its run (each with its
     snapshot) until the lab was built; only the scheduled sequences are read."""
     import ui.lab
+    from engine.scenarios import run_spec  # where the lab's baseline_final_lengths learns them
     from ui.state import preset_settings
 
     seen = []
-    real = ui.lab.learn_final_lengths
-    monkeypatch.setattr(ui.lab, "learn_final_lengths", lambda outputs, records: seen.extend(records) or
+    real = run_spec.learn_final_lengths
+    monkeypatch.setattr(run_spec, "learn_final_lengths", lambda outputs, records: seen.extend(records) or
                         real(outputs, records))
     settings = dataclasses.replace(preset_settings("batch"), contiguous_policy="oracle")
     ui.lab.Lab.create(settings, loaded)

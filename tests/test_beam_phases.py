@@ -91,18 +91,23 @@ def drawn_blocks(fig) -> set[int]:
 
 
 def test_key_sentence_and_picture_show_the_same_moment(beam_run):
-    from ui.presenter import few_sentences, stage_tables_figure
+    from ui.presenter import few_sentences, projector_tables
+    from viz.stage import stage_step
 
     records, _ = beam_run
     record, previous = key_step(records)
-    said = few_sentences(record, None, None)
+    # what the presenter view (``ui.presenter.views``) says and draws: the step in the phase it opens on (0,
+    # the copies), then in its selection's phase (1)
+    opening = stage_step(record, None, previous, order=["R1"], phase=0)
+    said = few_sentences(opening)
     assert said[0].startswith("copy-on-write"), said
     named = {int(b) for pair in re.findall(r"(\d+)->(\d+)", said[0]) for b in pair}
     assert named, said[0]
     # the picture the presenter draws for this step, in the phase it opens on (the key sentence's)
-    fig = stage_tables_figure(record, previous, ["R1"], {"font": 18, "pool": 291}, None, 600)
+    fig = projector_tables(opening, {"font": 18, "pool": 291}, 600)
     assert named <= drawn_blocks(fig), (said[0], sorted(drawn_blocks(fig)))
     # the beam selection is said, and the blocks it names are in its own phase's picture
+    said = few_sentences(stage_step(record, None, previous, order=["R1"], phase=1))
     selection = next(s for s in said if s.startswith("beam selection"))
     phases = selection_phases(record, previous)
     after = block_table_picture(phases[1]["snapshot"], phases[1]["events"], ["R1"])

@@ -36,12 +36,14 @@ def beam_run(loaded):
 # ------------------------------------------------------------------ 2. each moment says its own sentences
 def test_each_moment_of_a_beam_step_says_that_moment(beam_run):
     from ui.presenter import few_sentences
+    from viz.stage import stage_step
 
     beams = [(i, p) for i, (p, _) in enumerate(beam_run.history) if beam_run.phases(p) == 2]
     assert beams
     for i, record in beams:
-        copies = few_sentences(record, None, None, phase=0)
-        selection = few_sentences(record, None, None, phase=1)
+        previous = beam_run.history[i - 1][0] if i else None
+        copies = few_sentences(stage_step(record, None, previous, order=beam_run.order, phase=0))
+        selection = few_sentences(stage_step(record, None, previous, order=beam_run.order, phase=1))
         assert not any("beam selection" in x for x in copies), copies  # moment 1: the copies and writes only
         assert selection[0].startswith("beam selection"), selection  # moment 2: the selection first
         assert copies != selection
@@ -105,12 +107,14 @@ def test_the_line_beside_the_step_leaves_the_figures_their_size(stayed):
     with it, so the block tables show the same logical blocks of the same step."""
     from ui.presenter import column_lines, few_sentences, sized_column
     from viz.presenter import presenter_sizes
+    from viz.stage import stage_step
 
     history, index, has_work = stayed.frame()
     paged, contiguous = history[index]
     column = column_lines(stayed, paged, contiguous, None, history[-1][0].step, True)
     assert any("Next event" in t for _, t in column)
-    words = few_sentences(paged, contiguous, None)
+    words = few_sentences(stage_step(paged, contiguous, history[index - 1][0] if index else None,
+                                     order=stayed.order, phase=stayed.phase_of(paged)))
     said = presenter_sizes(720, 1280, words, sized_column(stayed, paged, column))
     stayed.next_said = None  # the same step before N answered
     column = column_lines(stayed, paged, contiguous, None, history[-1][0].step, True)

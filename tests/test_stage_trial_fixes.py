@@ -58,14 +58,16 @@ def test_every_phase_draws_the_pool_as_any_step(beam):
     ``yaxis.range`` only (plotly.js then turns the axis's ``autorange: reversed`` off) and ``title.text``
     only. On stage each phase is its own figure, drawn as any step's; the joined figure's buttons carry each
     phase's whole axes and title."""
-    from ui.presenter import stage_pool_figure
+    from ui.presenter import projector_pool
     from viz import block_pool_figure
     from viz.presenter import phased
+    from viz.stage import stage_step
 
     record, previous = key(beam)
-    plain = stage_pool_figure(beam.history[0][0], None, beam.order, SIZE, None, 600)  # the prefill: one phase
+    # the prefill: one phase (drawn as the presenter view draws a step: ``views`` -> ``stage_step``)
+    plain = projector_pool(stage_step(beam.history[0][0], order=beam.order, phase=0), SIZE, 600)
     for phase in (0, 1):
-        fig = stage_pool_figure(record, previous, beam.order, SIZE, None, 600, phase=phase)
+        fig = projector_pool(stage_step(record, None, previous, order=beam.order, phase=phase), SIZE, 600)
         assert not fig.layout.updatemenus
         assert fig.layout.yaxis.autorange == plain.layout.yaxis.autorange == "reversed"
         assert fig.layout.yaxis.range == plain.layout.yaxis.range and fig.layout.xaxis.range == plain.layout.xaxis.range
@@ -88,8 +90,9 @@ def test_one_phase_choice_drives_the_pool_the_tables_and_the_numbers(beam, loade
     """1b, 1d. The pool, the block tables and the numbers beside them are drawn from one phase (the lab's):
     never the tables in phase 2 beside the pool in phase 1, and the numbers are of the moment the pool's title
     counts (the trial saw "after beam selection" numbers beside a pool titled 5/64)."""
-    from ui.presenter import numbers, stage_pool_figure, stage_tables_figure
+    from ui.presenter import numbers, projector_pool, projector_tables
     from viz.presenter import phase_moment
+    from viz.stage import stage_step
 
     lab = Lab.create(preset_settings("beam-search"), loaded)
     lab.press("next")
@@ -99,8 +102,8 @@ def test_one_phase_choice_drives_the_pool_the_tables_and_the_numbers(beam, loade
     for phase in (0, 1):
         lab.set_phase(record, phase)
         assert lab.phase_of(record) == phase
-        pool = stage_pool_figure(record, previous, lab.order, SIZE, None, 600, phase=lab.phase_of(record))
-        tables = stage_tables_figure(record, previous, lab.order, SIZE, None, 600, phase=lab.phase_of(record))
+        step = stage_step(record, None, previous, order=lab.order, phase=lab.phase_of(record))  # as ``views``
+        pool, tables = projector_pool(step, SIZE, 600), projector_tables(step, SIZE, 600)
         assert not pool.layout.updatemenus and not tables.layout.updatemenus
         snap = phases[phase]["snapshot"]
         assert in_use(pool.layout.title.text) == snap.num_blocks - snap.num_free_blocks

@@ -33,9 +33,9 @@ import streamlit as st
 from engine import metrics
 from ui.lab import POLICY_LABELS
 from ui.state import viewport
-from viz.presenter import one_line_cells, phased, presenter_sizes, projector_style
+from viz.presenter import one_line_cells, presenter_sizes, projector_style
 from viz.stage import StageStep, stage_step
-from viz.steps import SEMANTICS_SHORT, step_label, step_sentences
+from viz.steps import SEMANTICS_SHORT, step_label
 
 PRESENT_PARAM = "present"  # ?present=1 opens the Playground in the presenter view
 PRESENT_KEY = "present"  # whether the view is on (plain session state)
@@ -136,19 +136,12 @@ def numbers(lab, paged, contiguous, moment: dict | None = None) -> list[str]:
     return lines
 
 
-def few_sentences(paged, contiguous, budget: int | None, phase: int | None = None) -> list[str]:
+def few_sentences(step: StageStep) -> list[str]:
     """The step in at most ``SENTENCES`` sentences, the moment first (``step_sentences(key_first=True)``);
-    the last says how many more decisions the Playground view lists. ``phase``: the moment of a beam step on
-    screen (``Lab.phase_of``): 0, the copies, says the copies and writes, not yet the selection (the next
-    press shows it); 1, the selection, says it first. None: both (the selection second)."""
-    said = step_sentences(paged, contiguous, budget, limit=10**6, key_first=True, group_from=2)
-    beam = next((i for i, x in enumerate(said) if x.startswith("beam selection")), None)
-    if beam is not None and phase is not None:  # the sentences of the moment the pictures show
-        selection = said.pop(beam)
-        if phase >= 1:
-            said.insert(0, selection)
-    elif beam:  # a beam step says its two phases (the copies, the selection) the picture shows
-        said.insert(1, said.pop(beam))
+    the last says how many more decisions the Playground view lists. ``step``: the step on screen
+    (``viz.stage.stage_step``): a beam step's phase says that moment's sentences (``StageStep.sentences``,
+    ``of_moment``)."""
+    said = step.sentences(of_moment=True, limit=10**6, key_first=True, group_from=2)
     shown = said[:SENTENCES]
     if len(said) > SENTENCES:
         shown[-1] += f" (+{len(said) - SENTENCES} more)"
@@ -178,27 +171,6 @@ def projector_pool(step: StageStep, size: dict, width: float):
     rows, cols = max(1, len(fig.data[0].z)), max(1, len(fig.data[0].z[0]))
     one_line_cells(fig, (size["pool"] - fig.layout.margin.t - 10) / rows, size["font"], col_px=width / cols)
     return fig
-
-
-def stage_tables_figure(paged, previous, order: list[str], size: dict, decode, width: int, phase: int | None = None):
-    """``projector_tables`` of ``paged``. A beam step is drawn in phase ``phase`` (``selection_phases``: 0 the
-    copies, 1 the beam selection; the stage's one phase choice, ``Lab.phase_of``); None: both, with a button
-    each (``phases_figure``). ``previous``: the record before (the pruned beams' tokens)."""
-    step = stage_step(paged, None, previous, order=order, decode=decode, phase=phase)
-    if phase is not None:
-        return projector_tables(step, size, width)
-    return phased(paged, previous, lambda snap, events: projector_tables(step.at(snap, events), size, width),
-                  size["font"])
-
-
-def stage_pool_figure(paged, previous, order: list[str], size: dict, decode, width: float, phase: int | None = None):
-    """``projector_pool`` of ``paged``; a beam step in phase ``phase`` (as ``stage_tables_figure``), titled
-    with that moment's blocks in use and which phase it is (``phase_moment``'s label)."""
-    step = stage_step(paged, None, previous, order=order, decode=decode, phase=phase)
-    if phase is not None:
-        return projector_pool(step, size, width)
-    return phased(paged, previous, lambda snap, events: projector_pool(step.at(snap, events), size, width),
-                  size["font"])
 
 
 def finished_on(history: list, index: int, has_work: bool) -> bool:
@@ -294,7 +266,7 @@ def views(lab, history: list, index: int, has_work: bool, decode) -> None:
     step = stage_step(paged, contiguous, previous, order=lab.order, decode=decode, budget=lab.step_budget(),
                       final_lengths=lab.contiguous_final_lengths(), phase=phase)
     moment = step.moment
-    sentences = few_sentences(paged, contiguous, lab.step_budget(), phase if lab.phases(paged) > 1 else None)
+    sentences = few_sentences(step)
     column = column_lines(lab, paged, contiguous, moment, history[-1][0].step, has_work)
     vp = viewport() or {}
     size = presenter_sizes(vp.get("h"), vp.get("w"), sentences, sized_column(lab, paged, column))

@@ -29,7 +29,6 @@ from engine import EMBEDDED_MODEL
 from ui import class_limits as limits
 from engine.watch.capture import (CaptureReplay, capture_from_raw, dumps_capture, new_header, read_capture,
                                   server_pool, server_scrapes, server_time)
-from engine.config import check_endpoint
 from engine.watch.kv_subscriber import MAX_CAPTURE_BYTES, KVEventSubscriber
 from engine.watch.server_metrics import MetricsPoller as _Poller
 from engine.watch.exporter import hit_rate_window
@@ -175,20 +174,6 @@ def sweep() -> None:
     with registry["lock"]:
         for sid in [sid for sid in registry["sets"] if not runtime.is_active_session(sid)]:
             registry["sets"].pop(sid).stop()
-
-
-def split_list(text: str) -> list[str]:
-    """Endpoints typed comma or newline separated, blanks dropped."""
-    return [p.strip() for p in text.replace("\n", ",").split(",") if p.strip()]
-
-
-def endpoint_problem(value: str, name: str = "endpoint") -> str | None:
-    """Why ``value`` cannot be connected to (``engine.config.check_endpoint``), or None."""
-    try:
-        check_endpoint(value, name)
-    except ValueError as exc:
-        return str(exc)
-    return None
 
 
 def connect() -> None:

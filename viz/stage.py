@@ -112,9 +112,22 @@ class StageStep:
             return None
         return contiguous_region_figure(self.contiguous.snapshot.contiguous, list(self.order), self.final_lengths)
 
-    def sentences(self, **options) -> list[str]:
-        """The step in words (``viz.steps.step_sentences``, ``options`` its keyword arguments)."""
-        return step_sentences(self.record, self.contiguous, self.budget, **options)
+    def sentences(self, of_moment: bool = False, **options) -> list[str]:
+        """The step in words (``viz.steps.step_sentences``, ``options`` its keyword arguments).
+
+        ``of_moment`` (the presenter's words): a beam step's sentences of the moment shown. In a phase
+        (``label`` set), 0 the copies says the copies and writes, not yet the beam selection (the next press
+        shows it); 1 the selection says it first. A beam step as recorded (``phase`` None) says its selection
+        second, after the key sentence (the order the picture's two phases come in)."""
+        said = step_sentences(self.record, self.contiguous, self.budget, **options)
+        beam = next((i for i, x in enumerate(said) if x.startswith("beam selection")), None) if of_moment else None
+        if beam is not None and self.label:  # the sentences of the moment the pictures show
+            selection = said.pop(beam)
+            if self.phase >= 1:
+                said.insert(0, selection)
+        elif beam:
+            said.insert(1, said.pop(beam))
+        return said
 
 
 def stage_step(record, contiguous=None, previous=None, *, order, decode: Callable | None = None,

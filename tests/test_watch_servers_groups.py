@@ -1,10 +1,10 @@
-"""Big pools (issue 27, item 5): a pool of 10^5 blocks grouped by root prefix and drawn within a second, the
+"""Big pools (issue 27, item 5): a pool of 10^5 blocks grouped by root prefix and drawn (within a second:
+``bench.watch_groups``, docs/benchmarks.md section ``watch-groups``), the
 top prefixes by blocks held and by reuse, and storage tiers (``medium``) shown apart."""
 
 from __future__ import annotations
 
 import io
-import time
 from argparse import Namespace
 
 import pytest
@@ -31,37 +31,21 @@ def removed(hashes: list[int], medium: str = "GPU") -> dict:
 @pytest.fixture(scope="module")
 def big():
     """102,000 blocks: 100 system prompts of 10 blocks, each extended by 20 to 182 conversations of 10 blocks
-    (prompt p by 20 + 18 x (p mod 10)): the largest trees hold 10 + 182 x 10 blocks."""
-    m = PrefixCacheMirror(max_blocks=200_000)
-    n = 1
-    seq = 0
-    for p in range(100):
-        root = n
-        m.apply(seq, 1000.0 + seq, [stored(list(range(n, n + 10)), None, [p] * 20)])
-        seq += 1
-        n += 10
-        tail = root + 9
-        convs = 20 + (p % 10) * 18
-        events = []
-        for c in range(convs):
-            events.append(stored(list(range(n, n + 10)), tail, [p, c] * 10))
-            n += 10
-        m.apply(seq, 1000.0 + seq, events)
-        seq += 1
-    return m
+    (prompt p by 20 + 18 x (p mod 10)): the largest trees hold 10 + 182 x 10 blocks (``bench.watch_groups``
+    times grouping and drawing this pool: docs/benchmarks.md, section ``watch-groups``)."""
+    from bench.watch_groups import big_pool
+
+    return big_pool()
 
 
-def test_a_pool_of_100000_blocks_is_grouped_and_drawn_within_a_second(big):
+def test_a_pool_of_100000_blocks_is_grouped_and_drawn(big):
+    """What the grouping and the figure say; how fast: ``bench.watch_groups`` (a speed goal is a benchmark's,
+    not a timed test's)."""
     from viz.server import groups_figure
 
     assert big.num_blocks >= 100_000
-    # CPU time, not wall time: a loaded machine (the suite's two workers and more) stretched the wall time of
-    # the same work to 2.6 s; measured 0.15-0.22 s of CPU (0.21-0.32 s wall) on a quiet run of this machine
-    t0 = time.process_time()
     groups = root_groups(big)
     fig = groups_figure(big, top=20, groups=groups)
-    took = time.process_time() - t0
-    assert took < 1.0, f"{took:.2f} s of CPU"
     assert len(groups) == 100 and sum(g.blocks for g in groups) == big.num_blocks
     assert groups[0].blocks == 10 + 182 * 10 and groups[0].extended == 182 and groups[0].depth == 20
     assert [b.y for b in fig.data][0][0].startswith("1. ") and len(fig.data[0].y) == 20

@@ -128,6 +128,19 @@ def _table_text(stage: Stage) -> str:
     return f"{tables} · reference counts {{{counts}}} · free list {stage.free}"
 
 
+def touched_blocks(stage: Stage) -> list[int]:
+    """The blocks one practice operation touched, sorted: every block its events name, a plain ``append``'s
+    (a token written into a block with room) included. What a practice stage frames ("what this step changed").
+
+    Deliberately not ``engine.records.changed_blocks`` (the stages' definition), which leaves plain appends
+    out: in an engine step every running sequence appends, and framing them all would bury the step's
+    decisions. A practice stage is one operation, and when it is a plain append the block written into is the
+    one thing that changed: after A's copy-on-write, B writes its token in place into block 1 (MAIN's stage
+    3, the reveal of whether B copies), which ``changed_blocks`` would leave unframed
+    (tests/test_lesson_4_framed.py)."""
+    return sorted({b for e in stage.events for b in e.blocks})
+
+
 def _copies(stages: list[Stage]) -> int:
     return sum(e.kind == "cow" for s in stages for e in s.events)
 
@@ -428,10 +441,10 @@ def _show(stages_of, index: int):
 
         stages = practice(*stages_of)
         stage = stages[index]
-        changed = sorted({b for e in stage.events for b in e.blocks})
         left, _ = st.columns([3, 2])  # 8 blocks of 4 slots: a narrow figure keeps the cells readable
-        left.plotly_chart(block_pool_figure(manager_snapshot(stage.bm), ["A", "B", "C"], highlight=changed,
-                                            slot_mode=True, title=f"after: {stage.label}"),
+        left.plotly_chart(block_pool_figure(manager_snapshot(stage.bm), ["A", "B", "C"],
+                                            highlight=touched_blocks(stage), slot_mode=True,
+                                            title=f"after: {stage.label}"),
                           width="stretch", key=f"l4_stage_{id(stages_of)}_{index}")
         owners = sorted(stage.bm.block_tables)
         colours = {"A": "blue", "B": "orange", "C": "green"}

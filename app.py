@@ -24,7 +24,7 @@ if "torch" not in sys.modules:  # the server's first page view: importing PyTorc
 
 from engine.threads import configure_gc, configure_threads  # noqa: E402  (after the note above is drawn)
 from lessons import catalog, keep_widget_state, sync_progress_url  # noqa: E402
-from ui.runs import preload_model  # noqa: E402
+from infra.runs import preload_model  # noqa: E402
 from ui.class_server import keep_session  # noqa: E402
 
 starting.empty()

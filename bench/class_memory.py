@@ -21,7 +21,7 @@ sampled every second throughout:
    against the configured memory, and the RSS ``--after`` seconds after they closed.
 
 ``--calibrate`` instead measures what a recorded step keeps (tracemalloc) for the runs in
-``ui.class_limits.recorded_step_bytes``'s table and prints it next to the formula's bound.
+``infra.class_limits.recorded_step_bytes``'s table and prints it next to the formula's bound.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def heaviest_link(loaded, budget: int):
     of 64 requests x n (64, 32, 16, 8, 4, 2, 1) on 4,096 ... 64 blocks of 16, the admitted one charging the
     most before its first step (pools, engines' state, page, the fewest recorded steps). Returns (scenario,
     plan)."""
-    from ui import class_limits as limits
+    from infra import class_limits as limits
     from ui.class_server import session_plan
     from ui.state import scenario_settings
 
@@ -243,7 +243,7 @@ class Result:
 def measure(sessions: int, session_mb: float, duration: float, after: float, tabs: int,
             ttl_wait: float = 0.0) -> Result:
     from engine import EMBEDDED_MODEL
-    from ui import class_limits as limits
+    from infra import class_limits as limits
     from engine.model_loader import load_shared
     from engine.scenarios.scenario_file import encode_link
 
@@ -344,9 +344,9 @@ def section(results: list[Result], duration: float, options: str = "") -> str:
         f"one after another and close; then {r.sessions} sessions open the heaviest scenario link the caps admit "
         f"at once (`heaviest_link`: of 64 requests x n on up to 4,096 blocks, the one charged the most before "
         f"its first step) and close after {duration:g} s. Every session is charged before anything is "
-        f"allocated (`ui.class_server.session_plan`, `ui.class_limits.plan_session`): its KV pools, the engines' "
+        f"allocated (`ui.class_server.session_plan`, `infra.class_limits.plan_session`): its KV pools, the engines' "
         f"state for its sequences, Streamlit's session, and its recorded steps at the calibrated bound "
-        f"(`ui.class_limits.recorded_step_bytes`); the steps kept are capped to what fits. A closed tab's lab is "
+        f"(`infra.class_limits.recorded_step_bytes`); the steps kept are capped to what fits. A closed tab's lab is "
         f"released 10 s after its websocket went (`PAL_CLOSED_SECONDS`) and the heap trimmed (`malloc_trim`).",
         "",
         *[line for i, res in enumerate(results) for line in run_text(res, f"Run {i + 1}") + [""]],
@@ -355,12 +355,12 @@ def section(results: list[Result], duration: float, options: str = "") -> str:
 
 # ------------------------------------------------------------------------------------------ calibration
 def calibrate() -> str:
-    """Measure what a recorded step keeps (tracemalloc) for the table in ``ui.class_limits.recorded_step_bytes``."""
+    """Measure what a recorded step keeps (tracemalloc) for the table in ``infra.class_limits.recorded_step_bytes``."""
     import gc
     import tracemalloc
 
     from engine import EMBEDDED_MODEL
-    from ui import class_limits as limits
+    from infra import class_limits as limits
     from engine.model_loader import load_shared
     from engine.scenarios.scenario_file import parse_scenario
     from ui.lab import Lab

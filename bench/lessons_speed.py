@@ -3,7 +3,7 @@
 
     .venv/bin/python -m bench.lessons_speed [--reps 3] [--only lessons|compare] [--write]
 
-Every measurement is a fresh process (no run kept by ``ui.runs``, no Streamlit cache, the engine cold)
+Every measurement is a fresh process (no run kept by ``infra.runs``, no Streamlit cache, the engine cold)
 driving ``app.py`` under ``streamlit.testing.v1.AppTest``, as the pages are drawn for a browser (server
 side; the browser's own drawing is not counted); medians of ``--reps`` processes.
 
@@ -72,8 +72,8 @@ def _load_model() -> None:
     from engine.model_loader import load_shared
 
     try:
-        from ui import runs
-    except ImportError:  # before ui/runs.py (lessons/runs.py before it): the app's pages load through load_shared
+        from infra import runs
+    except ImportError:  # before infra/runs.py (lessons/runs.py before it): the app's pages load through load_shared
         load_shared(EMBEDDED_MODEL)
         return
     runs.MODELS.get(("model", EMBEDDED_MODEL), lambda report: runs.load_reporting(EMBEDDED_MODEL, report))
@@ -89,7 +89,7 @@ def one_lesson(number: int, model_loaded: bool) -> dict:
     at = _app()
     at.switch_page("ui/lessons.py")
     try:
-        from ui import runs
+        from infra import runs
         preload, runs.preload_model = runs.preload_model, lambda *a, **k: None
     except ImportError:
         runs = None

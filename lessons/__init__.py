@@ -14,7 +14,8 @@ Adding a lesson means adding such a pair here; the app builds its pages from ``c
 The public API (``__all__``): what the app (``app.py``, the ``ui`` pages) may import from the lessons: the
 catalog, and the render entry points of ``lessons/render.py`` (a lesson page, the progress kept in the URL).
 The ``ui`` modules import nothing else of this package (tests/test_app_state_imports.py); the lessons in turn
-use the app's infrastructure from ``ui.runs`` and ``ui.state``, never a ``ui`` page.
+use the app's infrastructure from ``infra`` (the shared model and run caches, the class server's limits,
+the session keys), never the ``ui`` package (the pages show the lessons, not the other way).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from engine import LLMEngine, SamplingParams
 from engine.block_manager import BlockManager
 from engine.records import Snapshot, SequenceState, StepRecord
 from engine.scenarios.run_spec import RunSpec
-from ui import class_limits
+from infra import class_limits
 
 
 class LessonContext:
@@ -60,7 +60,7 @@ class _Bound:
         return f"{self.fn.__module__}.{self.fn.__qualname__}"
 
 
-# Progress of the engine runs below, for the page that waits for them (``ui.runs.ProgressBox``): a
+# Progress of the engine runs below, for the page that waits for them (``infra.runs.ProgressBox``): a
 # ``report(what, fraction, detail)`` function, set per thread (each Streamlit session runs in its own), None
 # outside the app.
 _REPORT: ContextVar[Callable | None] = ContextVar("lesson_run_progress", default=None)

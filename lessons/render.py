@@ -9,8 +9,8 @@ from pathlib import Path
 import streamlit as st
 
 from engine import EMBEDDED_MODEL
-from ui.runs import LESSON_RUNS, ProgressBox, preload_model, shared_model  # app infrastructure (not a page)
-from ui.state import OPEN_PRESET  # the Playground opens the preset a lesson leaves there
+from infra.runs import LESSON_RUNS, ProgressBox, preload_model, shared_model  # app infrastructure (not a page)
+from infra.keys import OPEN_PRESET  # the Playground opens the preset a lesson leaves there
 
 from . import Lesson, catalog
 from .common import LessonContext, reporting
@@ -53,7 +53,7 @@ def _memo_key(fn, args: tuple) -> tuple:
 
 def memo_for(box: ProgressBox):
     """A ``LessonContext.memo``: ``fn(*args)`` computed once per process for every session
-    (``ui.runs.LESSON_RUNS``), its engine steps shown in ``box`` while it runs."""
+    (``infra.runs.LESSON_RUNS``), its engine steps shown in ``box`` while it runs."""
 
     def memo(fn, *args):
         key = _memo_key(fn, args)
@@ -70,7 +70,7 @@ def memo_for(box: ProgressBox):
 
 
 def context(where=None) -> tuple[LessonContext, ProgressBox]:
-    """The lesson's engine context: the process-wide shared model (``ui.runs.shared_model``, the same
+    """The lesson's engine context: the process-wide shared model (``infra.runs.shared_model``, the same
     copy the Playground's sessions use; loaded when the lesson first needs it) and the cross-session run
     cache; and the box (in ``where``) that shows the engine's progress while a run is not cached yet."""
     box = ProgressBox(RUNS_TITLE, where)

@@ -9,13 +9,13 @@ so the proxy must send all of a browser's requests to the same worker: nginx giv
 cookie ``pal_worker`` (its request id) and routes by a consistent hash of it. Streamlit's own XSRF cookie cannot
 serve: its masked value changes with every response.
 
-Every worker runs in class-server mode (``PAL_CLASS_SERVER=1``, ``ui.class_limits``), listens on 127.0.0.1 only,
+Every worker runs in class-server mode (``PAL_CLASS_SERVER=1``, ``infra.class_limits``), listens on 127.0.0.1 only,
 and shares one random cookie secret (so any worker accepts the cookies another set). nginx runs in the
 foreground from a private folder (its config, pid and logs) and a folder for its buffers (an upload over
 16 KiB), needing no root and touching nothing in /etc; run as root, its worker drops to ``nobody``, who owns
 the buffers' folder and nothing else (``nginx_folders``). The Class page's classes live in a file of that folder the workers share (``PAL_CLASS_STATE``,
 ``ui.class_room_state.ClassRegistry``): a presenter and their students may be on different workers. So do the
-sessions' memory reservations (``PAL_MEMORY_STATE``, ``ui.class_limits.ShareRegistry``), against one total
+sessions' memory reservations (``PAL_MEMORY_STATE``, ``infra.class_limits.ShareRegistry``), against one total
 measured before the workers start (``PAL_CLASS_MEMORY_MB``, ``class_memory_mb``): every session of every
 worker reserves its share there before its lab runs, so all of them together stay within it. A worker
 that dies (say the kernel's OOM killer) is started again on its port; its students get fresh sessions, the
@@ -231,7 +231,7 @@ def class_memory_mb(workers: int) -> float:
     worker that measured it after starting would count the others' PyTorch and model, not loaded yet, as
     free). Raises SystemExit when that leaves nothing for sessions, or the memory cannot be read."""
     sys.path.insert(0, str(ROOT))
-    from ui.class_limits import CLASS_MEMORY_ENV, _env_number
+    from infra.class_limits import CLASS_MEMORY_ENV, _env_number
     from engine.memory import available_host_memory_bytes
 
     try:
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     # one cookie secret for all (Streamlit takes it from the environment only, never from the command line)
     # and one file for the Class page's classes: a presenter and the students may be on different workers
     # and one file for the sessions' memory reservations, so that all workers' sessions together stay within
-    # one total (ui.class_limits.ShareRegistry), measured before any worker started
+    # one total (infra.class_limits.ShareRegistry), measured before any worker started
     env = {**os.environ, "STREAMLIT_SERVER_COOKIE_SECRET": secrets.token_hex(16),
            "PAL_CLASS_STATE": f"{folder}/classes.json", "PAL_MEMORY_STATE": f"{folder}/memory.json",
            "PAL_CLASS_MEMORY_MB": f"{memory_mb:.1f}"}

@@ -1,7 +1,8 @@
 """The app's pages reach the lessons through their public API only (issue 24, item 4): every ``ui`` module
 imports from the ``lessons`` package nothing but the names ``lessons/__init__.py`` exports (its ``__all__``),
 and no submodule of it (``lessons.render``, ``lessons.runs``, ...). The app infrastructure the lessons use
-(the shared model, the run caches, the progress box) lives in ``ui/runs.py``; lessons import it from there.
+(the shared model, the run caches, the progress box, the class server's limits, the session keys) lives in
+``infra/``, which the pages and the lessons both import: the lessons import nothing from ``ui``.
 Read from the source with ``ast``: nothing is imported."""
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ def test_ui_modules_import_only_the_lessons_public_api():
 
 
 def test_the_lessons_import_no_ui_page():
-    """Lessons may use ui's helpers (``ui.runs``, ``ui.state``), never a page (a script that draws when
-    imported): the ``ui`` pages app.py registers (``st.Page("ui/...")``)."""
+    """Lessons never import a page (a script that draws when imported): the ``ui`` pages app.py registers
+    (``st.Page("ui/...")``). (Nor any other ``ui`` module: ``test_the_lessons_import_nothing_from_ui``.)"""
     import re
 
     pages = {f"ui.{name}" for name in re.findall(r'st\.Page\("ui/(\w+)\.py"', (ROOT / "app.py").read_text())}
@@ -63,3 +64,21 @@ def test_the_lessons_import_no_ui_page():
                 names = [f"ui.{a.name}" for a in node.names]
             bad += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names if n in pages]
     assert not bad, "\n".join(bad)
+
+
+def test_the_lessons_import_nothing_from_ui():
+    """The flow is one way (pages show lessons; lessons use engine, viz and the app's infrastructure in
+    ``infra/``): no module of ``lessons/`` imports the ``ui`` package or any of its modules, so the two
+    packages form no cycle (issue 24's review: lessons/common.py and lessons/render.py imported ``infra.runs``,
+    ``ui.state`` and ``infra.class_limits`` while ``ui/lessons.py`` and app.py import the lessons)."""
+    bad = []
+    for path in sorted((ROOT / "lessons").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            bad += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names if n == "ui" or n.startswith("ui.")]
+    assert not bad, "lessons import ui:\n" + "\n".join(bad)

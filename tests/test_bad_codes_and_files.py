@@ -97,7 +97,7 @@ def test_a_link_over_the_class_request_cap_says_the_cap_its_count_and_what_to_do
     """A link with more requests than a class server runs was told "press Reset for a fresh run" (Reset does
     nothing for a link) and "(64 added already)"; it is refused when opened, with the cap, its own count and
     what to do instead."""
-    from ui import class_limits as limits
+    from infra import class_limits as limits
     from ui.scenario_io import link_settings, read_file  # the app opens links and files (its policy: class_limits)
     monkeypatch.setenv(limits.CLASS_SERVER_ENV, "1")
     cap = limits.class_limits().max_requests
@@ -176,7 +176,7 @@ def test_the_page_says_why_a_link_over_the_class_cap_is_not_opened(monkeypatch):
 
     from streamlit.testing.v1 import AppTest
 
-    from ui import class_limits as limits
+    from infra import class_limits as limits
     monkeypatch.setenv(limits.CLASS_SERVER_ENV, "1")
     many = {"version": 1, "name": "many", "requests": [{"prompt": "a", "arrival_step": i} for i in range(65)]}
     at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=180)

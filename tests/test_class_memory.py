@@ -1,5 +1,5 @@
 """Issue 23, item 14: one student cannot take a class server's memory. Everything a session keeps is charged
-to its share before its lab runs (``ui.class_limits.plan_session``: pools, engines' state, Streamlit's session,
+to its share before its lab runs (``infra.class_limits.plan_session``: pools, engines' state, Streamlit's session,
 recorded steps at a calibrated bound), refused or capped by name; dropped steps are really freed; a closed
 tab's lab is released without waiting for Streamlit, and the freed memory goes back to the OS."""
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from engine import EMBEDDED_MODEL, SamplingParams
-from ui import class_limits as limits
+from infra import class_limits as limits
 from engine.model_loader import load_shared
 from engine.scenarios.scenario_file import parse_scenario
 

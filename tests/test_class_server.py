@@ -1,4 +1,4 @@
-"""The class server (``ui/class_limits.py``, ``ui/class_server.py``): sizes refused before any allocation, on
+"""The class server (``infra/class_limits.py``, ``ui/class_server.py``): sizes refused before any allocation, on
 every server and below a class server's caps and per-session budget; the model locked to the embedded model
 and an allow-list; one cached copy of the weights per real folder; the recorded history bounded with a note on
 the page; idle sessions' labs released; nothing fetched from outside the server (a real browser)."""
@@ -16,7 +16,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from engine import EMBEDDED_MODEL, EngineConfig, SamplingParams
-from ui import class_limits as limits
+from infra import class_limits as limits
 from engine import llm_engine, model_loader
 from engine.model_loader import ModelLoadError, load_shared
 
@@ -171,7 +171,7 @@ def test_the_class_server_refuses_a_hub_id_before_fetching(class_mode, monkeypat
     with pytest.raises(ValueError, match=r"loads no model from the hub"):
         Lab.create(preset_settings("batch", model="Qwen/Qwen3-0.6B"))
     with pytest.raises(ValueError, match=r"loads no model from the hub"):
-        from ui.runs import shared_model
+        from infra.runs import shared_model
         shared_model("Qwen/Qwen3-0.6B")
 
 
@@ -200,7 +200,7 @@ def test_two_spellings_of_a_folder_are_one_cached_copy(tmp_path, loaded):
     link.symlink_to(EMBEDDED_MODEL)
     spellings = [EMBEDDED_MODEL + "/", EMBEDDED_MODEL + "/../tiny_model", str(link), str(link) + "//"]
     assert all(load_shared(s) is loaded for s in spellings)
-    from ui.runs import shared_model
+    from infra.runs import shared_model
 
     assert shared_model(str(link)) is shared_model(EMBEDDED_MODEL + "/")
 

@@ -1,5 +1,5 @@
 """Issue 23 (trial findings), the class server's memory guarantee: every session reserves its share of the
-server's memory in one registry shared by all worker processes (``ui.class_limits.ShareRegistry``, a flock'd
+server's memory in one registry shared by all worker processes (``infra.class_limits.ShareRegistry``, a flock'd
 file), before its lab runs; the reservations never add up to more than the total; a released session gives
 its share back; a crashed worker's reservations are dropped (its process is gone) and any reservation not
 renewed for ``LEASE_S`` expires. Before, each worker computed its share alone from the memory free at that
@@ -15,8 +15,8 @@ import time
 import pytest
 
 from engine import EMBEDDED_MODEL
-from ui import class_limits as limits
-from ui.class_limits import MIB, NoShareFree, ShareRegistry
+from infra import class_limits as limits
+from infra.class_limits import MIB, NoShareFree, ShareRegistry
 
 
 @pytest.fixture

@@ -118,7 +118,7 @@ APP = str(ROOT / "app.py")
 @pytest.fixture
 def full_class(monkeypatch, tmp_path):
     """A class server of 2 seats and 200 MiB for sessions, both seats held by other sessions."""
-    from ui import class_limits as limits
+    from infra import class_limits as limits
     monkeypatch.setenv(limits.CLASS_SERVER_ENV, "1")
     for name in (limits.ALLOWED_MODELS_ENV, limits.SESSION_MEMORY_ENV, limits.HISTORY_STEPS_ENV,
                  limits.IDLE_MINUTES_ENV, limits.CLOSED_SECONDS_ENV):
@@ -283,7 +283,7 @@ def test_a_link_refused_for_its_kv_size_says_the_default_preset_is_shown(monkeyp
     refused for its KV size (on a class server) did not."""
     from streamlit.testing.v1 import AppTest
 
-    from ui import class_limits as limits
+    from infra import class_limits as limits
     monkeypatch.setenv(limits.CLASS_SERVER_ENV, "1")
     for name in (limits.ALLOWED_MODELS_ENV, limits.SESSION_MEMORY_ENV, limits.HISTORY_STEPS_ENV,
                  limits.IDLE_MINUTES_ENV, limits.SEATS_ENV, limits.CLASS_MEMORY_ENV, limits.MEMORY_STATE_ENV):

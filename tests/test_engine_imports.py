@@ -1,6 +1,6 @@
 """The engine stands alone (issue 24, item 5; DESIGN.md "one direction of flow"): no module under ``engine/``
 imports another package of this project except ``kernels``. Deployment policy (a class server's caps, its
-model list) is the app's (``ui/class_limits.py``), read where the app builds engines, never inside them.
+model list) is the app's (``infra/class_limits.py``), read where the app builds engines, never inside them.
 Read from the source with ``ast``, so a lazy import inside a function counts too."""
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import torch
 
 import engine as engine_pkg
 from engine import EMBEDDED_MODEL, EngineConfig, LLMEngine, SamplingParams
-from ui import class_limits as limits
+from infra import class_limits as limits
 from engine.config import MAX_N_SEQUENCES
 from engine.model_loader import load_model
 from engine.sequence import FINISHED
@@ -95,7 +95,7 @@ def test_v1_child_ids_already_taken_refuse_the_whole_request(loaded):
 
 
 def test_a_class_server_counts_v1_child_requests_before_adding_any(loaded, monkeypatch):
-    """The cap is the app's (ui/class_limits.py), applied where the Playground's lab adds a request."""
+    """The cap is the app's (infra/class_limits.py), applied where the Playground's lab adds a request."""
     from ui.lab import Lab, LabSettings
 
     monkeypatch.setenv(limits.CLASS_SERVER_ENV, "1")

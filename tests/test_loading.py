@@ -142,7 +142,7 @@ def test_transformers_imported_from_two_threads_at_once():
 import threading, time
 from engine.model_loader import transformers_api  # torch imported; transformers not yet
 from lessons import kv_math
-t = threading.Thread(target=transformers_api)  # as the background preload does (ui.runs.load_reporting)
+t = threading.Thread(target=transformers_api)  # as the background preload does (infra.runs.load_reporting)
 t.start()
 time.sleep(0.3)
 preset = next(iter(kv_math.model_presets().values()))

@@ -1,5 +1,5 @@
 """Engine work on the pages: runs kept once per process and shared (never another setting's run, never changed
-by a page), and the progress shown while they run, then removed (``ui/runs.py``)."""
+by a page), and the progress shown while they run, then removed (``infra/runs.py``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from lessons import catalog
 from lessons.common import LessonContext
 from lessons.l5_out_of_memory import pressure_run
 from lessons.render import memo_for
-from ui.runs import COMPARE_RUNS, LESSON_RUNS, Progress, ProgressBox, RunCache
+from infra.runs import COMPARE_RUNS, LESSON_RUNS, Progress, ProgressBox, RunCache
 
 from test_app import button, new_app
 

@@ -1,7 +1,7 @@
-"""The class server's Streamlit side (``ui/class_limits.py`` holds its numbers and its checks): the locked
+"""The class server's Streamlit side (``infra/class_limits.py`` holds its numbers and its checks): the locked
 model field, the per-session memory charge before a lab is built (``session_plan``: everything the lab will
 keep, refused or its recorded steps capped) within the share the session reserves first in the server-wide
-registry (``check_sizes``, ``ui.class_limits.ShareRegistry``: all sessions of all workers together never reserve
+registry (``check_sizes``, ``infra.class_limits.ShareRegistry``: all sessions of all workers together never reserve
 more than the server's memory for sessions), the note when old steps were dropped, and the release of idle
 and closed sessions' labs, which gives their shares back (``sweep``; it also renews the reservations of the
 sessions still seated, so that only a dead worker's expire). Outside class mode (``PAL_CLASS_SERVER`` unset)
@@ -15,7 +15,7 @@ every ``REAP_INTERVAL_S``: a seat whose session the runtime no longer serves (``
 for ``ClassLimits.closed_seconds`` (10 s) has its lab released, and the freed memory is handed back to the
 operating system (``free_memory``: ``gc.collect`` then glibc's ``malloc_trim(0)``). A tab that reconnects
 later finds a note and a fresh lab, as after an idle release. Nothing else keeps a lab: the registry below
-holds it only while its session is served, the lessons' and Compare's shared runs (``ui.runs``) are
+holds it only while its session is served, the lessons' and Compare's shared runs (``infra.runs``) are
 their own, and a link's replay (``ui.scenario_io.run_steps``) returns to Streamlit at least twice a second,
 where Streamlit stops a closed tab's script run.
 
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import streamlit as st
 
 from engine import EMBEDDED_MODEL
-from ui.class_limits import (NO_SHARE_FREE, ClassLimits, SessionPlan, check_session_bytes, class_limits, plan_session,
+from infra.class_limits import (NO_SHARE_FREE, ClassLimits, SessionPlan, check_session_bytes, class_limits, plan_session,
                            session_budget_bytes, share_registry)
 
 from .lab import Lab, LabSettings, fit_semantics, run_sizes
@@ -64,7 +64,7 @@ def model_input(current: str, key: str) -> str:
         model = st.text_input("Model (embedded default, local path or hub id)", current, key=key,
                               help="Leave it empty for the embedded model") or ""
         return model.strip() or EMBEDDED_MODEL  # an emptied field means the default its label names
-    from ui.class_limits import resolved_model_path
+    from infra.class_limits import resolved_model_path
 
     choices = list(limits.model_choices())
     now = resolved_model_path(current)
@@ -122,7 +122,7 @@ def settings_requests(settings: LabSettings) -> list[tuple]:
 
 
 def session_plan(settings: LabSettings, loaded, budget: int | None = None) -> SessionPlan:
-    """What a lab with ``settings`` would keep, charged to one session's share (``ui.class_limits.plan_session``):
+    """What a lab with ``settings`` would keep, charged to one session's share (``infra.class_limits.plan_session``):
     its KV pools (``session_bytes``), the engines' state and recorded steps for its requests
     (``settings_requests``) and Streamlit's session; the recorded steps kept are capped to what fits. Nothing is
     allocated. Raises ValueError naming every part when even the fewest steps do not fit."""
@@ -140,7 +140,7 @@ PLAN_KEY = "class_memory_plan"  # the plan check_sizes made, for seat_lab: at th
 def check_sizes(settings: LabSettings, loaded) -> None:
     """On a class server, refuse settings whose lab would keep more than one session's share of the memory
     (``session_plan``: the KV pools, the engines' state, the page and the fewest recorded steps), before
-    anything is allocated, and reserve the share in the server-wide registry (``ui.class_limits.share_registry``:
+    anything is allocated, and reserve the share in the server-wide registry (``infra.class_limits.share_registry``:
     the reservations of all sessions on all workers never add up to more than the server's memory for
     sessions); the run is planned within what was reserved. The caps of each field are checked when the
     engines' ``EngineConfig`` is built. Outside class mode: nothing. Raises ValueError naming the parts, their
@@ -163,7 +163,7 @@ RETRY_NOTE = ("Press **Try again** to ask for a seat again: the Playground opens
 
 def lab_refused(message: str | None, key: str) -> bool:
     """Say why this session's lab was not built (``build_lab``'s ``lab_error``). When it was refused because no
-    share of the server's memory is free (``ui.class_limits.NoShareFree``), also say how to retry and offer a
+    share of the server's memory is free (``infra.class_limits.NoShareFree``), also say how to retry and offer a
     "Try again" button: pressing it reruns the page, which asks for a share again (before, the page was a
     dead end until reloaded: nothing on it rerun the script). Returns whether the button was pressed."""
     if message and message.startswith(NO_SHARE_FREE):
@@ -364,7 +364,7 @@ def sweep(limits: ClassLimits, now: float | None = None, registry: dict | None =
             shares.release(sid)
     with registry["lock"]:
         seated = [sid for sid, seat in registry["seats"].items() if seat.lab is not None]
-    shares.renew(seated)  # a live worker's reservations never expire (ui.class_limits.LEASE_S)
+    shares.renew(seated)  # a live worker's reservations never expire (infra.class_limits.LEASE_S)
     if released:
         free_memory()
     return released

@@ -13,9 +13,9 @@ final lengths from a paged run in the paper's semantics, the scheduler the basel
 could differ under another batching), when the workload's lengths are not known in advance.
 
 A finished comparison is kept once per server process under everything that decides it (``run_key``) and
-shared by every session (``cached_run_all``, ``ui.runs.COMPARE_RUNS``): the runs are deterministic, and
+shared by every session (``cached_run_all``, ``infra.runs.COMPARE_RUNS``): the runs are deterministic, and
 five whole runs of ``lesson-lengths`` take 20-30 s on 2 cores with one torch thread each. While they run, a
-progress box says which run and how far (``ui.runs.ProgressBox``).
+progress box says which run and how far (``infra.runs.ProgressBox``).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from engine.model_loader import load_shared
 from engine.config import CONTIGUOUS_POLICIES, DEFAULT_MAX_NUM_BATCHED_TOKENS_V1, SEMANTICS
 from engine.scenarios.presets import SCENARIOS
 from engine.scenarios.run_spec import lengths_known, run_paged_then_contiguous
-from ui.runs import COMPARE_RUNS, ProgressBox, preload_model, token_detail
-from ui import class_limits as limits
+from infra.runs import COMPARE_RUNS, ProgressBox, preload_model, token_detail
+from infra import class_limits as limits
 from ui.lab import (POLICY_LABELS, POLICY_RESERVES, SEMANTICS_LABELS, engine_semantics_line,
                     fit_semantics, max_num_seqs_for, semantics_line)
 from ui.state import preset_settings
@@ -95,7 +95,7 @@ def run_all(name: str, seed: int, semantics: str = "paper", budget: int | None =
     """Run ``name`` on the paged engine in ``semantics`` ("paper" | "v1"; ``budget``: V1's token budget per
     step), then on the contiguous baseline under every policy (the paper's scheduler):
     ``engine.scenarios.run_spec.run_paged_then_contiguous``. ``report(what, fraction, detail)``, if given, is
-    called after every engine step (``ui.runs.RunCache.get``'s).
+    called after every engine step (``infra.runs.RunCache.get``'s).
 
     Returns {"name", "seed", "settings", "semantics", "semantics_line", "semantics_note", "budget", "paged":
     (records, summary), "policies": {policy: (records, summary)}, "skipped": {policy: reason}, "seconds":
@@ -143,7 +143,7 @@ def run_all(name: str, seed: int, semantics: str = "paper", budget: int | None =
 def cached_run_all(name: str, seed: int, semantics: str = "paper", budget: int | None = None,
                    on_progress=None) -> dict:
     """``run_all``, computed once per process for these settings (``run_key``) and shared by every session
-    (``ui.runs.COMPARE_RUNS``); ``on_progress`` follows it while it runs. Raises as ``run_all``."""
+    (``infra.runs.COMPARE_RUNS``); ``on_progress`` follows it while it runs. Raises as ``run_all``."""
     return COMPARE_RUNS.get(run_key(name, seed, semantics, budget),
                             lambda report: run_all(name, seed, semantics, budget, report), on_progress=on_progress)
 

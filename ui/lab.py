@@ -43,7 +43,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from engine import EngineConfig, LLMEngine, SamplingParams, StepRecord
-from ui import class_limits as limits
+from infra import class_limits as limits
 from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS_V1, FINAL_LENGTH_POLICIES
 from engine.scenarios.run_spec import (RunSpec, baseline_final_lengths, count_only_tokenizer,  # noqa: F401
                                        max_num_seqs_for)
@@ -270,7 +270,7 @@ class PressProtocol:
 
 @dataclass
 class SessionLimits:
-    """A class server's bounds on one session's lab (``ui.class_limits``): it keeps only the last
+    """A class server's bounds on one session's lab (``infra.class_limits``): it keeps only the last
     ``history_limit`` recorded steps (None: all), ``dropped_steps`` counts the older ones dropped (so step
     numbers stay the engines'), and ``memory`` is the session's charge (``Lab.plan_memory``) or None."""
 

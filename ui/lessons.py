@@ -5,7 +5,7 @@ import streamlit as st
 from engine import EMBEDDED_MODEL
 from lessons import (catalog, forget_progress, lesson_progress, progress_code, restore_progress, save_progress_url,
                      show_progress_error)
-from ui.runs import preload_model
+from infra.runs import preload_model
 
 preload_model(EMBEDDED_MODEL)  # in the background while the learner reads: the lessons find the model loaded
 

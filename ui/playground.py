@@ -22,7 +22,8 @@ from ui.lab import (MAX_RUN_STEPS, POLICY_LABELS, POLICY_RESERVES, SCHEDULING_LA
                     LabSettings, count_only_tokenizer, engine_semantics_line)
 from ui.scenario_io import follow_step, open_scenario_link, scenario_sidebar
 from ui.stage_gate import stage_slot
-from ui.state import (OPEN_PRESET, applied_settings, build_lab, default_settings, get_lab, overridden_fields,
+from infra.keys import OPEN_PRESET
+from ui.state import (applied_settings, build_lab, default_settings, get_lab, overridden_fields,
                       pending_stage_presses, preset_settings, shared_model, stage_keys, take_stage_presses)
 from viz import block_table_rows, swap_pool_figure, timeline_figure
 from viz.colors import colour_key, request_color, request_id_of

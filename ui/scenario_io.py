@@ -36,7 +36,7 @@ from engine.scenarios.scenario_file import (ScenarioFile, ScenarioSettings, deco
 from engine.scenarios.presets import SCENARIOS
 from engine.scenarios.workloads import Workload
 
-from . import class_limits
+from infra import class_limits
 from .lab import Lab, LabSettings, fit_semantics
 from .state import build_lab, get_lab, preset_settings, scenario_settings
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import streamlit as st
 
 from engine import EMBEDDED_MODEL
-from ui import class_limits as limits
+from infra import class_limits as limits
 from engine.watch.capture import (CaptureReplay, capture_from_raw, dumps_capture, new_header, read_capture,
                                   server_pool, server_scrapes, server_time)
 from engine.watch.kv_subscriber import MAX_CAPTURE_BYTES, KVEventSubscriber

@@ -1,4 +1,4 @@
-"""Streamlit glue: the shared read-only model (``ui.runs.shared_model``: loaded once per process, its
+"""Streamlit glue: the shared read-only model (``infra.runs.shared_model``: loaded once per process, its
 progress shown the first time), each session's ``Lab``, what "Apply and reset" builds (``applied_settings``:
 a preset always means the same run) and the stage's press counter (``stage_keys``)."""
 
@@ -10,18 +10,17 @@ import streamlit as st
 
 from engine import EMBEDDED_MODEL
 from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS_V1
-from . import class_server, runs
+from infra import runs
+
+from . import class_server
 from .lab import POLICY_LABELS, Lab, LabSettings, count_only_tokenizer
-
-
-OPEN_PRESET = "open_preset"  # session_state: a lesson's playground dict, which the Playground opens and drops
 
 
 def shared_model(model: str):
     """(model, tokenizer), loaded once per process and shared read-only by every session and the lessons
-    (``ui.runs.shared_model``: ``engine.model_loader.load_shared`` with a progress box on first load),
+    (``infra.runs.shared_model``: ``engine.model_loader.load_shared`` with a progress box on first load),
     one copy per real folder (every spelling of a path is one copy). On a class server a model it does not
-    serve raises ValueError before anything is read (``ui.class_limits.check_model``)."""
+    serve raises ValueError before anything is read (``infra.class_limits.check_model``)."""
     return runs.shared_model(model)
 
 

@@ -1,8 +1,8 @@
 """Engine work the app's pages share (the Playground, Compare and the lessons): finished runs kept once per
 process for every session (``RunCache``), the shared model loaded once with its progress shown
 (``shared_model``, ``preload_model``), and the box a page shows while either happens (``ProgressBox``). App
-infrastructure, not a page: the lessons import it from here (``lessons/render.py``), as they may import ui's
-helpers but never its pages; ui reaches the lessons only through ``lessons/__init__.py``'s public API.
+infrastructure, not a page: the pages and the lessons (``lessons/render.py``) both import it from here, and
+it imports neither; ui reaches the lessons only through ``lessons/__init__.py``'s public API.
 
 Why (issue: "every lesson page's first visit within 3 s on 2 cores, every Compare run within 2 s, anything
 longer than a second shows progress, never a bare spinner"; ``bench/lessons_speed.py`` measures it):
@@ -236,10 +236,10 @@ def load_reporting(model: str, report) -> tuple:
 def shared_model(model: str = EMBEDDED_MODEL, where=None) -> tuple:
     """(model, tokenizer), loaded once per process and shared read-only by every session, the lessons and
     Compare (``engine.model_loader.load_shared``); the first load shows its progress in ``where`` (default:
-    the page). Kept by the folder's real path (``ui.class_limits.resolved_model_path``): every spelling of one
+    the page). Kept by the folder's real path (``infra.class_limits.resolved_model_path``): every spelling of one
     folder is one copy. Raises ValueError (``ModelLoadError``) if it cannot be loaded (on a class server:
     a model it does not serve, before anything is read); that is not kept."""
-    from ui.class_limits import check_model, resolved_model_path
+    from infra.class_limits import check_model, resolved_model_path
 
     check_model(model)
     model = resolved_model_path(model)
@@ -255,7 +255,7 @@ def preload_model(model: str = EMBEDDED_MODEL) -> None:
     next (a lesson that runs the engine, Compare) finds it loaded or in flight (it then shows this load's
     progress). Pages that run no engine call it: the lessons' overview, Compare before "Run all". A failed
     load is left to the page that needs the model, which says why."""
-    from ui.class_limits import resolved_model_path
+    from infra.class_limits import resolved_model_path
 
     model = resolved_model_path(model)
     with _PRELOAD_LOCK:

@@ -43,15 +43,15 @@ def step_and_draw(n_steps: int = 30) -> float:
     for i in range(16):
         lab.add_request(f"ROMEO. Speak, friend number {i}.", SamplingParams(max_tokens=120, temperature=0.8,
                                                                            seed=i, ignore_eos=True))
-    decode = lab.paged.tokenizer.decode
+    decode = lab.run.paged.tokenizer.decode
     times = []
     for _ in range(n_steps):
         t0 = time.perf_counter()
         paged, contiguous = lab.step()
-        figs = [block_pool_figure(paged.snapshot, lab.order, decode=decode),
-                paged_slots_figure(paged.snapshot, lab.order),
-                contiguous_region_figure(contiguous.snapshot.contiguous, lab.order),
-                timeline_figure({"paged": [p for p, _ in lab.history], "contiguous": [c for _, c in lab.history]})]
+        figs = [block_pool_figure(paged.snapshot, lab.run.order, decode=decode),
+                paged_slots_figure(paged.snapshot, lab.run.order),
+                contiguous_region_figure(contiguous.snapshot.contiguous, lab.run.order),
+                timeline_figure({"paged": [p for p, _ in lab.run.history], "contiguous": [c for _, c in lab.run.history]})]
         block_table_rows(paged.snapshot, decode)
         for f in figs:
             f.to_json()

@@ -378,7 +378,7 @@ def calibrate() -> str:
                                                  "max_tokens": max_tokens, "n": n, "temperature": 1.0, "seed": i,
                                                  "ignore_eos": True} for i in range(reqs)]})
         lab = Lab.create(scenario_settings(scenario, EMBEDDED_MODEL), loaded)
-        lab.history_limit = None
+        lab.session.history_limit = None
         for _ in range(3):
             lab.step()
         gc.collect()
@@ -386,7 +386,7 @@ def calibrate() -> str:
         base, listed, tokens, steps = tracemalloc.get_traced_memory()[0], 0, 0, 30
         for _ in range(steps):
             lab.step()
-            for record in lab.history[-1]:
+            for record in lab.run.history[-1]:
                 if record is not None:
                     if view:
                         record.snapshot.ref_counts  # noqa: B018 - built as a view builds it

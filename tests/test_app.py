@@ -44,12 +44,12 @@ def test_step_changes_state_and_numbers():
         button(at, "Step").click().run()
         assert not at.exception
         assert lab.step_count == step
-        snap = lab.history[-1][0].snapshot
+        snap = lab.run.history[-1][0].snapshot
         shown = metrics(at)
         assert shown["running"] == str(len(snap.running))
         assert shown["free blocks"] == f"{snap.num_free_blocks}/{snap.num_blocks}"
         assert at.caption[0].value.startswith(f"step {step} of {step}")
-    first, second = lab.history[0][0].snapshot, lab.history[1][0].snapshot
+    first, second = lab.run.history[0][0].snapshot, lab.run.history[1][0].snapshot
     assert [s.token_ids for s in first.sequences] != [s.token_ids for s in second.sequences]
 
 
@@ -58,16 +58,16 @@ def test_back_then_forward_shows_the_identical_snapshot():
     for _ in range(3):
         button(at, "Step").click().run()
     lab = at.session_state["lab"]
-    latest = copy.deepcopy(lab.history[-1][0].snapshot)  # a copy: the recorded one must not change
+    latest = copy.deepcopy(lab.run.history[-1][0].snapshot)  # a copy: the recorded one must not change
     shown_before = metrics(at)
     button(at, "Back").click().run()
     assert at.session_state["cursor"] == 1 and lab.step_count == 3  # nothing re-ran
     assert metrics(at) != shown_before  # the page shows step 2
     button(at, "Forward").click().run()  # replays the recorded step
-    assert lab.step_count == 3 and len(lab.history) == 3
+    assert lab.step_count == 3 and len(lab.run.history) == 3
     assert metrics(at) == shown_before
-    shown = lab.history[at.session_state["cursor"]][0].snapshot if at.session_state["cursor"] >= 0 \
-        else lab.history[-1][0].snapshot
+    shown = lab.run.history[at.session_state["cursor"]][0].snapshot if at.session_state["cursor"] >= 0 \
+        else lab.run.history[-1][0].snapshot
     assert shown == latest
 
 
@@ -76,14 +76,14 @@ def test_a_preset_runs_to_completion_by_repeated_step():
     at.sidebar.selectbox[0].set_value("parallel-sampling")
     [b for b in at.button if b.label == "Apply and reset"][0].click().run()
     lab = at.session_state["lab"]
-    assert lab.settings.preset == "parallel-sampling" and lab.settings.num_blocks == 32
+    assert lab.run.settings.preset == "parallel-sampling" and lab.run.settings.num_blocks == 32
     for _ in range(200):
         if not lab.has_work():
             break
         button(at, "Step").click().run()
         assert not at.exception
     assert not lab.has_work()
-    assert lab.paged.block_manager.num_free_blocks == lab.paged.num_blocks
+    assert lab.run.paged.block_manager.num_free_blocks == lab.run.paged.num_blocks
     assert any("all requests finished" in c.value for c in at.caption)
 
 
@@ -113,9 +113,9 @@ def test_two_sessions_are_independent():
     button(a, "Step").click().run()
     assert a.session_state["lab"].step_count == 2
     assert b.session_state["lab"].step_count == 0
-    assert a.session_state["lab"].paged is not b.session_state["lab"].paged
+    assert a.session_state["lab"].run.paged is not b.session_state["lab"].run.paged
     # the weights are shared read-only
-    assert a.session_state["lab"].paged.model is b.session_state["lab"].paged.model
+    assert a.session_state["lab"].run.paged.model is b.session_state["lab"].run.paged.model
 
 
 def test_unknown_model_offline_is_an_error_in_the_page():
@@ -135,9 +135,9 @@ def test_kv_budget_sizes_the_pool():
     [b for b in at.button if b.label == "Apply and reset"][0].click().run()
     assert not at.exception
     lab = at.session_state["lab"]
-    per_block = lab.paged.geometry.bytes_per_block(lab.paged.block_size)
-    assert lab.paged.num_blocks == (3 * 2**20) // per_block != 64
-    assert lab.contiguous.kv_cache.nbytes == lab.paged.kv_cache.nbytes
+    per_block = lab.run.paged.geometry.bytes_per_block(lab.run.paged.block_size)
+    assert lab.run.paged.num_blocks == (3 * 2**20) // per_block != 64
+    assert lab.run.contiguous.kv_cache.nbytes == lab.run.paged.kv_cache.nbytes
 
 
 def test_an_emptied_model_field_means_the_embedded_model():
@@ -146,4 +146,4 @@ def test_an_emptied_model_field_means_the_embedded_model():
     at.sidebar.text_input[0].set_value("  ")
     [b for b in at.button if b.label == "Apply and reset"][0].click().run()
     assert not at.exception and not at.error, [e.value for e in at.error]
-    assert at.session_state["lab"].settings.model == EMBEDDED_MODEL
+    assert at.session_state["lab"].run.settings.model == EMBEDDED_MODEL

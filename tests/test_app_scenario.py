@@ -40,7 +40,7 @@ def button(at, label):
 def test_a_preset_link_opens_that_preset_at_that_step_and_the_url_follows_the_run():
     at = open_app(scenario="swap", step="7", other="kept")
     lab = at.session_state["lab"]
-    assert lab.settings == fit_semantics(preset_settings("swap"))[0]
+    assert lab.run.settings == fit_semantics(preset_settings("swap"))[0]
     assert lab.steps_run == 7 and not at.error
     assert at.caption[0].value.startswith("step 7 of 7")
     assert (param(at, "scenario"), param(at, "step"), param(at, "other")) == ("swap", "7", "kept")
@@ -66,11 +66,11 @@ def test_a_custom_request_in_a_link_opens_the_same_run_in_a_fresh_session():
 
     fresh = open_app(scenario=code, step=step)
     again = fresh.session_state["lab"]
-    assert again is not lab and again.settings.preset == "custom"
+    assert again is not lab and again.run.settings.preset == "custom"
     assert lab_scenario(again) == lab_scenario(lab)
     assert again.steps_run == 5
-    assert again.history[-1][0].snapshot == lab.history[-1][0].snapshot
-    assert again.history[-1][1].snapshot == lab.history[-1][1].snapshot
+    assert again.run.history[-1][0].snapshot == lab.run.history[-1][0].snapshot
+    assert again.run.history[-1][1].snapshot == lab.run.history[-1][1].snapshot
     assert fresh.caption[0].value == at.caption[0].value  # "step 5 of 5 (...)"
     assert param(fresh, "scenario") == code and param(fresh, "step") == "5"
 
@@ -98,7 +98,7 @@ def test_a_link_with_a_bad_field_names_it():
     code = base64.urlsafe_b64encode(zlib.compress(json.dumps(data).encode())).decode().rstrip("=")
     at = open_app(scenario=code)
     assert any("requests.0.max_tokens: must be >= 1, got 0" in e.value for e in at.error)
-    assert at.session_state["lab"].settings.preset == "batch"  # the default lab
+    assert at.session_state["lab"].run.settings.preset == "batch"  # the default lab
 
 
 def test_a_scenario_file_chosen_in_the_sidebar_replaces_the_run():
@@ -115,12 +115,12 @@ def test_a_scenario_file_chosen_in_the_sidebar_replaces_the_run():
     at.file_uploader[0].upload("mine.yaml", sf.dump_scenario(good, "yaml").encode(), "application/yaml").run()
     assert not at.exception and not at.error, [e.value for e in at.error]
     lab = at.session_state["lab"]
-    assert lab is not before and lab.settings.preset == "custom" and lab.settings.scenario == good
-    assert lab.paged.num_blocks == 20 and lab.paged.block_size == 8
+    assert lab is not before and lab.run.settings.preset == "custom" and lab.run.settings.scenario == good
+    assert lab.run.paged.num_blocks == 20 and lab.run.paged.block_size == 8
     assert lab_scenario(lab) == good
     for _ in range(3):
         button(at, "Step").click().run()
-    assert lab.order == ["R1", "R2"] and [r.arrival_step for _, r in lab.arrivals] == [0, 2]
+    assert lab.run.order == ["R1", "R2"] and [r.arrival_step for _, r in lab.run.arrivals] == [0, 2]
     assert sf.decode_link(param(at, "scenario")) == good and param(at, "step") == "3"
 
 

@@ -187,4 +187,4 @@ def test_the_page_says_why_a_link_over_the_class_cap_is_not_opened(monkeypatch):
     assert any("cannot be opened: this scenario link has 65 requests, more than the 64 one run may hold on this "
                "class server; open a link with fewer requests" in e for e in said), said
     assert not any("Reset" in e for e in said)
-    assert at.session_state["lab"].paged is not None  # the default run is shown instead
+    assert at.session_state["lab"].run.paged is not None  # the default run is shown instead

@@ -36,10 +36,10 @@ def test_exported_html_steps_through_the_run_offline(tmp_path):
     lab = Lab.create(preset_settings("parallel-sampling"), load_shared(EMBEDDED_MODEL))
     while lab.has_work():
         lab.step()
-    history = lab.history
+    history = lab.run.history
     by_step = {p.step: (p, c) for p, c in history}
     path = tmp_path / "run.html"
-    path.write_text(export.run_html(history, lab.order, title="parallel-sampling"), encoding="utf-8")
+    path.write_text(export.run_html(history, lab.run.order, title="parallel-sampling"), encoding="utf-8")
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=[

@@ -65,14 +65,14 @@ def test_dropped_steps_are_freed(class_mode, loaded):
     from ui.state import preset_settings
 
     lab = Lab.create(preset_settings("batch"), loaded)
-    lab.history_limit = 5
+    lab.session.history_limit = 5
     lab.step()
-    first = weakref.ref(lab.history[0][0].snapshot)
+    first = weakref.ref(lab.run.history[0][0].snapshot)
     for _ in range(11):
         lab.step()
     gc.collect()
-    assert lab.dropped_steps == 7 and first() is None
-    kept = [r.snapshot for r, _ in lab.history]
+    assert lab.session.dropped_steps == 7 and first() is None
+    kept = [r.snapshot for r, _ in lab.run.history]
     assert all("_pool_delta" not in kept[0].__dict__ for _ in [0])  # the oldest kept holds its own lists
     assert [s.num_free_blocks for s in kept] == [s.ref_counts.count(0) for s in kept]  # and reads right
 
@@ -131,9 +131,9 @@ def test_the_lab_keeps_its_charge_and_the_page_says_why(class_mode, loaded):
 
     settings = settings_of(scenario(8, 2, 60, 128))
     lab = Lab.create(settings, loaded)
-    fixed = session_bytes(lab.settings, loaded)
+    fixed = session_bytes(lab.run.settings, loaded)
     plan = lab.plan_memory(fixed, budget=budget_for(lab, fixed, 25))
-    assert lab.history_limit == plan.history_steps == 25
+    assert lab.session.history_limit == plan.history_steps == 25
     for _ in range(plan.history_steps + 2):
         lab.step()
     note = lab.history_note()
@@ -147,16 +147,16 @@ def test_a_request_added_by_hand_is_charged_first(class_mode, loaded):
     from ui.lab import Lab
 
     lab = Lab.create(settings_of(scenario(2, 1, 20, 128)), loaded)
-    fixed = session_bytes(lab.settings, loaded)
+    fixed = session_bytes(lab.run.settings, loaded)
     plan = lab.plan_memory(fixed, budget=budget_for(lab, fixed, 12))
-    before = (len(lab.arrivals), len(lab.paged.requests), lab.history_limit)
+    before = (len(lab.run.arrivals), len(lab.run.paged.requests), lab.session.history_limit)
     with pytest.raises(ValueError, match=r"this run needs [\d.,]+ MiB .* 10 sequences of up to 208 tokens.* "
                                          r"may use [\d.,]+ MiB"):
         lab.add_request("ROMEO. ", SamplingParams(max_tokens=200, n=8))  # the engine itself would take it
-    assert (len(lab.arrivals), len(lab.paged.requests), lab.history_limit) == before == (0, 0, 12)
+    assert (len(lab.run.arrivals), len(lab.run.paged.requests), lab.session.history_limit) == before == (0, 0, 12)
     lab.add_request("ROMEO. ", SamplingParams(max_tokens=20))
-    assert 10 <= lab.history_limit < plan.history_steps and lab.memory.budget == plan.budget
-    assert len(lab.paged.requests) == 1
+    assert 10 <= lab.session.history_limit < plan.history_steps and lab.session.memory.budget == plan.budget
+    assert len(lab.run.paged.requests) == 1
 
 
 @pytest.mark.slow
@@ -167,7 +167,7 @@ def test_recorded_steps_stay_within_their_charge(class_mode, loaded):
     from ui.lab import Lab
 
     lab = Lab.create(settings_of(scenario(8, 4, 200, 256)), loaded)
-    fixed = session_bytes(lab.settings, loaded)
+    fixed = session_bytes(lab.run.settings, loaded)
     plan = lab.plan_memory(fixed, budget=budget_for(lab, fixed, 12))
     assert plan.history_steps == 12
     gc.collect()
@@ -175,7 +175,7 @@ def test_recorded_steps_stay_within_their_charge(class_mode, loaded):
     try:
         for i in range(160):
             lab.step()
-            for record in lab.history[-1] if i % 25 == 0 else ():  # a progress redraw: the latest step drawn
+            for record in lab.run.history[-1] if i % 25 == 0 else ():  # a progress redraw: the latest step drawn
                 record.snapshot.ref_counts  # noqa: B018 - drawn
             if i == 39:
                 gc.collect()
@@ -215,10 +215,10 @@ def test_a_closed_tabs_lab_is_released_and_a_return_finds_a_note(class_mode, mon
     class_server.sweep(got, now + 6, gone={sid})
     assert class_server.sweep(got, now + 6 + got.closed_seconds - 1, gone={sid}) == []
     assert class_server.sweep(got, now + 6 + got.closed_seconds, gone={sid}) == [sid]
-    assert lab.paged is None and lab.history == [] and sid not in registry["seats"] and trims
+    assert lab.run.paged is None and lab.run.history == [] and sid not in registry["seats"] and trims
     at.run()
     assert not at.exception
-    assert at.session_state["lab"] is not lab and at.session_state["lab"].paged is not None
+    assert at.session_state["lab"] is not lab and at.session_state["lab"].run.paged is not None
     assert any("released 10 s after its tab closed" in i.value for i in at.info)
 
 
@@ -236,9 +236,9 @@ def test_the_reaper_releases_without_any_script_run(class_mode, monkeypatch, loa
                 "reaper": None}
     class_server.start_reaper(registry)
     deadline = time.monotonic() + 10
-    while lab.paged is not None and time.monotonic() < deadline:
+    while lab.run.paged is not None and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert lab.paged is None and not registry["seats"]
+    assert lab.run.paged is None and not registry["seats"]
 
 
 def _rss_mib() -> float:

@@ -139,7 +139,7 @@ def test_session_bytes_are_what_the_engines_allocate(class_mode, loaded):
         tensors = kv.key_cache + kv.value_cache + getattr(kv, "swap_key", []) + getattr(kv, "swap_value", [])
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    assert sum(session_bytes(settings, loaded).values()) == held(lab.paged) + held(lab.contiguous)
+    assert sum(session_bytes(settings, loaded).values()) == held(lab.run.paged) + held(lab.run.contiguous)
 
 
 def test_the_request_cap(class_mode, loaded):
@@ -255,12 +255,12 @@ def test_the_history_is_bounded_and_the_page_says_so(class_mode):
     class_mode.setenv(limits.HISTORY_STEPS_ENV, "10")
     at = new_app()
     lab = at.session_state["lab"]
-    assert lab.history_limit == 10
+    assert lab.session.history_limit == 10
     for _ in range(13):
         button(at, "Step").click().run()
         assert not at.exception
-    assert [paged.step for paged, _ in lab.history] == list(range(4, 14))  # the engines' own step numbers
-    assert lab.dropped_steps == 3 and lab.steps_run == 13 == lab.paged.step_count
+    assert [paged.step for paged, _ in lab.run.history] == list(range(4, 14))  # the engines' own step numbers
+    assert lab.session.dropped_steps == 3 and lab.steps_run == 13 == lab.run.paged.step_count
     notes = [i.value for i in at.info]
     assert ("Steps 1-3 were dropped to save memory; the run continues (this class server keeps the last 10 "
             "steps: 4-13).") in notes
@@ -272,17 +272,17 @@ def test_trimming_keeps_the_cursor_on_its_step_and_arrivals_on_time(class_mode, 
     from ui.state import preset_settings
 
     full = Lab.create(preset_settings("batch"), loaded)
-    full.history_limit = None
+    full.session.history_limit = None
     bounded = Lab.create(preset_settings("batch"), loaded)
-    bounded.history_limit = 10
+    bounded.session.history_limit = 10
     for _ in range(30):
         full.step()
         bounded.step()
-        if bounded.step_count == 10 and bounded.cursor == -1:
+        if bounded.step_count == 10 and bounded.player.cursor == -1:
             bounded.seek(7)  # looking back at step 8
-    assert [r.snapshot for r, _ in full.history[-10:]] == [r.snapshot for r, _ in bounded.history]
-    assert bounded.cursor == 0  # step 8 was dropped: the oldest kept step is shown
-    assert bounded.history[bounded.cursor][0].step == 21
+    assert [r.snapshot for r, _ in full.run.history[-10:]] == [r.snapshot for r, _ in bounded.run.history]
+    assert bounded.player.cursor == 0  # step 8 was dropped: the oldest kept step is shown
+    assert bounded.run.history[bounded.player.cursor][0].step == 21
 
 
 def test_an_idle_session_is_released_and_comes_back_fresh(class_mode):
@@ -295,16 +295,16 @@ def test_an_idle_session_is_released_and_comes_back_fresh(class_mode):
     now = time.monotonic()
     got = limits.class_limits()
     class_server.sweep(got, now + 19 * 60)  # 19 idle minutes: kept
-    assert lab.paged is not None
+    assert lab.run.paged is not None
     lab.step()  # it stepped without a script run of app.py (Play's fragment): active again
     class_server.sweep(got, now + 30 * 60)
-    assert lab.paged is not None
+    assert lab.run.paged is not None
     assert class_server.sweep(got, now + 51 * 60)  # 21 minutes after that activity: released
-    assert lab.paged is None and lab.contiguous is None and lab.history == []
+    assert lab.run.paged is None and lab.run.contiguous is None and lab.run.history == []
     at.run()
     assert not at.exception
     fresh = at.session_state["lab"]
-    assert fresh is not lab and fresh.paged is not None and fresh.step_count == 0
+    assert fresh is not lab and fresh.run.paged is not None and fresh.step_count == 0
     assert any("released after 20 idle minutes" in i.value for i in at.info)
 
 

@@ -209,7 +209,7 @@ def test_the_page_says_a_step_is_out_of_range_and_opens_the_run_at_step_0():
                "opened at step 0" in t for t in texts), texts
     assert "not a" not in " ".join(texts)
     lab = at.session_state["lab"]
-    assert lab.settings.preset == "batch" and lab.paged.step_count == 0
+    assert lab.run.settings.preset == "batch" and lab.run.paged.step_count == 0
 
 
 # ---- item 5: a bad ?progress= code is said on the lesson pages, naming the code, until the first answer ----
@@ -273,7 +273,7 @@ def test_a_custom_links_requests_are_queued_by_the_scenario_not_the_preset():
     at = AppTest.from_file(APP, default_timeout=180)
     at.query_params["scenario"] = _batch_link()
     at.run()
-    assert not at.exception and at.session_state["lab"].settings.preset == "custom"
+    assert not at.exception and at.session_state["lab"].run.settings.preset == "custom"
     [info] = [i.value for i in at.info if i.value.startswith("Nothing has run yet")]
     assert "requests are queued by the scenario file or link" in info and "by the preset" not in info
 
@@ -295,4 +295,4 @@ def test_a_link_refused_for_its_kv_size_says_the_default_preset_is_shown(monkeyp
     assert not at.exception
     [error] = [e.value for e in at.error if e.value.startswith("This link's scenario cannot be opened")]
     assert error.endswith("; the Playground shows its default preset instead"), error
-    assert at.session_state["lab"].settings.preset == "batch"
+    assert at.session_state["lab"].run.settings.preset == "batch"

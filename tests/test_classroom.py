@@ -207,10 +207,10 @@ def test_the_reveal_reads_a_real_steps_answers(batch_lab):
     seen = {"block": 0, "none": 0, "preempted": 0}
     before = None
     while lab.has_work() and lab.step_count < 300:
-        questions = [make_question("next_block", 12, lab.order, r) for r in lab.order]
-        questions.append(make_question("preempted", 12, lab.order))
+        questions = [make_question("next_block", 12, lab.run.order, r) for r in lab.run.order]
+        questions.append(make_question("preempted", 12, lab.run.order))
         record = lab.step()[0]
-        assert answer_from_record(make_question("free_after", 12, lab.order), record) == \
+        assert answer_from_record(make_question("free_after", 12, lab.run.order), record) == \
             str(record.snapshot.num_free_blocks)
         for q in questions:
             answer = answer_from_record(q, record, before)
@@ -268,13 +268,13 @@ def test_class_page_presenter_and_student():
     next(b for b in presenter.button if b.label == "Step and reveal").click().run()
     assert not presenter.exception, [e.value for e in presenter.exception]
     lab = presenter.session_state["lab"]
-    right = str(lab.history[0][0].snapshot.num_free_blocks)  # asked before step 1: step 1's record
+    right = str(lab.run.history[0][0].snapshot.num_free_blocks)  # asked before step 1: step 1's record
     assert lab.step_count == 1
     assert any(f"right answer: **{right}**" in c.value for c in presenter.caption)
     student.run()
     assert any(f"Right answer: **{right}**" in s.value for s in student.success)
     mine = student.session_state["lab"]  # the student's own Playground run (the app opened on the Playground)
-    assert mine is not lab and mine.token != lab.token and mine.step_count == 0  # the presenter's step is not in it
+    assert mine is not lab and mine.protocol.token != lab.protocol.token and mine.step_count == 0  # the presenter's step is not in it
 
 
 # ------------------------------------------------------------------------------------------- the bench

@@ -101,7 +101,7 @@ def test_a_class_server_counts_v1_child_requests_before_adding_any(loaded, monke
     monkeypatch.setenv(limits.CLASS_SERVER_ENV, "1")
     lab = Lab.create(LabSettings(model=EMBEDDED_MODEL, preset="custom", num_blocks=16, max_model_len=64,
                                  semantics="v1"), loaded)
-    engine = lab.paged
+    engine = lab.run.paged
     cap = limits.class_limits().max_requests
     lab.add_request([5, 6], SamplingParams(max_tokens=1))
     before = state(engine)

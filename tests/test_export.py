@@ -23,7 +23,7 @@ def recorded_run(preset: str, max_steps: int = 400) -> tuple[list, list[str]]:
     lab = Lab.create(preset_settings(preset), load_shared(EMBEDDED_MODEL))
     while lab.has_work() and lab.step_count < max_steps:
         lab.step()
-    return lab.history, lab.order
+    return lab.run.history, lab.run.order
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +217,7 @@ def test_playground_export_panel_builds_on_click_only(kaleido_ok):
     built = at.session_state[CACHE_KEY]
     assert not at.error, [e.value for e in at.error]
     (key, gif), = built.items()
-    assert key[:3] == (lab.token, 2, "GIF")
+    assert key[:3] == (lab.protocol.token, 2, "GIF")
     assert iio.imread(gif, index=None, extension=".gif").shape[0] == 2
-    page = html_builder(lab, lab.history, {})()
+    page = html_builder(lab, lab.run.history, {})()
     assert page.count("Plotly.addFrames") == 1 and export.external_loads(page) == []

@@ -30,10 +30,10 @@ def test_concurrent_steps_stay_consistent():
     for t in threads:
         t.join()
     assert not errors
-    assert len(lab.history) == 24
-    assert [p.step for p, _ in lab.history] == list(range(1, 25))
-    assert [c.step for _, c in lab.history] == list(range(1, 25))
-    assert lab.paged.block_manager.invariant_violations() == []
+    assert len(lab.run.history) == 24
+    assert [p.step for p, _ in lab.run.history] == list(range(1, 25))
+    assert [c.step for _, c in lab.run.history] == list(range(1, 25))
+    assert lab.run.paged.block_manager.invariant_violations() == []
 
 
 def test_every_preset_is_the_same_run_in_the_cli_and_the_app():

@@ -316,7 +316,7 @@ def test_open_in_the_playground_loads_the_preset_in_v1():
     next(b for b in at.button if b.label == "Open this in the Playground").click().run()
     assert not at.exception, [e.value for e in at.exception]
     lab = at.session_state["lab"]
-    assert lab.settings.preset == LESSON.playground["preset"] and lab.semantics_note is None
-    assert lab.paged.semantics == "v1"
-    assert lab.paged.max_num_batched_tokens == LESSON.playground["max_num_batched_tokens"]
+    assert lab.run.settings.preset == LESSON.playground["preset"] and lab.run.semantics_note is None
+    assert lab.run.paged.semantics == "v1"
+    assert lab.run.paged.max_num_batched_tokens == LESSON.playground["max_num_batched_tokens"]
     assert re.search(r"vLLM V1", " ".join(m.value for m in at.markdown))

@@ -308,4 +308,4 @@ def test_the_page_end_to_end(exs):
     after = next(c.value for c in at.code if "Maximum concurrency" in c.value)
     assert not at.exception and "4,096 tokens per request" in after and after != before
     next(b for b in at.button if b.label == "Open this in the Playground").click().run()
-    assert not at.exception and at.session_state["lab"].settings.semantics == "v1"
+    assert not at.exception and at.session_state["lab"].run.settings.semantics == "v1"

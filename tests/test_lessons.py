@@ -305,13 +305,13 @@ def test_open_in_playground_loads_the_lesson_preset():
     next(b for b in at.button if b.label == "Open this in the Playground").click().run()
     assert not at.exception
     lab = at.session_state["lab"]
-    assert lab.settings.preset == "memory-pressure" and lab.paged.num_blocks == 10
+    assert lab.run.settings.preset == "memory-pressure" and lab.run.paged.num_blocks == 10
     assert at.title[0].value == "Playground"
     at.switch_page("ui/playground.py").run()  # AppTest keeps its own page for later runs; follow the switch
     next(b for b in at.button if b.label == "Step").click().run()
     assert not at.exception
     # the lesson's first question, seen in the Playground: four admitted, the long prompt waits
-    assert len(lab.history[0][0].snapshot.running) == 4 and lab.history[0][0].snapshot.waiting == ["R5"]
+    assert len(lab.run.history[0][0].snapshot.running) == 4 and lab.run.history[0][0].snapshot.waiting == ["R5"]
 
 
 def test_try_again_forgets_the_answers_after_it_and_forget_locks_everything(ctx):

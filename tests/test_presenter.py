@@ -65,9 +65,9 @@ def test_projector_style_makes_every_font_at_least_the_minimum():
 
 def test_the_real_figures_styled_for_the_projector(loaded):
     lab = run(loaded, "batch", 12)
-    paged, contiguous = lab.history[-1]
-    for fig in (block_pool_figure(paged.snapshot, lab.order),
-                contiguous_region_figure(contiguous.snapshot.contiguous, lab.order)):
+    paged, contiguous = lab.run.history[-1]
+    for fig in (block_pool_figure(paged.snapshot, lab.run.order),
+                contiguous_region_figure(contiguous.snapshot.contiguous, lab.run.order)):
         assert smallest_font(fig) < PROJECTOR_FONT  # the Playground's own sizes are small
         assert smallest_font(projector_style(fig, height=300)) >= PROJECTOR_FONT
         assert fig.layout.legend.font.size is None or fig.layout.legend.font.size >= PROJECTOR_FONT
@@ -86,7 +86,7 @@ def test_many_hits_are_one_sentence_and_the_moment_comes_first(loaded):
     """shared-prefix, step 1: seven requests hit the same cached blocks, said once, first; the sentence's
     numbers are the events' own."""
     lab = run(loaded, "shared-prefix", 1)
-    paged, contiguous = lab.history[0]
+    paged, contiguous = lab.run.history[0]
     hits = [e for e in paged.events if e.kind == "prefix_hit" and not e.data.get("readmission")]
     assert len(hits) > 2
     said = step_sentences(paged, contiguous, key_first=True, group_from=2)
@@ -98,7 +98,7 @@ def test_many_hits_are_one_sentence_and_the_moment_comes_first(loaded):
 
 def test_copies_on_write_are_one_sentence_naming_each_copy(loaded):
     lab = run(loaded, "parallel-sampling", 2)
-    paged, _ = lab.history[1]
+    paged, _ = lab.run.history[1]
     cows = [e for e in paged.events if e.kind == "cow"]
     assert len(cows) >= 2
     first = step_sentences(paged, key_first=True, group_from=2)[0]
@@ -115,10 +115,10 @@ def test_pool_labels_fit_their_cells(loaded):
     from viz.presenter import one_line_cells
 
     lab = run(loaded, "batch", 3)
-    snap = lab.history[-1][0].snapshot
-    roomy = one_line_cells(block_pool_figure(snap, lab.order), row_px=80, col_px=150)
-    narrow = one_line_cells(block_pool_figure(snap, lab.order), row_px=80, col_px=50)
-    tiny = one_line_cells(block_pool_figure(snap, lab.order), row_px=80, col_px=8)
+    snap = lab.run.history[-1][0].snapshot
+    roomy = one_line_cells(block_pool_figure(snap, lab.run.order), row_px=80, col_px=150)
+    narrow = one_line_cells(block_pool_figure(snap, lab.run.order), row_px=80, col_px=50)
+    tiny = one_line_cells(block_pool_figure(snap, lab.run.order), row_px=80, col_px=8)
     labels = [t for row in roomy.data[0].text for t in row if t]
     assert labels and not any("<br>" in t for t in labels)
     widest = max(len(t) for t in labels)

@@ -252,7 +252,7 @@ def test_the_playgrounds_preset_run_is_the_files_run(name, loaded, tokenize):
     assert {k: getattr(settings, k) for k in sf.ScenarioSettings.model_fields} == shipped.settings.model_dump()
     assert (settings.semantics, settings.seed) == (shipped.semantics, shipped.seed)
     lab = Lab.create(settings, loaded)
-    assert [r for r, _ in lab.pending] == get_scenario(name).make(sf.PRESET_SEED, tokenize).requests
+    assert [r for r, _ in lab.run.pending] == get_scenario(name).make(sf.PRESET_SEED, tokenize).requests
     assert lab_scenario(lab) == shipped
     assert runs_shipped_preset(lab) and link_query(lab) == {"scenario": name, "step": "0"}
     assert scenario_settings(shipped) == settings  # opening the shipped file is the preset again
@@ -273,9 +273,9 @@ def test_a_run_with_arrivals_saved_midway_is_the_preset_file(loaded):
     lab = Lab.create(preset_settings("chat-arrivals"), loaded)
     for _ in range(12):
         lab.step()
-    assert lab.arrivals and lab.pending
-    assert [r.arrival_step for _, r in lab.arrivals] == [r.arrival_step for r in
-                                                          sf.load_preset("chat-arrivals").requests[:len(lab.arrivals)]]
+    assert lab.run.arrivals and lab.run.pending
+    assert [r.arrival_step for _, r in lab.run.arrivals] == [r.arrival_step for r in
+                                                          sf.load_preset("chat-arrivals").requests[:len(lab.run.arrivals)]]
     assert lab_scenario(lab) == sf.load_preset("chat-arrivals")
     assert link_query(lab) == {"scenario": "chat-arrivals", "step": "12"}
 
@@ -298,24 +298,24 @@ def test_a_custom_run_saved_and_opened_is_the_same_run(loaded):
     scenario = lab_scenario(lab)
     added = scenario.requests[-2:]
     assert [(r.arrival_step, r.priority) for r in added] == [(3, -1), (7, 0)]
-    assert added[0].seed == lab.paged.requests["R7"].seed  # the seed the engine drew, so the same tokens
+    assert added[0].seed == lab.run.paged.requests["R7"].seed  # the seed the engine drew, so the same tokens
 
     query = link_query(lab)
     assert query["step"] == "8"
     again = Lab.create(link_settings(query["scenario"]), loaded)
-    assert again.settings.preset == "custom" and again.settings.scenario == scenario
+    assert again.run.settings.preset == "custom" and again.run.settings.scenario == scenario
     for _ in range(link_steps(query["step"])):
         again.step()
-    assert again.paged.requests["R7"].priority == -1
+    assert again.run.paged.requests["R7"].priority == -1
     assert lab_scenario(again) == scenario
-    for (p1, c1), (p2, c2) in zip(lab.history, again.history, strict=True):
+    for (p1, c1), (p2, c2) in zip(lab.run.history, again.run.history, strict=True):
         assert p1.snapshot == p2.snapshot and c1.snapshot == c2.snapshot
         assert p1.new_tokens == p2.new_tokens
 
 
 def test_a_file_with_a_pool_sized_by_budget_saves_the_blocks_it_got(loaded):
     lab = Lab.create(dataclasses.replace(preset_settings("single"), kv_budget_mb=0.5), loaded)
-    assert lab_scenario(lab).settings.num_blocks == lab.paged.num_blocks != 64
+    assert lab_scenario(lab).settings.num_blocks == lab.run.paged.num_blocks != 64
 
 
 def test_link_steps_are_checked():
@@ -345,7 +345,7 @@ def test_the_playground_reads_its_presets_from_the_files(tmp_path, monkeypatch, 
     settings = preset_settings("batch")
     assert settings.num_blocks == 20
     lab = Lab.create(settings, loaded)
-    assert lab.pending[0][0].params.max_tokens == 3 and lab.paged.num_blocks == 20
+    assert lab.run.pending[0][0].params.max_tokens == 3 and lab.run.paged.num_blocks == 20
     assert lab_scenario(lab) == sf.parse_scenario(edited)
 
 
@@ -357,7 +357,7 @@ def test_a_files_requests_learn_their_final_lengths_under_oracle(loaded):
     settings = scenario_settings(sf.parse_scenario(data))
     assert settings.preset == "custom"
     lab = Lab.create(settings, loaded)
-    assert len(lab.pending) == 6 and all(final is not None for _, final in lab.pending)
+    assert len(lab.run.pending) == 6 and all(final is not None for _, final in lab.run.pending)
 
 
 # ------------------------------------------------------------------------------------ max_tokens over max_model_len
@@ -385,9 +385,9 @@ def test_the_playground_shows_the_cap_and_the_run_stops_where_it_says(loaded, to
     from ui.state import scenario_settings
 
     lab = Lab.create(scenario_settings(sf.parse_scenario(LONG_ASK), EMBEDDED_MODEL), loaded)
-    notes = [n for n in lab.notes if "as vLLM caps it" in n]
+    notes = [n for n in lab.run.notes if "as vLLM caps it" in n]
     assert len(notes) == 2 and notes[0].startswith("requests.0: max_tokens 500 is more than max_model_len 64")
     while lab.has_work() and lab.steps_run < 300:
         lab.step()
-    first = lab.paged.requests[lab.order[0]]
+    first = lab.run.paged.requests[lab.run.order[0]]
     assert len(first.seqs[0].output_token_ids) == 54  # where the note said it stops

@@ -99,7 +99,7 @@ def test_playground_presenter_and_export_outline_the_same_changed_blocks(preset,
     assert pool_outlines(titled(presenter, "paged pool")) == changed
     assert table_outlines(titled(presenter, "block tables")) <= playground_tables
 
-    frame = export.step_figure(history, index, lab.order)  # the PNG's figure: the panels stacked
+    frame = export.step_figure(history, index, lab.run.order)  # the PNG's figure: the panels stacked
     assert pool_outlines(frame, "x") == changed
     tables_axis = f"x{export.PANELS.index(next(p for p in export.PANELS if p.name == 'block tables')) + 1}"
     assert table_outlines(frame, tables_axis) == playground_tables

@@ -1,5 +1,5 @@
 """On stage, what a press says it did (issue 23, item 20): "Next event" with no key event left stays on the step
-shown and says so (``Lab.notice``), and Play's "measured" rate is the rate at which the page shows steps
+shown and says so (``Lab.protocol.notice``), and Play's "measured" rate is the rate at which the page shows steps
 (``Lab.play_rate``), tested with a fake clock.
 
 Why stay: a presenter pressing N after the last copy-on-write / prefix hit / preemption / swap expects what a
@@ -33,18 +33,18 @@ def test_next_event_with_none_left_stays_and_says_so(loaded):
     lab.step()
     lab.step()
     assert lab.press("next") == "none-left"
-    assert not lab.has_work() and not any(lab.key_events(p) for p, _ in lab.history)
+    assert not lab.has_work() and not any(lab.key_events(p) for p, _ in lab.run.history)
     steps = lab.step_count
     assert steps > 2  # the rest ran (recorded) ...
     history, index, _ = lab.frame()
     assert index == 1 and history[index][0].step == 2  # ... and step 2 is still on screen
-    assert lab.notices == 1
-    assert lab.notice == (f"Next event: no copy-on-write, prefix-cache hit, preemption or swap is left: the "
+    assert lab.protocol.notices == 1
+    assert lab.protocol.notice == (f"Next event: no copy-on-write, prefix-cache hit, preemption or swap is left: the "
                           f"remaining {steps - 2} steps ran to the end (recorded up to step {steps}: the slider "
                           f"and Step show them); still showing step 2")
     # once more, looking back at step 2 with the run finished: nothing moves, the press is said ignored
-    assert lab.press("next") == "ignored" and lab.cursor == 1 and lab.step_count == steps
-    assert "no copy-on-write" in lab.ignored_why and "after step 2" in lab.ignored_why
+    assert lab.press("next") == "ignored" and lab.player.cursor == 1 and lab.step_count == steps
+    assert "no copy-on-write" in lab.protocol.ignored_why and "after step 2" in lab.protocol.ignored_why
     assert lab.press("forward") == "forward"  # the recorded steps are there to walk through
 
 
@@ -52,8 +52,8 @@ def test_next_event_from_nothing_run_shows_the_end(loaded):
     """Nothing on screen yet: nothing to stay on; it shows the last step and says the run had no event."""
     lab = one_request_lab(loaded, max_tokens=3)
     assert lab.press("next") == "none-left"
-    assert lab.cursor == -1 and not lab.has_work()
-    assert f"showing step {lab.step_count}" in lab.notice and "is left" in lab.notice
+    assert lab.player.cursor == -1 and not lab.has_work()
+    assert f"showing step {lab.step_count}" in lab.protocol.notice and "is left" in lab.protocol.notice
 
 
 def test_next_event_with_none_in_max_run_steps_stays_and_says_how_far(loaded, monkeypatch):
@@ -61,11 +61,11 @@ def test_next_event_with_none_in_max_run_steps_stays_and_says_how_far(loaded, mo
     lab = one_request_lab(loaded, max_tokens=8)
     lab.step()
     assert lab.press("next") == "none-left"
-    assert lab.step_count == 3 and lab.has_work() and lab.cursor == 0
-    assert lab.notice == ("Next event: none in the next 2 steps (run and recorded, up to step 3); still showing "
+    assert lab.step_count == 3 and lab.has_work() and lab.player.cursor == 0
+    assert lab.protocol.notice == ("Next event: none in the next 2 steps (run and recorded, up to step 3); still showing "
                           "step 1: press N again to look further")
     assert lab.press("next") == "none-left"  # looking back, no later recorded event: searches on from step 3
-    assert lab.step_count == 5 and lab.cursor == 0 and lab.notices == 2
+    assert lab.step_count == 5 and lab.player.cursor == 0 and lab.protocol.notices == 2
 
 
 def test_next_event_still_stops_at_an_event_after_looking_back(loaded):
@@ -79,7 +79,7 @@ def test_next_event_still_stops_at_an_event_after_looking_back(loaded):
     lab.add_request("ROMEO. " * 12, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     lab.seek(0)
     assert lab.press("next") == "next"
-    assert lab.cursor == -1 and "prefix_hit" in lab.key_events(lab.history[-1][0]) and lab.notices == 0
+    assert lab.player.cursor == -1 and "prefix_hit" in lab.key_events(lab.run.history[-1][0]) and lab.protocol.notices == 0
 
 
 def test_play_rate_is_the_rate_at_which_the_page_shows_steps(loaded):
@@ -92,7 +92,7 @@ def test_play_rate_is_the_rate_at_which_the_page_shows_steps(loaded):
     lab = one_request_lab(loaded, max_tokens=40)
     lab.set_play_speed(8)
     assert lab.press("play") == "play"
-    t0 = lab.play_clock[0]
+    t0 = lab.player.clock[0]
     now, drawn = t0, []
     while now < t0 + 2.0:
         assert lab.play_tick(now=now) >= 1
@@ -103,7 +103,7 @@ def test_play_rate_is_the_rate_at_which_the_page_shows_steps(loaded):
         drawn.append((now, step))
     assert lab.play_rate() == pytest.approx(drawn[-1][1] / (drawn[-1][0] - t0))
     assert lab.play_rate() > 7.5 > 1 / 0.15 == pytest.approx(len(drawn) / (drawn[-1][0] - t0))
-    ran = lab.play_clock[1]
+    ran = lab.player.clock[1]
     assert ran > len(drawn)  # the pace was kept by running steps that were not drawn on their own
     assert lab.play_pace(now=now) == pytest.approx(ran / (now - t0))
     assert lab.play_pace(now=now) >= lab.play_rate()  # the screen lags the steps run by one drawing
@@ -112,7 +112,7 @@ def test_play_rate_is_the_rate_at_which_the_page_shows_steps(loaded):
 def test_play_rate_waits_a_second_and_restarts_with_play(loaded):
     lab = one_request_lab(loaded, max_tokens=40)
     assert lab.press("play") == "play"
-    t0 = lab.play_clock[0]
+    t0 = lab.player.clock[0]
     lab.play_tick(now=t0)
     lab.play_drawn(1, now=t0 + 0.5)
     assert lab.play_rate() is None  # under a second: no rate yet
@@ -121,7 +121,7 @@ def test_play_rate_waits_a_second_and_restarts_with_play(loaded):
     assert lab.play_rate() == pytest.approx(2 / 1.25)
     assert lab.press("play") == "pause" and lab.play_rate() is None
     lab.play_drawn(3, now=t0 + 2.0)  # drawn while paused: not Play's
-    assert lab.press("play") == "play" and lab.play_shown[0] == 0
+    assert lab.press("play") == "play" and lab.player.shown[0] == 0
 
 
 def test_the_page_counts_what_it_draws_while_playing(loaded):
@@ -136,11 +136,11 @@ def test_the_page_counts_what_it_draws_while_playing(loaded):
     lab = at.session_state["lab"]
     lab.set_play_speed(2)
     at.button(key="stage_play").click().run()
-    assert not at.exception and lab.playing
-    shown, last, _ = lab.play_shown
-    assert shown == 1 and last == lab.history[-1][0].step
+    assert not at.exception and lab.player.playing
+    shown, last, _ = lab.player.shown
+    assert shown == 1 and last == lab.run.history[-1][0].step
     at.button(key="stage_play").click().run()
-    assert not lab.playing
+    assert not lab.player.playing
     # Next event with none left, clicked on the page: the toast says so, the caption stays on step 1
     quiet = one_request_lab(loaded)
     quiet.step()

@@ -27,7 +27,7 @@ def full_run(loaded, preset: str) -> Lab:
 def key_steps(lab: Lab) -> list[int]:
     """0-based indices of the recorded steps whose paged record holds a key event, found by reading every
     event (independently of ``Lab.key_events``)."""
-    return [i for i, (p, _) in enumerate(lab.history)
+    return [i for i, (p, _) in enumerate(lab.run.history)
             if any(e.kind in KEY_EVENT_KINDS and not (e.kind == "prefix_hit" and e.data.get("readmission"))
                    for e in p.events)]
 
@@ -46,13 +46,13 @@ def test_next_event_stops_at_each_key_step_in_turn(loaded, preset):
         did = lab.press("next")
         if did == "none-left":
             break
-        assert did == "next" and lab.cursor == -1
+        assert did == "next" and lab.player.cursor == -1
         stops.append(lab.step_count - 1)
     assert stops == expected
     assert not lab.has_work() and lab.step_count == plain.step_count
     if expected[-1] < plain.step_count - 1:  # steps after the last event: run, the screen stays on the event
-        assert lab.cursor == expected[-1] and lab.notices == 1 and "is left" in lab.notice
-    assert lab.press("next") == "ignored" and "finished" in lab.ignored_why
+        assert lab.player.cursor == expected[-1] and lab.protocol.notices == 1 and "is left" in lab.protocol.notice
+    assert lab.press("next") == "ignored" and "finished" in lab.protocol.ignored_why
 
 
 def test_next_event_while_looking_back_moves_the_cursor_only(loaded):
@@ -61,13 +61,13 @@ def test_next_event_while_looking_back_moves_the_cursor_only(loaded):
     expected = key_steps(lab)
     lab.seek(0)
     seen = []
-    while lab.cursor != -1:
+    while lab.player.cursor != -1:
         did = lab.press("next")
         if did == "ignored":  # past the last event of a finished run: it stays there and says why
-            assert "no copy-on-write" in lab.ignored_why, lab.ignored_why
+            assert "no copy-on-write" in lab.protocol.ignored_why, lab.protocol.ignored_why
             break
         assert did == "next"
-        seen.append(lab.cursor if lab.cursor >= 0 else steps - 1)
+        seen.append(lab.player.cursor if lab.player.cursor >= 0 else steps - 1)
     assert lab.step_count == steps  # nothing re-ran
     assert seen == [i for i in expected if i > 0]
 
@@ -76,9 +76,9 @@ def test_run_to_the_end_runs_every_step_once(loaded):
     plain = full_run(loaded, "batch")
     lab = Lab.create(preset_settings("batch"), loaded)
     lab.step()
-    assert lab.take_presses(lab.token, 1, "E") == 1
-    assert not lab.has_work() and lab.step_count == plain.step_count and lab.cursor == -1
-    assert [p.new_tokens for p, _ in lab.history] == [p.new_tokens for p, _ in plain.history]
+    assert lab.take_presses(lab.protocol.token, 1, "E") == 1
+    assert not lab.has_work() and lab.step_count == plain.step_count and lab.player.cursor == -1
+    assert [p.new_tokens for p, _ in lab.run.history] == [p.new_tokens for p, _ in plain.run.history]
     assert lab.press("end") == "ignored"
 
 
@@ -88,7 +88,7 @@ def test_play_keeps_its_speed_when_ticks_come_late(loaded):
     lab = Lab.create(preset_settings("batch"), loaded)
     lab.set_play_speed(8)
     assert lab.press("play") == "play"
-    t0 = lab.play_clock[0]
+    t0 = lab.player.clock[0]
     assert lab.play_tick(now=t0) == 1
     assert lab.play_tick(now=t0 + 1.0) == 8  # due: int(1.0 * 8) + 1 = 9 steps by now, 1 done
     assert lab.play_tick(now=t0 + 2.0) == 8
@@ -105,7 +105,7 @@ def test_finished_requests_keep_their_text_on_screen(loaded):
     from viz.steps import latest_sequences
 
     lab = full_run(loaded, "batch")
-    paged_records = [p for p, _ in lab.history]
+    paged_records = [p for p, _ in lab.run.history]
     assert not paged_records[-1].snapshot.sequences  # the last snapshot alone has nothing left to show
     shown = {s.seq_id: s for s in latest_sequences(paged_records)}
     assert set(shown) == {f"R{i}" for i in range(1, 7)}
@@ -123,8 +123,8 @@ def test_next_event_and_run_to_end_stop_play(loaded):
     stop Play."""
     lab = Lab.create(preset_settings("batch"), loaded)
     for kind in ("next", "end"):
-        assert lab.press("play") == "play" and lab.playing
-        assert lab.press(kind) == kind and not lab.playing
+        assert lab.press("play") == "play" and lab.player.playing
+        assert lab.press(kind) == kind and not lab.player.playing
 
 
 def test_a_pool_field_the_preset_overrides_is_named(loaded):

@@ -46,15 +46,15 @@ def assert_in_step(lab: Lab, steps: int) -> None:
     """``steps`` steps recorded, each one whole: both engines at the same step as the records, in order, and
     the paged pool's blocks add up (free + in use == all) in every record and in the engine."""
     assert lab.step_count == steps
-    assert lab.paged.step_count == steps
-    assert lab.contiguous is not None and lab.contiguous.step_count == steps  # the baseline in step
-    assert [p.step for p, _ in lab.history] == list(range(1, steps + 1))
-    assert [c.step for _, c in lab.history] == list(range(1, steps + 1))
-    for paged, _ in lab.history:
+    assert lab.run.paged.step_count == steps
+    assert lab.run.contiguous is not None and lab.run.contiguous.step_count == steps  # the baseline in step
+    assert [p.step for p, _ in lab.run.history] == list(range(1, steps + 1))
+    assert [c.step for _, c in lab.run.history] == list(range(1, steps + 1))
+    for paged, _ in lab.run.history:
         snap = paged.snapshot
         used = sum(1 for r in snap.ref_counts if r > 0)
         assert snap.num_free_blocks + used == snap.num_blocks, paged.step
-    bm = lab.paged.block_manager
+    bm = lab.run.paged.block_manager
     assert bm.num_free_blocks + sum(1 for r in bm.ref_counts if r > 0) == bm.num_blocks
     assert bm.invariant_violations() == []
 
@@ -92,7 +92,7 @@ def test_two_threads_pressing_step_at_once_run_every_press_once(loaded):
             outcomes.append(lab.press("forward"))
 
     assert run_threads(press, [(12,), (12,)]) == []
-    assert outcomes == ["stepped"] * 24 and lab.ignored == 0
+    assert outcomes == ["stepped"] * 24 and lab.protocol.ignored == 0
     assert_in_step(lab, 24)
 
 
@@ -113,61 +113,61 @@ def test_presses_counted_in_the_browser_run_exactly_once_however_many_runs_see_t
     totals = [n for n in range(1, 21) for _ in range(3)]  # every total seen by three runs
     random.Random(0).shuffle(totals)
     log = "F" * 20
-    errors = run_threads(lambda chunk: [lab.take_presses(lab.token, n, log[:n]) for n in chunk],
+    errors = run_threads(lambda chunk: [lab.take_presses(lab.protocol.token, n, log[:n]) for n in chunk],
                          [(totals[i::6],) for i in range(6)])
     assert errors == []
-    assert lab.presses == 20 and lab.ignored == 0
+    assert lab.protocol.handled == 20 and lab.protocol.ignored == 0
     assert_in_step(lab, 20)
 
 
 def test_a_total_for_another_lab_or_not_a_count_runs_nothing(loaded):
     lab = batch_lab(loaded)
     assert lab.take_presses("another lab", 3, "FFF") == 0
-    assert lab.take_presses(lab.token, "3", "FFF") == 0
-    assert lab.take_presses(lab.token, True, "F") == 0
-    assert lab.take_presses(lab.token, 3, None) == 0
-    assert lab.step_count == 0 and lab.presses == 0
-    assert lab.take_presses(lab.token, 2, "FF") == 2 and lab.step_count == 2
-    assert lab.take_presses(lab.token, 2, "FF") == 0 and lab.step_count == 2  # the same total again
-    assert lab.take_presses(lab.token, 1, "F") == 0 and lab.step_count == 2  # an older one
+    assert lab.take_presses(lab.protocol.token, "3", "FFF") == 0
+    assert lab.take_presses(lab.protocol.token, True, "F") == 0
+    assert lab.take_presses(lab.protocol.token, 3, None) == 0
+    assert lab.step_count == 0 and lab.protocol.handled == 0
+    assert lab.take_presses(lab.protocol.token, 2, "FF") == 2 and lab.step_count == 2
+    assert lab.take_presses(lab.protocol.token, 2, "FF") == 0 and lab.step_count == 2  # the same total again
+    assert lab.take_presses(lab.protocol.token, 1, "F") == 0 and lab.step_count == 2  # an older one
 
 
 def test_presses_in_order_forward_back_and_what_is_ignored(loaded):
     """F F F B B F: three steps, back to step 1, forward to step 2 (replayed, nothing re-runs). Presses the
     log no longer holds are counted as ignored, with the reason."""
     lab = batch_lab(loaded)
-    assert lab.take_presses(lab.token, 6, "FFFBBF") == 6
-    assert lab.step_count == 3 and lab.cursor == 1
-    assert lab.take_presses(lab.token, 7, "F") == 1
-    assert lab.step_count == 3 and lab.cursor == -1  # back at the latest step: follows it again
-    assert lab.take_presses(lab.token, 10, "F") == 3  # two presses the log does not hold, then one step
-    assert lab.step_count == 4 and lab.ignored == 2 and "more presses at once" in lab.ignored_why
+    assert lab.take_presses(lab.protocol.token, 6, "FFFBBF") == 6
+    assert lab.step_count == 3 and lab.player.cursor == 1
+    assert lab.take_presses(lab.protocol.token, 7, "F") == 1
+    assert lab.step_count == 3 and lab.player.cursor == -1  # back at the latest step: follows it again
+    assert lab.take_presses(lab.protocol.token, 10, "F") == 3  # two presses the log does not hold, then one step
+    assert lab.step_count == 4 and lab.protocol.ignored == 2 and "more presses at once" in lab.protocol.ignored_why
 
 
 def test_back_at_the_first_step_and_step_after_the_end_are_ignored_and_said(loaded):
     lab = Lab.create(preset_settings("single"), loaded)
-    assert lab.press("back") == "ignored" and "nothing has run yet" in lab.ignored_why
+    assert lab.press("back") == "ignored" and "nothing has run yet" in lab.protocol.ignored_why
     while lab.has_work():
         assert lab.press("forward") == "stepped"
     steps = lab.step_count
-    assert lab.press("forward") == "ignored" and "all requests have finished" in lab.ignored_why
-    assert lab.step_count == steps and lab.ignored == 2
+    assert lab.press("forward") == "ignored" and "all requests have finished" in lab.protocol.ignored_why
+    assert lab.step_count == steps and lab.protocol.ignored == 2
     lab.seek(0)
-    assert lab.press("back") == "ignored" and "already at the first step" in lab.ignored_why
-    assert lab.press("forward") == "forward" and lab.cursor == 1 and lab.step_count == steps
+    assert lab.press("back") == "ignored" and "already at the first step" in lab.protocol.ignored_why
+    assert lab.press("forward") == "forward" and lab.player.cursor == 1 and lab.step_count == steps
 
 
 def test_play_is_a_press_and_stops_when_nothing_is_left(loaded):
     """Play / Pause toggle ``playing`` in order with the other presses (P P: still paused); a tick steps
     only while playing; when the work is done the tick stops Play, and Play on a finished run is ignored."""
     lab = Lab.create(preset_settings("single"), loaded)
-    assert lab.take_presses(lab.token, 2, "PP") == 2 and not lab.playing
+    assert lab.take_presses(lab.protocol.token, 2, "PP") == 2 and not lab.player.playing
     assert lab.play_tick() == 0 and lab.step_count == 0  # paused: a late tick runs nothing
-    assert lab.press("play") == "play" and lab.playing
+    assert lab.press("play") == "play" and lab.player.playing
     while lab.play_tick():
         pass
-    assert not lab.playing and not lab.has_work()
-    assert lab.press("play") == "ignored" and "all requests have finished" in lab.ignored_why
+    assert not lab.player.playing and not lab.has_work()
+    assert lab.press("play") == "ignored" and "all requests have finished" in lab.protocol.ignored_why
     assert_in_step(lab, lab.step_count)
 
 
@@ -190,12 +190,12 @@ def test_the_step_unit_makes_no_streamlit_call(loaded):
         lab.press("forward")
         lab.press("play")
         lab.play_tick()
-        lab.take_presses(lab.token, 2, "FB")
+        lab.take_presses(lab.protocol.token, 2, "FB")
         lab.frame()
     finally:
         sys.setprofile(None)
     assert called == set()
-    assert lab.step_count == 4 and lab.cursor == 2
+    assert lab.step_count == 4 and lab.player.cursor == 2
 
 
 def test_a_failed_step_stops_the_lab_and_says_so(loaded, monkeypatch):
@@ -207,11 +207,11 @@ def test_a_failed_step_stops_the_lab_and_says_so(loaded, monkeypatch):
     def broken():
         raise IndexError("list index out of range")
 
-    monkeypatch.setattr(lab.contiguous, "step", broken)
+    monkeypatch.setattr(lab.run.contiguous, "step", broken)
     assert lab.press("forward") == "ignored"
-    assert lab.failure == "step 2 raised IndexError: list index out of range"
+    assert lab.run.failure == "step 2 raised IndexError: list index out of range"
     assert lab.step_count == 1  # the half step is not recorded
-    assert lab.press("forward") == "ignored" and "stopped after an error" in lab.ignored_why
+    assert lab.press("forward") == "ignored" and "stopped after an error" in lab.protocol.ignored_why
     assert lab.play_tick() == 0
     with pytest.raises(RuntimeError, match="stopped after an error"):
         lab.step()
@@ -300,10 +300,10 @@ def test_step_and_back_are_presses_with_keys_the_browser_counter_finds():
         at.button(key="stage_step").click().run()
     assert not at.exception and lab.step_count == 3
     at.button(key="stage_back").click().run()
-    assert at.session_state["cursor"] == lab.cursor == 1
+    assert at.session_state["cursor"] == lab.player.cursor == 1
     assert at.button(key="stage_step").label == "Forward"
     at.button(key="stage_step").click().run()
-    assert lab.step_count == 3 and lab.cursor == -1 and at.button(key="stage_step").label == "Step"
+    assert lab.step_count == 3 and lab.player.cursor == -1 and at.button(key="stage_step").label == "Step"
     assert at.button(key="stage_play").label == "Play"
     assert_in_step(lab, 3)
 
@@ -313,10 +313,10 @@ def test_presses_handed_over_by_the_browser_counter_run_in_the_page():
     script run, before anything is drawn: the caption shows the last step."""
     at = new_app()
     lab = at.session_state["lab"]
-    at.session_state["stage_keys"] = {"presses": {"token": lab.token, "n": 4, "log": "FFFF"}}
+    at.session_state["stage_keys"] = {"presses": {"token": lab.protocol.token, "n": 4, "log": "FFFF"}}
     at.run()
     assert not at.exception
-    assert lab.presses == 4 and lab.step_count == 4
+    assert lab.protocol.handled == 4 and lab.step_count == 4
     assert at.caption[0].value.startswith("step 4 of 4")
     at.run()  # the same total in a later run: nothing more
     assert lab.step_count == 4
@@ -346,7 +346,7 @@ def test_applying_swap_then_batch_in_the_form_runs_batch_as_described():
             assert not at.exception
         lab = at.session_state["lab"]
         expected = fit_semantics(preset_settings(preset))[0]
-        assert lab.settings == expected
-        assert (lab.paged.config, lab.contiguous.config) == (expected.config("paged"), expected.config("contiguous"))
-    assert lab.paged.config.enable_prefix_caching is True  # as lessons.common.scenario_run runs it
+        assert lab.run.settings == expected
+        assert (lab.run.paged.config, lab.run.contiguous.config) == (expected.config("paged"), expected.config("contiguous"))
+    assert lab.run.paged.config.enable_prefix_caching is True  # as lessons.common.scenario_run runs it
     assert SCENARIOS["batch"].engine_defaults.get("preemption_mode", "recompute") == "recompute"

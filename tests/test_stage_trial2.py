@@ -38,12 +38,12 @@ def test_each_moment_of_a_beam_step_says_that_moment(beam_run):
     from ui.presenter import few_sentences
     from viz.stage import stage_step
 
-    beams = [(i, p) for i, (p, _) in enumerate(beam_run.history) if beam_run.phases(p) == 2]
+    beams = [(i, p) for i, (p, _) in enumerate(beam_run.run.history) if beam_run.phases(p) == 2]
     assert beams
     for i, record in beams:
-        previous = beam_run.history[i - 1][0] if i else None
-        copies = few_sentences(stage_step(record, None, previous, order=beam_run.order, phase=0))
-        selection = few_sentences(stage_step(record, None, previous, order=beam_run.order, phase=1))
+        previous = beam_run.run.history[i - 1][0] if i else None
+        copies = few_sentences(stage_step(record, None, previous, order=beam_run.run.order, phase=0))
+        selection = few_sentences(stage_step(record, None, previous, order=beam_run.run.order, phase=1))
         assert not any("beam selection" in x for x in copies), copies  # moment 1: the copies and writes only
         assert selection[0].startswith("beam selection"), selection  # moment 2: the selection first
         assert copies != selection
@@ -60,11 +60,11 @@ def _same_relative_order(a: list[str], b: list[str]) -> bool:
 
 def test_block_table_rows_keep_their_places_across_moments_and_steps(beam_run):
     moments = []  # every moment on stage in order: a beam step's copies, its selection, then the next step
-    history = beam_run.history
+    history = beam_run.run.history
     for i, (record, _) in enumerate(history):
         phases = selection_phases(record, history[i - 1][0] if i else None)
         for m in phases or [{"snapshot": record.snapshot, "events": record.events}]:
-            moments.append(_rows(m["snapshot"], m["events"], beam_run.order))
+            moments.append(_rows(m["snapshot"], m["events"], beam_run.run.order))
     assert len(moments) > len(history)  # beam steps were seen
     for before, after in zip(moments, moments[1:]):
         assert _same_relative_order(before, after), (before, after)
@@ -83,10 +83,10 @@ def stayed(loaded):
 
 
 def test_the_answer_to_n_at_the_end_is_not_an_ignored_press(stayed):
-    notices = stayed.notices
+    notices = stayed.protocol.notices
     assert stayed.press("next") == "ignored"  # nothing moved: N again, looking back at the finished run
-    assert stayed.ignored == 0  # ... but it was answered (beside the step), not ignored
-    assert stayed.notices == notices + 1 and "the run has finished" in stayed.notice
+    assert stayed.protocol.ignored == 0  # ... but it was answered (beside the step), not ignored
+    assert stayed.protocol.notices == notices + 1 and "the run has finished" in stayed.protocol.notice
 
 
 def test_all_requests_finished_is_said_of_the_step_shown_only(stayed):
@@ -114,9 +114,9 @@ def test_the_line_beside_the_step_leaves_the_figures_their_size(stayed):
     column = column_lines(stayed, paged, contiguous, None, history[-1][0].step, True)
     assert any("Next event" in t for _, t in column)
     words = few_sentences(stage_step(paged, contiguous, history[index - 1][0] if index else None,
-                                     order=stayed.order, phase=stayed.phase_of(paged)))
+                                     order=stayed.run.order, phase=stayed.phase_of(paged)))
     said = presenter_sizes(720, 1280, words, sized_column(stayed, paged, column))
-    stayed.next_said = None  # the same step before N answered
+    stayed.protocol.next_said = None  # the same step before N answered
     column = column_lines(stayed, paged, contiguous, None, history[-1][0].step, True)
     assert not any("Next event" in t for _, t in column)
     assert presenter_sizes(720, 1280, words, sized_column(stayed, paged, column)) == said

@@ -65,9 +65,9 @@ def test_every_phase_draws_the_pool_as_any_step(beam):
 
     record, previous = key(beam)
     # the prefill: one phase (drawn as the presenter view draws a step: ``views`` -> ``stage_step``)
-    plain = projector_pool(stage_step(beam.history[0][0], order=beam.order, phase=0), SIZE, 600)
+    plain = projector_pool(stage_step(beam.run.history[0][0], order=beam.run.order, phase=0), SIZE, 600)
     for phase in (0, 1):
-        fig = projector_pool(stage_step(record, None, previous, order=beam.order, phase=phase), SIZE, 600)
+        fig = projector_pool(stage_step(record, None, previous, order=beam.run.order, phase=phase), SIZE, 600)
         assert not fig.layout.updatemenus
         assert fig.layout.yaxis.autorange == plain.layout.yaxis.autorange == "reversed"
         assert fig.layout.yaxis.range == plain.layout.yaxis.range and fig.layout.xaxis.range == plain.layout.xaxis.range
@@ -75,7 +75,7 @@ def test_every_phase_draws_the_pool_as_any_step(beam):
         assert fig.layout.title.x == plain.layout.title.x and fig.layout.title.text.startswith("paged pool (")
 
     def draw(s, events):
-        return block_pool_figure(s, beam.order, title=f"{s.num_blocks - s.num_free_blocks} blocks in use")
+        return block_pool_figure(s, beam.run.order, title=f"{s.num_blocks - s.num_free_blocks} blocks in use")
 
     joined = phased(record, previous, draw)
     for button, p in zip(joined.layout.updatemenus[0].buttons, selection_phases(record, previous)):
@@ -102,13 +102,13 @@ def test_one_phase_choice_drives_the_pool_the_tables_and_the_numbers(beam, loade
     for phase in (0, 1):
         lab.set_phase(record, phase)
         assert lab.phase_of(record) == phase
-        step = stage_step(record, None, previous, order=lab.order, phase=lab.phase_of(record))  # as ``views``
+        step = stage_step(record, None, previous, order=lab.run.order, phase=lab.phase_of(record))  # as ``views``
         pool, tables = projector_pool(step, SIZE, 600), projector_tables(step, SIZE, 600)
         assert not pool.layout.updatemenus and not tables.layout.updatemenus
         snap = phases[phase]["snapshot"]
         assert in_use(pool.layout.title.text) == snap.num_blocks - snap.num_free_blocks
         drawn = {c[2] for t in tables.data if (t.meta or {}).get("role") == "arrows" for c in t.customdata if c}
-        assert drawn == {a["physical"] for a in block_table_picture(snap, phases[phase]["events"], lab.order)["arrows"]}
+        assert drawn == {a["physical"] for a in block_table_picture(snap, phases[phase]["events"], lab.run.order)["arrows"]}
         said = numbers(lab, record, None, phase_moment(record, previous, phase))[0]
         assert in_use(said) == in_use(pool.layout.title.text), (said, pool.layout.title.text)
         label = phase_moment(record, previous, phase)["label"]
@@ -128,17 +128,17 @@ def test_a_clicker_reaches_the_selection_and_back(loaded):
     record, _ = key(lab)
     steps = lab.step_count
     assert lab.phases(record) == 2 and lab.phase_of(record) == 0
-    assert lab.take_presses(lab.token, 1, "F") == 1
+    assert lab.take_presses(lab.protocol.token, 1, "F") == 1
     assert lab.step_count == steps and key(lab)[0] is record and lab.phase_of(record) == 1
-    assert lab.take_presses(lab.token, 2, "FF") == 1  # the next step is run
+    assert lab.take_presses(lab.protocol.token, 2, "FF") == 1  # the next step is run
     assert lab.step_count == steps + 1 and lab.phase_of(key(lab)[0]) == 0
-    lab.take_presses(lab.token, 3, "FFB")  # back: the beam step as it ended, its selection
+    lab.take_presses(lab.protocol.token, 3, "FFB")  # back: the beam step as it ended, its selection
     assert key(lab)[0] is record and lab.phase_of(record) == 1
-    lab.take_presses(lab.token, 4, "FFBB")  # its copies
+    lab.take_presses(lab.protocol.token, 4, "FFBB")  # its copies
     assert key(lab)[0] is record and lab.phase_of(record) == 0
-    lab.take_presses(lab.token, 5, "FFBBB")  # the step before (one phase)
-    assert key(lab)[0].step == record.step - 1 and lab.ignored == 0
-    assert lab.phases(lab.history[0][0]) == 1  # the prefill: one phase, Step steps at once
+    lab.take_presses(lab.protocol.token, 5, "FFBBB")  # the step before (one phase)
+    assert key(lab)[0].step == record.step - 1 and lab.protocol.ignored == 0
+    assert lab.phases(lab.run.history[0][0]) == 1  # the prefill: one phase, Step steps at once
 
 
 def test_the_copies_arrows_cross_no_more_than_the_best_order_of_the_column(beam):
@@ -155,11 +155,11 @@ def test_the_copies_arrows_cross_no_more_than_the_best_order_of_the_column(beam)
     copies = selection_phases(record, previous)[0]
 
     def figure():
-        return bt.block_table_figure(copies["snapshot"], beam.order, events=copies["events"], compact=True,
+        return bt.block_table_figure(copies["snapshot"], beam.run.order, events=copies["events"], compact=True,
                                      font_px=18, height_px=291, width_px=600, captions=False)
 
     drawn = len(crossing_pairs(figure()))
-    blocks = [p["block"] for p in block_table_picture(copies["snapshot"], copies["events"], beam.order)["physical"]]
+    blocks = [p["block"] for p in block_table_picture(copies["snapshot"], copies["events"], beam.run.order)["physical"]]
     real = bt._order_physical, bt._nest_rows, bt._fewer_crossings
     best = drawn
     try:
@@ -171,7 +171,7 @@ def test_the_copies_arrows_cross_no_more_than_the_best_order_of_the_column(beam)
         bt._order_physical, bt._nest_rows, bt._fewer_crossings = real
     assert drawn == best, (drawn, best)
     # the picture's own count (``crossings``, which its search minimises) is the test's count of the figure
-    pic = block_table_picture(copies["snapshot"], copies["events"], beam.order)
+    pic = block_table_picture(copies["snapshot"], copies["events"], beam.run.order)
     g = bt._geometry(pic, True, 18, 291 - bt._top_px(18, False) - 8)
     bt._fewer_crossings(pic, g)
     g = bt._geometry(pic, True, 18, 291 - bt._top_px(18, False) - 8)
@@ -225,7 +225,7 @@ def test_play_rate_counts_the_steps_the_screen_advanced(loaded):
         lab.step()
     lab.set_play_speed(8)
     assert lab.press("play") == "play"
-    t0 = lab.play_clock[0]
+    t0 = lab.player.clock[0]
     now, drawn = t0, []
     while now < t0 + 3.0:
         lab.play_tick(now=now)
@@ -246,7 +246,7 @@ def test_the_presenter_says_the_rate_measured_since_play_started(loaded):
     lab.add_request("ROMEO. ", SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
     lab.set_play_speed(4)
     lab.press("play")
-    t0 = lab.play_clock[0]
+    t0 = lab.player.clock[0]
     lab.play_tick(now=t0 + 1.9)  # 8 steps owed: runs them
     lab.play_drawn(lab.frame()[0][-1][0].step, now=t0 + 2.0)
     assert playing_line(lab) == "Playing at 4 steps per second: 4.0 measured since Play started (the page draws " \
@@ -293,12 +293,12 @@ def test_next_event_at_a_finished_runs_end_says_no_event_is_left(loaded):
     lab = Lab.create(LabSettings(model=EMBEDDED_MODEL, preset="custom", num_blocks=16), loaded)
     lab.add_request("ROMEO. ", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert lab.press("end") == "end" and not lab.has_work()
-    last = lab.history[-1][0]
-    assert lab.press("next") == "ignored" and lab.cursor == -1
-    assert lab.ignored_why == (f"Next event: no copy-on-write, prefix-cache hit, preemption or swap is left after "
+    last = lab.run.history[-1][0]
+    assert lab.press("next") == "ignored" and lab.player.cursor == -1
+    assert lab.protocol.ignored_why == (f"Next event: no copy-on-write, prefix-cache hit, preemption or swap is left after "
                                f"step {last.step}: the run has finished (Reset runs it again)")
-    assert lab.said_on(last) == lab.ignored_why  # said beside the step while it is on screen
-    assert lab.press("back") == "back" and lab.said_on(lab.history[-2][0]) is None
+    assert lab.said_on(last) == lab.protocol.ignored_why  # said beside the step while it is on screen
+    assert lab.press("back") == "back" and lab.said_on(lab.run.history[-2][0]) is None
 
 
 @pytest.mark.slow
@@ -332,4 +332,4 @@ def test_the_stage_says_it_beside_the_step(loaded, present):
 
 def lab_ignored(at) -> int:
     """The presses the lab in ``at``'s session counted as ignored."""
-    return at.session_state["lab"].ignored
+    return at.session_state["lab"].protocol.ignored

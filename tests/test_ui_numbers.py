@@ -150,20 +150,20 @@ def test_reset_prefix_cache_is_refused_while_requests_run_and_works_when_idle():
     apply_preset(at, "shared-prefix")
     lab = at.session_state["lab"]
     button(at, "Step").click().run()
-    cached = sum(h is not None for h in lab.paged.block_manager.block_hashes)
+    cached = sum(h is not None for h in lab.run.paged.block_manager.block_hashes)
     assert cached > 0
     button(at, "Reset prefix cache").click().run()
     assert not at.exception
     assert any("requests still hold blocks; reset when the pool is idle" in w.value for w in at.sidebar.warning)
-    assert sum(h is not None for h in lab.paged.block_manager.block_hashes) == cached  # nothing changed
+    assert sum(h is not None for h in lab.run.paged.block_manager.block_hashes) == cached  # nothing changed
     while lab.has_work():
         lab.step()
     at.run()
-    cached = sum(h is not None for h in lab.paged.block_manager.block_hashes)
+    cached = sum(h is not None for h in lab.run.paged.block_manager.block_hashes)
     button(at, "Reset prefix cache").click().run()
     assert not at.sidebar.warning
     assert any(f"prefix cache reset: {cached} cached blocks forgotten" in s.value for s in at.sidebar.success)
-    assert all(h is None for h in lab.paged.block_manager.block_hashes)
+    assert all(h is None for h in lab.run.paged.block_manager.block_hashes)
     lab.add_request("ROMEO. ", SamplingParams(max_tokens=2, temperature=0))
     record, _ = lab.step()
     assert [e.data["num_blocks"] for e in record.events if e.kind == "reset_prefix_cache"] == [cached]
@@ -175,7 +175,7 @@ def test_playground_hit_rate_is_first_admissions_with_readmissions_apart():
     while lab.has_work():
         lab.step()
     at.run()
-    records = [p for p, _ in lab.history]
+    records = [p for p, _ in lab.run.history]
     first, both, readmission_hits = first_admission_rate(records)
     assert readmission_hits > 0 and f"{first:.1f}%" != f"{both:.1f}%"
     shown = next(m for m in at.metric if m.label == "hit rate")
@@ -188,8 +188,8 @@ def test_playground_policy_and_watermark_reach_the_engines():
     apply_preset(at, "life-of-a-request", **{"Contiguous policy": "max_tokens",
                                              "Watermark (% of the pool kept free at admission)": 0.0})
     lab = at.session_state["lab"]
-    assert lab.contiguous.config.contiguous_policy == "max_tokens"
-    assert lab.paged.config.watermark == 0 and lab.paged.config.enable_prefix_caching is False
+    assert lab.run.contiguous.config.contiguous_policy == "max_tokens"
+    assert lab.run.paged.config.watermark == 0 and lab.run.paged.config.enable_prefix_caching is False
 
 
 def test_the_form_shows_the_settings_in_effect_after_a_preset_overrides_them():
@@ -198,7 +198,7 @@ def test_the_form_shows_the_settings_in_effect_after_a_preset_overrides_them():
     at = new_app()
     label = "Watermark (% of the pool kept free at admission)"
     apply_preset(at, "memory-pressure", **{label: 30.0})
-    assert at.session_state["lab"].paged.config.watermark == 0
+    assert at.session_state["lab"].run.paged.config.watermark == 0
     assert next(w for w in at.sidebar.number_input if w.label == label).value == 0
     assert any("watermark 0.0%" in c.value and "memory-pressure" in c.value for c in at.sidebar.caption)
 
@@ -217,15 +217,15 @@ def test_oracle_lab_learns_final_lengths_and_notes_hand_added_requests():
 
     assert set(POLICY_LABELS) == set(POLICY_RESERVES) == set(CONTIGUOUS_POLICIES)
     lab = Lab.create(preset_settings("batch", contiguous_policy="oracle"), load_shared(EMBEDDED_MODEL))
-    assert all(final is not None for _, final in lab.pending)
+    assert all(final is not None for _, final in lab.run.pending)
     while lab.has_work():
         lab.step()
-    layout = lab.history[-1][1].snapshot.contiguous
+    layout = lab.run.history[-1][1].snapshot.contiguous
     assert layout["internal_frag_slots"] == 0  # each reservation was exactly its final length
-    assert lab.contiguous.get_output("R6").output_token_ids == lab.paged.get_output("R6").output_token_ids
+    assert lab.run.contiguous.get_output("R6").output_token_ids == lab.run.paged.get_output("R6").output_token_ids
     rid = lab.add_request("ROMEO. ", SamplingParams(max_tokens=4, temperature=0.8))  # no final length known
     assert any(note.startswith(f"{rid} is not run on the contiguous baseline") and "final length" in note
-               for note in lab.notes)
+               for note in lab.run.notes)
 
 
 @pytest.mark.slow
@@ -239,12 +239,12 @@ def test_internal_fragmentation_is_the_clis_number(capsys):
     lab = Lab.create(preset_settings("chat-workload"), load_shared(EMBEDDED_MODEL))
     while lab.has_work():
         lab.step()
-    shown = lab.history[-1][1].snapshot.contiguous["internal_frag_slots"]
+    shown = lab.run.history[-1][1].snapshot.contiguous["internal_frag_slots"]
     capsys.readouterr()
     assert cli_main(["run", "--scenario", "chat-workload", "--allocator", "contiguous", "--json"]) == 0
     cli = json.loads(capsys.readouterr().out)["contiguous"]
     assert shown == cli["internal_frag_slots"] > 0
-    assert shown == metrics.contiguous_accounting(lab.contiguous.block_manager.finished)["internal_frag_slots"]
+    assert shown == metrics.contiguous_accounting(lab.run.contiguous.block_manager.finished)["internal_frag_slots"]
 
 
 # -------------------------------------------------------------------------------------------- lessons, model
@@ -281,5 +281,5 @@ def test_open_in_playground_goes_through_session_state():
     assert not at.exception
     assert "open_preset" not in at.session_state  # consumed
     lab = at.session_state["lab"]
-    assert lab.settings.preset == "life-of-a-request" and lab.settings.enable_prefix_caching is False
+    assert lab.run.settings.preset == "life-of-a-request" and lab.run.settings.enable_prefix_caching is False
     assert at.title[0].value == "Playground"

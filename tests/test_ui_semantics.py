@@ -72,9 +72,9 @@ def test_parallel_sampling_in_the_paper_semantics_copies_on_write():
     at = new_app()
     apply(at, "parallel-sampling", semantics="paper")
     lab = at.session_state["lab"]
-    assert lab.paged.semantics == "paper" and not lab.paged.parents
+    assert lab.run.paged.semantics == "paper" and not lab.run.paged.parents
     step(at, 2)
-    records = [p for p, _ in lab.history]
+    records = [p for p, _ in lab.run.history]
     cows = [e for r in records for e in r.events if e.kind == "cow"]
     assert len(cows) == 3
     words = in_words(at)
@@ -93,15 +93,15 @@ def test_parallel_sampling_in_v1_runs_child_requests_that_hit_the_prefix_cache()
     at = new_app()
     apply(at, "parallel-sampling", semantics="v1")
     lab = at.session_state["lab"]
-    assert lab.paged.semantics == "v1" and lab.semantics_note is None
+    assert lab.run.paged.semantics == "v1" and lab.run.semantics_note is None
     step(at)
-    first = lab.history[0][0]
+    first = lab.run.history[0][0]
     words = in_words(at)
     for child in ("R1.1", "R1.2", "R1.3"):
         assert f"prefill of {child} (positions 16-18 of 19; positions 0-15 from the prefix cache)" in words
         assert f"{child} admitted: computes 3 of 19 tokens this step, 16 found in the prefix cache" in words
     assert first.snapshot.running == ["R1.0", "R1.1", "R1.2", "R1.3"]
-    assert lab.paged.parents == {"R1": ["R1.0", "R1.1", "R1.2", "R1.3"]}
+    assert lab.run.paged.parents == {"R1": ["R1.0", "R1.1", "R1.2", "R1.3"]}
     shown = metrics(at)
     assert shown["running"] == "4"
     assert shown["hit rate"] == f"{100 * 48 / 76:.1f}%"  # 3 x 16 hit tokens of 4 x 19 looked up
@@ -110,7 +110,7 @@ def test_parallel_sampling_in_v1_runs_child_requests_that_hit_the_prefix_cache()
     assert "48 prompt tokens found in the prefix cache (by R1.1, R1.2, R1.3)" in sharing
     assert "0 forks, 0 copy-on-write copies" in sharing
     step(at, 3)  # the paper's first decode copied on write three times; V1 writes into each child's own block
-    records = [p for p, _ in lab.history]
+    records = [p for p, _ in lab.run.history]
     assert not [e for r in records for e in r.events if e.kind in ("cow", "fork")]
     assert "copied to block" not in in_words(at)
     assert V1_LINE.format(budget=2048) in markdown(at)
@@ -124,7 +124,7 @@ def test_the_semantics_line_is_on_both_pages_in_both_semantics():
     at = new_app()
     assert PAPER_LINE in markdown(at)
     apply(at, semantics="v1", **{"Token budget per step": 64})
-    assert at.session_state["lab"].paged.max_num_batched_tokens == 64
+    assert at.session_state["lab"].run.paged.max_num_batched_tokens == 64
     assert V1_LINE.format(budget=64) in markdown(at)
     assert "FCFS, at most 64 running sequences" in markdown(at)  # V1 needs max_num_seqs <= the budget
     assert PAPER_LINE not in markdown(at)
@@ -162,30 +162,30 @@ def test_the_semantics_line_is_on_both_pages_in_both_semantics():
 def test_switching_semantics_and_back_leaves_consistent_engines():
     at = new_app()  # batch, the paper's semantics
     step(at, 3)
-    before = [[s.token_ids for s in p.snapshot.sequences] for p, _ in at.session_state["lab"].history]
+    before = [[s.token_ids for s in p.snapshot.sequences] for p, _ in at.session_state["lab"].run.history]
     button(at, "Play").click().run()
     apply(at, semantics="v1")
     lab = at.session_state["lab"]
     assert not at.session_state["playing"] and lab.step_count == 0  # rebuilt, paused
-    assert (lab.settings.semantics, lab.paged.semantics, lab.contiguous.semantics) == ("v1", "v1", "paper")
-    assert lab.paged.config.watermark == 0 and lab.paged.config.preemption_mode == "recompute"
-    assert lab.contiguous.max_num_batched_tokens >= lab.contiguous.max_model_len
+    assert (lab.run.settings.semantics, lab.run.paged.semantics, lab.run.contiguous.semantics) == ("v1", "v1", "paper")
+    assert lab.run.paged.config.watermark == 0 and lab.run.paged.config.preemption_mode == "recompute"
+    assert lab.run.contiguous.max_num_batched_tokens >= lab.run.contiguous.max_model_len
     assert semantics_radio(at).value == "v1"
     step(at, 3)
-    assert lab.paged.block_manager.invariant_violations() == []
-    assert all(p.semantics == "v1" and c.semantics == "paper" for p, c in lab.history)
-    snap = lab.history[-1][0].snapshot
+    assert lab.run.paged.block_manager.invariant_violations() == []
+    assert all(p.semantics == "v1" and c.semantics == "paper" for p, c in lab.run.history)
+    snap = lab.run.history[-1][0].snapshot
     assert metrics(at)["free blocks"] == f"{snap.num_free_blocks}/{snap.num_blocks}"
 
     apply(at, semantics="paper")
     lab = at.session_state["lab"]
-    assert (lab.settings.semantics, lab.paged.semantics) == ("paper", "paper")
-    assert lab.paged.config.watermark == 0.01 and lab.paged.config.scheduling_policy == "fcfs"
-    assert lab.paged.max_num_batched_tokens == max(lab.paged.max_model_len, 2048)
+    assert (lab.run.settings.semantics, lab.run.paged.semantics) == ("paper", "paper")
+    assert lab.run.paged.config.watermark == 0.01 and lab.run.paged.config.scheduling_policy == "fcfs"
+    assert lab.run.paged.max_num_batched_tokens == max(lab.run.paged.max_model_len, 2048)
     step(at, 3)
-    assert lab.paged.block_manager.invariant_violations() == []
+    assert lab.run.paged.block_manager.invariant_violations() == []
     # the same run as before the switch: nothing of the V1 engine leaked into the paper's
-    assert [[s.token_ids for s in p.snapshot.sequences] for p, _ in lab.history] == before
+    assert [[s.token_ids for s in p.snapshot.sequences] for p, _ in lab.run.history] == before
     assert PAPER_LINE in markdown(at)
 
 
@@ -198,7 +198,7 @@ def test_a_preset_v1_cannot_run_says_why_and_runs_in_the_paper(preset, why):
     at = new_app()
     apply(at, preset, semantics="v1")
     lab = at.session_state["lab"]
-    assert lab.settings.preset == preset and lab.paged.semantics == "paper"
+    assert lab.run.settings.preset == preset and lab.run.paged.semantics == "paper"
     warning = next(w.value for w in at.warning if "vLLM V1 was chosen" in w.value)
     assert f"the {preset} preset runs in the paper's semantics (vLLM V0)" in warning and why in warning
     assert PAPER_LINE in markdown(at) and "Semantics: vLLM V1" not in markdown(at)
@@ -215,7 +215,7 @@ def test_a_beam_request_added_in_v1_is_refused_in_words():
     assert not at.exception
     assert any("Request not added: beam_width 4: vLLM V1 runs beam search outside its scheduler" in e.value
                for e in at.error)
-    assert not at.session_state["lab"].paged.requests
+    assert not at.session_state["lab"].run.paged.requests
 
 
 def test_v1_has_no_swap_option_and_says_so():
@@ -235,7 +235,7 @@ def test_a_mixed_step_is_told_by_its_parts():
     at = new_app()
     apply(at, "batch", semantics="v1", **{"Token budget per step": 16})
     step(at, 2)
-    record = at.session_state["lab"].history[-1][0]
+    record = at.session_state["lab"].run.history[-1][0]
     assert record.kind == "mixed"
     prompt = {s.seq_id: s.prompt_len for s in record.snapshot.sequences}
     decode = [s for s in record.scheduled if s.start_pos >= prompt[s.seq_id]]
@@ -296,8 +296,8 @@ def test_lab_priority_reaches_the_v1_engine():
                      load_shared(EMBEDDED_MODEL))
     low = lab.add_request("ROMEO. ", SamplingParams(max_tokens=2, temperature=0), priority=5)
     high = lab.add_request("HAMLET. ", SamplingParams(max_tokens=2, temperature=0), priority=-1)
-    assert lab.paged.requests[high].priority == -1 and lab.paged.requests[low].priority == 5
-    assert lab.paged.config.scheduling_policy == "priority"
+    assert lab.run.paged.requests[high].priority == -1 and lab.run.paged.requests[low].priority == 5
+    assert lab.run.paged.config.scheduling_policy == "priority"
 
 
 def test_a_chosen_but_unapplied_semantics_is_said_under_the_title():

@@ -216,7 +216,7 @@ def test_the_playground_draws_the_picture_and_the_pick_drives_it():
         specs = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
         return next(s for s in specs if s["layout"]["title"]["text"].startswith("Block tables"))
 
-    snap = at.session_state["lab"].history[-1][0].snapshot
+    snap = at.session_state["lab"].run.history[-1][0].snapshot
     seq = next(s for s in snap.sequences if s.seq_id == "R1.1")
     slot = seq.block_table[19 // 16] * 16 + 19 % 16
     captions = " ".join(a["text"] for a in picture()["layout"]["annotations"])

@@ -36,7 +36,7 @@ def key_steps():
     for preset in PRESETS:
         lab = Lab.create(preset_settings(preset), loaded)
         assert lab.press("next") == "next"
-        out[preset] = (lab.history[-1][0], lab.order)
+        out[preset] = (lab.run.history[-1][0], lab.run.order)
     return out
 
 

@@ -26,14 +26,14 @@ def _figures(lab: Lab, history: list, index: int, decode) -> dict:
     paged, contiguous = history[index]
     snap = paged.snapshot
     changed = sorted({b for e in paged.events if e.kind != "append" for b in e.blocks})
-    first = lab.order[0] if lab.order else None
+    first = lab.run.order[0] if lab.run.order else None
     running = [s for s in snap.sequences if s.status == "running" and s.block_table]
     token = (running[0].seq_id, running[0].num_tokens - 1) if running else None
     figs = {
-        "pool": block_pool_figure(snap, lab.order, decode=decode, highlight=changed, selected=first,
+        "pool": block_pool_figure(snap, lab.run.order, decode=decode, highlight=changed, selected=first,
                                   title="step<br><sub>label</sub>"),
-        "paged slots": paged_slots_figure(snap, lab.order),
-        "block tables": block_table_figure(paged, lab.order, selected=first, token=token, decode=decode),
+        "paged slots": paged_slots_figure(snap, lab.run.order),
+        "block tables": block_table_figure(paged, lab.run.order, selected=first, token=token, decode=decode),
         "timeline": timeline_figure({"paged": [p for p, _ in history[: index + 1]],
                                      "contiguous": [c for _, c in history[: index + 1] if c is not None]},
                                     current_step=paged.step),
@@ -41,15 +41,15 @@ def _figures(lab: Lab, history: list, index: int, decode) -> dict:
                                           current_step=paged.step, semantics=paged.semantics),
     }
     if snap.num_blocks <= 128:
-        figs["pool, slot view"] = block_pool_figure(snap, lab.order, slot_mode=True, highlight=changed)
+        figs["pool, slot view"] = block_pool_figure(snap, lab.run.order, slot_mode=True, highlight=changed)
     if snap.num_swap_blocks:
-        figs["swap pool"] = swap_pool_figure(snap, lab.order)
+        figs["swap pool"] = swap_pool_figure(snap, lab.run.order)
     if contiguous is not None:
-        figs["contiguous"] = contiguous_region_figure(contiguous.snapshot.contiguous, lab.order,
+        figs["contiguous"] = contiguous_region_figure(contiguous.snapshot.contiguous, lab.run.order,
                                                       lab.contiguous_final_lengths())
     size = presenter_sizes(720)
     figs["presenter pool"] = one_line_cells(projector_style(
-        block_pool_figure(snap, lab.order, decode=decode, highlight=changed), height=size["pool"]),
+        block_pool_figure(snap, lab.run.order, decode=decode, highlight=changed), height=size["pool"]),
         row_px=size["pool"] / 8)
     return figs
 
@@ -59,7 +59,7 @@ def test_every_figure_of_a_preset_validates(preset, semantics):
     # vLLM V1's semantics with a small token budget add the budget's line to the step-tokens figure
     v1 = {"semantics": "v1", "max_num_batched_tokens": 64} if semantics == "v1" else {}
     lab = Lab.create(preset_settings(preset, **v1))
-    decode = shared_model(lab.settings.model)[1].decode
+    decode = shared_model(lab.run.settings.model)[1].decode
     for _ in range(MAX_STEPS):
         if not lab.has_work():
             break

@@ -248,7 +248,7 @@ def session_id() -> str:
 
 def _activity(lab: Lab | None) -> tuple | None:
     """What changes whenever a lab is used, even without a script run of ``app.py`` (Play's fragment)."""
-    return None if lab is None else (lab.token, lab.steps_run, lab.presses, lab.cursor, lab.playing)
+    return None if lab is None else (lab.protocol.token, lab.steps_run, lab.protocol.handled, lab.player.cursor, lab.player.playing)
 
 
 def keep_session(now: float | None = None) -> None:
@@ -262,9 +262,9 @@ def keep_session(now: float | None = None) -> None:
     registry = seat_registry()
     with registry["lock"]:  # a sweep decides under this lock, and skips a lab whose session touched it since
         lab = st.session_state.get("lab")
-        released = lab is not None and lab.paged is None  # released by a sweep (``Lab.release``)
+        released = lab is not None and lab.run.paged is None  # released by a sweep (``Lab.release``)
         if released:
-            why = lab.failure or f"released after {limits.idle_minutes:g} idle minutes"
+            why = lab.run.failure or f"released after {limits.idle_minutes:g} idle minutes"
             del st.session_state["lab"]
             lab = None
         seat = registry["seats"].setdefault(session_id(), Seat(now))
@@ -294,7 +294,7 @@ def seat_lab(lab: Lab) -> None:
     if class_limits() is None:
         return
     checked = st.session_state.pop(PLAN_KEY, None)
-    kv = session_bytes(lab.settings, (lab.paged.model, lab.paged.tokenizer))
+    kv = session_bytes(lab.run.settings, (lab.run.paged.model, lab.run.paged.tokenizer))
     reserved = share_registry().held(session_id())
     lab.plan_memory(kv, checked.budget if checked is not None else (reserved or None))
     registry = seat_registry()
@@ -352,7 +352,7 @@ def sweep(limits: ClassLimits, now: float | None = None, registry: dict | None =
     for sid, lab, why in leaving:
         with registry["lock"]:
             back = registry["seats"].get(sid)
-        if lab is None or lab.paged is None or (back is not None and back.lab is lab):  # came back meanwhile
+        if lab is None or lab.run.paged is None or (back is not None and back.lab is lab):  # came back meanwhile
             continue
         lab.release(why)
         released.append(sid)

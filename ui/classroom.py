@@ -160,27 +160,27 @@ def ask_form(registry, code: str, lab) -> None:
     """Choose and open a question about the lab's next step; the lab's step count is kept with it, so the
     reveal reads exactly the step after it."""
     _, _, has_work = lab.frame()
-    num_blocks = lab.paged.num_blocks  # the paged pool's size in blocks (also when sized from a KV budget)
+    num_blocks = lab.run.paged.num_blocks  # the paged pool's size in blocks (also when sized from a KV budget)
     with st.form("class_ask"):
         kind = st.selectbox("Question", QUESTION_KINDS, format_func=KIND_LABELS.get, key="class_kind")
-        target = st.selectbox("About request (for 'which block')", lab.order or ["(none yet)"], key="class_target")
+        target = st.selectbox("About request (for 'which block')", lab.run.order or ["(none yet)"], key="class_target")
         asked = st.form_submit_button("Open the question", type="primary")
     if not asked:
         return
     if not has_work:
         st.error("Your Playground run has nothing left to step: Reset it (Playground) first.")
         return
-    if kind == "next_block" and not lab.order:
+    if kind == "next_block" and not lab.run.order:
         st.error("No request has arrived in your Playground run yet, so there is no request to ask about: ask "
                  "how many blocks will be free, or step once first.")
         return
     try:
-        question = make_question(kind, int(num_blocks), lab.order, target if kind == "next_block" else None)
+        question = make_question(kind, int(num_blocks), lab.run.order, target if kind == "next_block" else None)
         number = registry.ask(code, question)
     except (KeyError, ValueError) as exc:
         st.error(f"Question not opened: {exc}")
         return
-    st.session_state["class_asked"] = (code, number, lab.token, lab.step_count)
+    st.session_state["class_asked"] = (code, number, lab.protocol.token, lab.step_count)
 
 
 def presenter_live(registry, code: str) -> None:
@@ -219,15 +219,15 @@ def step_and_reveal(registry, code: str, lab) -> None:
     if view.number != number or view.revealed:
         st.warning("This question is revealed already: open a new one.")
         return
-    if lab.token != token:
+    if lab.protocol.token != token:
         st.error("Your Playground run was reset since the question was asked: open a new question.")
         return
     if lab.step_count <= step:  # not stepped in the Playground meanwhile: step now, as the Playground would
         lab.seek(-1)
         if lab.press("forward") != "stepped":
-            st.error(f"No step ran: {lab.ignored_why}.")
+            st.error(f"No step ran: {lab.protocol.ignored_why}.")
             return
-        st.session_state["cursor"] = lab.cursor
+        st.session_state["cursor"] = lab.player.cursor
     record = lab.record(step)[0]  # the paged engine's record of the step right after the question
     before = lab.record(step - 1)[0].snapshot if step > 0 else None
     try:

@@ -31,16 +31,16 @@ def _cache(lab, total: int) -> dict:
 
 def _budget(lab) -> int | None:
     """vLLM V1's token budget per step, for the sentences (None in the paper's semantics)."""
-    return lab.paged.max_num_batched_tokens if lab.paged.semantics == "v1" else None
+    return lab.run.paged.max_num_batched_tokens if lab.run.paged.semantics == "v1" else None
 
 
 def _title(lab) -> str:
-    return f"Paged Attention Lab: preset {lab.settings.preset}"
+    return f"Paged Attention Lab: preset {lab.run.settings.preset}"
 
 
 def _name(lab, total: int, ext: str, step: int | None = None) -> str:
     at = f"-step{step}" if step is not None else f"-{total}steps"
-    return f"paged-attention-{lab.settings.preset}{at}.{ext}"
+    return f"paged-attention-{lab.run.settings.preset}{at}.{ext}"
 
 
 def html_builder(lab, history, cache: dict, decode=None):
@@ -49,7 +49,7 @@ def html_builder(lab, history, cache: dict, decode=None):
 
     def build() -> str:
         if key not in cache:
-            cache[key] = run_html(history, lab.order, decode=decode, budget=_budget(lab), title=_title(lab))
+            cache[key] = run_html(history, lab.run.order, decode=decode, budget=_budget(lab), title=_title(lab))
         return cache[key]
 
     return build
@@ -70,7 +70,7 @@ def export_panel(lab) -> None:
     if not panel.open:
         return
     with panel:
-        decode = shared_model(lab.settings.model)[1].decode
+        decode = shared_model(lab.run.settings.model)[1].decode
         shown = min(total, MAX_HTML_STEPS)
         st.download_button(
             f"Download the run as HTML ({total} steps{'' if shown == total else f', {shown} shown'})",
@@ -100,7 +100,7 @@ def _video(lab, history, cache: dict, kind: str, fps: float, cap: int) -> None:
             bar = st.progress(0.0)
             encode = run_gif if kind == "GIF" else run_mp4
             try:
-                cache[key] = encode(history, lab.order, budget=_budget(lab), title=_title(lab), fps=fps, max_steps=cap,
+                cache[key] = encode(history, lab.run.order, budget=_budget(lab), title=_title(lab), fps=fps, max_steps=cap,
                                     on_frame=lambda done, n: bar.progress(done / n, f"step {done} of {n}"))
             except (ExportError, ValueError) as exc:
                 status.update(label=f"{kind} not built", state="error")
@@ -120,7 +120,7 @@ def _png(lab, history, index: int, cache: dict) -> None:
     if st.button(f"Build a PNG of step {step} (the step on screen)", key="export_build_png"):
         with st.status(f"Drawing step {step}...") as status:
             try:
-                cache[key] = figure_png(step_figure(history, index, lab.order, budget=_budget(lab), title=_title(lab)))
+                cache[key] = figure_png(step_figure(history, index, lab.run.order, budget=_budget(lab), title=_title(lab)))
             except ExportError as exc:
                 status.update(label="PNG not built", state="error")
                 st.error(str(exc))

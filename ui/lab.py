@@ -18,18 +18,18 @@ the baseline's step and their record complete together or not at all, and a call
 ``frame()``. The stage's presses (Step / Forward / Back / Play, PageDown / PageUp / P, a presenter's
 clicker) are counted in the browser and handed over as a total (``take_presses``): the lab runs each press
 not yet handled exactly once, however many script runs see the same total, and counts a press that can do
-nothing as ignored (``ignored``, ``ignored_why``) so the page can say so.
+nothing as ignored (``protocol.ignored``, ``protocol.ignored_why``) so the page can say so.
 
 The contiguous policies "pow2" and "oracle" reserve by each request's true final length, which a server
 cannot know at admission: for a preset the lab learns it first with a headless paged run of the same
 requests (same settings, same seeds, so the same tokens; its records are not kept). A request added by
 hand under those policies has no final length in advance and runs on the paged engine only (unless it
-sets ``ignore_eos``, which fixes its length), and ``notes`` says so.
+sets ``ignore_eos``, which fixes its length), and ``run.notes`` says so.
 
 Semantics (``LabSettings.semantics``): the paged engine runs "paper" (vLLM V0 as the PagedAttention paper
 describes it) or "v1" (vLLM V1); the contiguous baseline always runs the paper's scheduler, without V1's
 token budget. What V1 lacks (preemption by swap, beam search) makes ``Lab.create`` run the paper's
-semantics instead, and ``semantics_note`` says why (``fit_semantics``); ``semantics_line`` names the
+semantics instead, and ``run.semantics_note`` says why (``fit_semantics``); ``semantics_line`` names the
 semantics a view shows, in one line read from the engine.
 """
 
@@ -293,23 +293,6 @@ class SessionLimits:
                 + (f"; {why}" if why else "") + ").")
 
 
-class _PartField:
-    """A field of one of the lab's parts under the name the app and the tests read on the lab (``lab.cursor``
-    is ``lab.player.cursor``): read and written through, so a caller needs no part for one number."""
-
-    def __init__(self, part: str, name: str | None = None) -> None:
-        self.part, self.name = part, name
-
-    def __set_name__(self, owner, name: str) -> None:
-        self.name = self.name or name
-
-    def __get__(self, lab, owner=None):
-        return self if lab is None else getattr(getattr(lab, self.part), self.name)
-
-    def __set__(self, lab, value) -> None:
-        setattr(getattr(lab, self.part), self.name, value)
-
-
 class Lab:
     """One browser session's lab, in four named parts and a lock (see the module docstring):
 
@@ -319,38 +302,8 @@ class Lab:
     - ``session`` (``SessionLimits``): a class server's trimming of the recorded steps and memory charge.
 
     The lab's methods change them together under one lock (a press moves the player, steps the run and
-    counts in the protocol at once). Their fields are also read on the lab under their old names
-    (``lab.history``, ``lab.cursor``, ``lab.token``, ``lab.history_limit``, ...: ``_PartField``)."""
-
-    settings = _PartField("run")
-    paged = _PartField("run")
-    contiguous = _PartField("run")
-    pending = _PartField("run")
-    history = _PartField("run")
-    order = _PartField("run")
-    notes = _PartField("run")
-    semantics_note = _PartField("run")
-    arrivals = _PartField("run")
-    queued = _PartField("run")
-    final_lens = _PartField("run")
-    failure = _PartField("run")
-    cursor = _PartField("player")
-    phase = _PartField("player")
-    playing = _PartField("player")
-    play_speed = _PartField("player", "speed")
-    play_clock = _PartField("player", "clock")
-    play_shown = _PartField("player", "shown")
-    play_base = _PartField("player", "base")
-    token = _PartField("protocol")
-    presses = _PartField("protocol", "handled")
-    ignored = _PartField("protocol")
-    ignored_why = _PartField("protocol")
-    notices = _PartField("protocol")
-    notice = _PartField("protocol")
-    next_said = _PartField("protocol")
-    history_limit = _PartField("session")
-    dropped_steps = _PartField("session")
-    memory = _PartField("session")
+    counts in the protocol at once). A field is read on its part: ``lab.run.history``, ``lab.player.cursor``,
+    ``lab.protocol.token``, ``lab.session.history_limit``."""
 
     def __init__(self, settings: LabSettings, paged: LLMEngine, contiguous: LLMEngine | None, *,
                  notes: list[str] | None = None, semantics_note: str | None = None) -> None:
@@ -361,8 +314,8 @@ class Lab:
         self._lock = threading.RLock()
 
     def __repr__(self) -> str:
-        return (f"Lab(preset={self.settings.preset!r}, steps={self.steps_run}, cursor={self.cursor}, "
-                f"playing={self.playing}, token={self.token!r})")
+        return (f"Lab(preset={self.run.settings.preset!r}, steps={self.steps_run}, cursor={self.player.cursor}, "
+                f"playing={self.player.playing}, token={self.protocol.token!r})")
 
     @staticmethod
     def needs_final_lengths(settings: LabSettings) -> bool:
@@ -377,8 +330,8 @@ class Lab:
         """Build both engines and queue the preset's requests (under "pow2" / "oracle" with the final
         lengths a headless paged run of the same requests reached: ``needs_final_lengths``; ``on_step``
         receives each of that run's StepRecords, for a progress bar). The settings
-        are first fitted to their semantics (``fit_semantics``): ``lab.settings`` are those in effect and
-        ``lab.semantics_note`` says what changed.
+        are first fitted to their semantics (``fit_semantics``): ``lab.run.settings`` are those in effect and
+        ``lab.run.semantics_note`` says what changed.
 
         Raises ValueError (bad settings or model) before anything is kept, so a caller can leave its
         previous lab in place.
@@ -400,7 +353,7 @@ class Lab:
             # a class server's request cap, for the whole file at once (not at the arrival step it is reached)
             limits.check_request_count(len(workload.requests) - 1)
             if settings.preset == "custom":  # a request passing max_model_len stops there, as in vLLM: said
-                lab.notes.extend(length_notes(settings.scenario, tokenize))
+                lab.run.notes.extend(length_notes(settings.scenario, tokenize))
             for r in workload.requests:
                 lab.check(r.prompt, r.params)
             finals: list[int | None] = [None] * len(workload.requests)
@@ -410,75 +363,75 @@ class Lab:
             if contiguous is not None and learn:  # else the engine derives them
                 # a headless paged run under the baseline's scheduler (the paper's): the same tokens
                 finals = baseline_final_lengths(settings, workload, (paged.model, paged.tokenizer), on_step=on_step)
-            lab.pending = sorted(zip(workload.requests, finals), key=lambda rf: rf[0].arrival_step)
-            lab.queued = len(lab.pending)
+            lab.run.pending = sorted(zip(workload.requests, finals), key=lambda rf: rf[0].arrival_step)
+            lab.run.queued = len(lab.run.pending)
         return lab
 
     # ------------------------------------------------------------------------------------------- requests
     def check(self, prompt, params: SamplingParams) -> None:
         """Raise ValueError if the paged engine would refuse this request (nothing is added)."""
-        self.paged.check_request(prompt, params)
+        self.run.paged.check_request(prompt, params)
 
     def add_request(self, prompt, params: SamplingParams, final_len: int | None = None, priority: int = 0) -> str:
         """Add a request to both engines now (the contiguous one only if it serves it). Returns its id.
 
         ``final_len``: its final length known in advance (the "pow2" and "oracle" policies need it; without
-        it such a request runs on the paged engine only and ``notes`` says why). ``priority``: V1's priority
+        it such a request runs on the paged engine only and ``run.notes`` says why). ``priority``: V1's priority
         policy runs lower values first (the paper's scheduler and the baseline ignore it).
         Raises ValueError and adds nothing if the paged engine refuses it (in V1: beam search), or on a class
         server if the run with it would not fit the session's share (``plan_memory``; it may keep fewer steps)."""
         with self._lock:
-            if self.memory is not None:  # charged before it runs: refused, or fewer recorded steps kept
+            if self.session.memory is not None:  # charged before it runs: refused, or fewer recorded steps kept
                 self.check(prompt, params)
-                self.plan_memory(self.memory.kv_parts, self.memory.budget, extra=[(prompt, params)])
+                self.plan_memory(self.session.memory.kv_parts, self.session.memory.budget, extra=[(prompt, params)])
             return self._add_request(prompt, params, final_len, priority)
 
     def _add_request(self, prompt, params: SamplingParams, final_len: int | None, priority: int = 0) -> str:
         # a class server's cap on requests per run, before anything is added (V1 adds n child requests at once)
-        limits.check_request_count(len(self.paged.requests),
-                                   getattr(params, "n", 1) if self.paged.semantics == "v1" else 1)
-        rid = self.paged.add_request(prompt, params, priority=priority)
-        self.order.append(rid)
-        self.arrivals.append((rid, PrioritizedRequest(self.steps_run, prompt, params, priority)))
-        if self.contiguous is not None:
+        limits.check_request_count(len(self.run.paged.requests),
+                                   getattr(params, "n", 1) if self.run.paged.semantics == "v1" else 1)
+        rid = self.run.paged.add_request(prompt, params, priority=priority)
+        self.run.order.append(rid)
+        self.run.arrivals.append((rid, PrioritizedRequest(self.steps_run, prompt, params, priority)))
+        if self.run.contiguous is not None:
             try:
-                self.contiguous.add_request(prompt, params, request_id=rid, final_len=final_len)
+                self.run.contiguous.add_request(prompt, params, request_id=rid, final_len=final_len)
             except ValueError as exc:
-                self.notes.append(f"{rid} is not run on the contiguous baseline: {exc}")
+                self.run.notes.append(f"{rid} is not run on the contiguous baseline: {exc}")
             else:  # its final length when known in advance: learnt, or fixed by ignore_eos (prompt + max_tokens)
-                known = final_len or (self.contiguous.requests[rid].max_len if params.length_known else None)
+                known = final_len or (self.run.contiguous.requests[rid].max_len if params.length_known else None)
                 if known:
-                    self.final_lens[rid] = known
+                    self.run.final_lens[rid] = known
         return rid
 
     # ------------------------------------------------------------------------------------------- memory
     def run_sizes(self, extra=()) -> limits.RunSizes:
         """The sizes of this lab's run for a class server's charge (``limits.RunSizes``): every request added or
         still to arrive, plus ``extra`` ((prompt, SamplingParams) pairs about to be added)."""
-        requests = [(r.prompt, r.params) for _, r in self.arrivals] + [(r.prompt, r.params) for r, _ in self.pending]
-        return run_sizes(self.settings, requests + list(extra), self.paged.num_blocks,
-                         getattr(self.paged.block_manager, "num_swap_blocks", 0),
-                         engines=1 + (self.contiguous is not None))
+        requests = [(r.prompt, r.params) for _, r in self.run.arrivals] + [(r.prompt, r.params) for r, _ in self.run.pending]
+        return run_sizes(self.run.settings, requests + list(extra), self.run.paged.num_blocks,
+                         getattr(self.run.paged.block_manager, "num_swap_blocks", 0),
+                         engines=1 + (self.run.contiguous is not None))
 
     def plan_memory(self, kv_parts: dict, budget: int | None = None, extra=()) -> limits.SessionPlan:
         """Charge this lab's run to its session's share on a class server (``limits.plan_session``: the KV
         parts ``kv_parts``, the engines' state, the page and the recorded steps) and keep at most the steps
-        the charge allows (``history_limit``, oldest dropped first). ``extra``: requests about to be added.
+        the charge allows (``session.history_limit``, oldest dropped first). ``extra``: requests about to be added.
         Raises ValueError, changing nothing, when the run does not fit even with ``MIN_HISTORY_STEPS``."""
         class_limits = limits.class_limits()
         if class_limits is None:
             raise ValueError("plan_memory: not a class server (PAL_CLASS_SERVER is not set)")
         plan = limits.plan_session(kv_parts, self.run_sizes(extra), class_limits, budget)
         with self._lock:
-            self.memory = plan
-            self.history_limit = plan.history_steps
+            self.session.memory = plan
+            self.session.history_limit = plan.history_steps
             self._trim_history()
         return plan
 
     # --------------------------------------------------------------------------------------------- steps
     @property
     def step_count(self) -> int:
-        return len(self.history)
+        return len(self.run.history)
 
     def has_work(self) -> bool:
         return self.run.has_work()
@@ -489,47 +442,47 @@ class Lab:
         Atomic: under the lab's lock and without any Streamlit call, so a second script run (a double click, a
         key, a Play tick) waits for the first, and Streamlit's stopping of a script run (at its next Streamlit
         call) can never fall between the paged step, the baseline's step and their record. Raises
-        RuntimeError after a failed step (``failure``)."""
+        RuntimeError after a failed step (``run.failure``)."""
         with self._lock:
             return self._step()
 
     def _step(self) -> tuple[StepRecord, StepRecord | None]:
-        if self.failure is not None:
-            raise RuntimeError(f"the engines stopped after an error: {self.failure}")
+        if self.run.failure is not None:
+            raise RuntimeError(f"the engines stopped after an error: {self.run.failure}")
         try:
-            while self.pending and self.pending[0][0].arrival_step <= self.steps_run:
-                r, final_len = self.pending.pop(0)
+            while self.run.pending and self.run.pending[0][0].arrival_step <= self.steps_run:
+                r, final_len = self.run.pending.pop(0)
                 self._add_request(r.prompt, r.params, final_len, getattr(r, "priority", 0))
-            paged = self.paged.step()
-            contiguous = self.contiguous.step() if self.contiguous is not None else None
+            paged = self.run.paged.step()
+            contiguous = self.run.contiguous.step() if self.run.contiguous is not None else None
         except Exception as exc:
             # one engine may have stepped and the other not: no later step may pretend they are in step
-            self.failure = f"step {self.steps_run + 1} raised {type(exc).__name__}: {exc}"
+            self.run.failure = f"step {self.steps_run + 1} raised {type(exc).__name__}: {exc}"
             raise
-        self.history.append((paged, contiguous))
+        self.run.history.append((paged, contiguous))
         self._trim_history()
         return paged, contiguous
 
     @property
     def steps_run(self) -> int:
-        """Steps run since the lab was built: the recorded ones and those dropped (``dropped_steps``)."""
-        return self.dropped_steps + self.step_count
+        """Steps run since the lab was built: the recorded ones and those dropped (``session.dropped_steps``)."""
+        return self.session.dropped_steps + self.step_count
 
     def _trim_history(self) -> None:
-        """Keep at most ``history_limit`` recorded steps (a class server's memory bound): drop the oldest,
+        """Keep at most ``session.history_limit`` recorded steps (a class server's memory bound): drop the oldest,
         keep the cursor on the same step (or on the oldest kept, when its step was dropped)."""
-        excess = self.session.excess(len(self.history))
+        excess = self.session.excess(len(self.run.history))
         if not excess:
             return
-        del self.history[:excess]
-        self.dropped_steps += excess
+        del self.run.history[:excess]
+        self.session.dropped_steps += excess
         # A step's snapshot may hold only what changed since the step before (records.PoolDelta), which keeps
         # that step alive: build the oldest kept step's lists, so the dropped steps are freed
-        for record in self.history[0] if self.history else ():
+        for record in self.run.history[0] if self.run.history else ():
             if record is not None:
                 record.snapshot.ref_counts  # noqa: B018 - reading the lists builds them (records._materialize)
-        if self.cursor >= 0:
-            self.cursor = max(0, self.cursor - excess)
+        if self.player.cursor >= 0:
+            self.player.cursor = max(0, self.player.cursor - excess)
 
     def history_note(self) -> str | None:
         """What the page says once old steps were dropped (``_trim_history``), or None."""
@@ -538,73 +491,73 @@ class Lab:
 
     def release(self, why: str) -> None:
         """Free this lab's engines and records (a class server releases an idle session's lab): nothing runs
-        or draws from it afterwards; ``failure`` says ``why``. The session drops it and builds a fresh one."""
+        or draws from it afterwards; ``run.failure`` says ``why``. The session drops it and builds a fresh one."""
         with self._lock:
-            self.playing = False
-            self.failure = why
-            self.history.clear()
-            self.pending.clear()
-            for engine in (self.paged, self.contiguous):
+            self.player.playing = False
+            self.run.failure = why
+            self.run.history.clear()
+            self.run.pending.clear()
+            for engine in (self.run.paged, self.run.contiguous):
                 if engine is not None:
                     engine.close()
-            self.paged = self.contiguous = None  # the KV pools and the model's activations go with them
+            self.run.paged = self.run.contiguous = None  # the KV pools and the model's activations go with them
 
     # ------------------------------------------------------------------------------------- the stage
     def press(self, kind: str) -> str:
         """One press of Step / Forward ("forward"), Back ("back") or Play / Pause ("play"): replay forward
         through the recorded steps while looking back, else run one step; Back shows the previous step; Play
-        toggles ``playing``. Atomic like ``step``.
+        toggles ``player.playing``. Atomic like ``step``.
 
         On a beam step (``phases``) Step / Forward first shows its selection and Back its copies again: then
         it returns "phase". Returns what it did: "stepped", "forward", "back", "phase", "play", "pause" or
-        "ignored" (then ``ignored`` counts it and ``ignored_why`` says why)."""
+        "ignored" (then ``protocol.ignored`` counts it and ``protocol.ignored_why`` says why)."""
         with self._lock:
             return self._press(kind)
 
     def _press(self, kind: str) -> str:
         total = self.step_count
         if kind == "play":
-            if self.playing:
-                self.playing = False
+            if self.player.playing:
+                self.player.playing = False
                 return "pause"
-            if self.failure is not None or not self.has_work():
-                return self._ignore("Play: the engines stopped after an error; press Reset" if self.failure
+            if self.run.failure is not None or not self.has_work():
+                return self._ignore("Play: the engines stopped after an error; press Reset" if self.run.failure
                                     else "Play: all requests have finished (Reset runs them again)" if total
                                     else "Play: nothing to run; add a request first")
-            self.playing = True
+            self.player.playing = True
             self._start_play_clock()
             return "play"
         if kind in ("next", "end"):
             return self._run_until(kind)
-        shown = self.history[self.cursor] if total else None  # cursor -1: the latest
+        shown = self.run.history[self.player.cursor] if total else None  # cursor -1: the latest
         if kind == "back":
             if shown is not None and self.phase_of(shown[0]) > 0:  # a beam step: its copies again
-                self.phase = (shown[0].step, self.phase_of(shown[0]) - 1)
+                self.player.phase = (shown[0].step, self.phase_of(shown[0]) - 1)
                 return "phase"
-            if total < 2 or self.cursor == 0:
+            if total < 2 or self.player.cursor == 0:
                 return self._ignore("Back: already at the first step" if total else "Back: nothing has run yet")
-            self.cursor = max(0, (self.cursor if self.cursor >= 0 else total - 1) - 1)
-            before = self.history[self.cursor][0]  # lands on its last phase, as a slide deck on its last build
-            self.phase = (before.step, self.phases(before) - 1)
+            self.player.cursor = max(0, (self.player.cursor if self.player.cursor >= 0 else total - 1) - 1)
+            before = self.run.history[self.player.cursor][0]  # lands on its last phase, as a slide deck on its last build
+            self.player.phase = (before.step, self.phases(before) - 1)
             return "back"
         if kind != "forward":
             return self._ignore(f"unknown press {kind!r}")
         if shown is not None and self.phase_of(shown[0]) < self.phases(shown[0]) - 1:  # the next phase first
-            self.phase = (shown[0].step, self.phase_of(shown[0]) + 1)
+            self.player.phase = (shown[0].step, self.phase_of(shown[0]) + 1)
             return "phase"
-        if 0 <= self.cursor < total - 1:  # looking back: show the next recorded step (nothing re-runs)
-            self.cursor += 1
-            if self.cursor == total - 1:
-                self.cursor = -1  # the latest step again: follow it
+        if 0 <= self.player.cursor < total - 1:  # looking back: show the next recorded step (nothing re-runs)
+            self.player.cursor += 1
+            if self.player.cursor == total - 1:
+                self.player.cursor = -1  # the latest step again: follow it
             return "forward"
-        if self.failure is not None:
+        if self.run.failure is not None:
             return self._ignore("Step: the engines stopped after an error; press Reset")
         if not self.has_work():
             return self._ignore("Step: all requests have finished (Reset runs them again)"
                                 if total else "Step: nothing to run; add a request first")
         if not self._try_step():
             return self._ignore("Step: the engines stopped after an error; press Reset")
-        self.cursor = -1
+        self.player.cursor = -1
         return "stepped"
 
     # ------------------------------------------------------------------------ a beam step's two phases
@@ -614,7 +567,7 @@ class Lab:
         beams (``viz.block_table.selection_phases``: 0 the copies, 1 the selection), else 1.
 
         One phase choice drives every view of the step (the pool, the slot view, the block tables, the
-        numbers and titles beside them): the lab's ``phase``, moved by the stage's presses (Step / PageDown /
+        numbers and titles beside them): the lab's ``player.phase``, moved by the stage's presses (Step / PageDown /
         a clicker shows a beam step's selection before the next step; Back / PageUp its copies again before
         the step before, which it shows in its last phase, as a slide deck shows a slide's last build) and by
         the Playground's phase control (``set_phase``). A step newly shown (run, Next event, Play, the slider)
@@ -625,7 +578,7 @@ class Lab:
 
     def phase_of(self, record: StepRecord) -> int:
         """The phase shown of paged step ``record`` (0 unless a press or ``set_phase`` chose another on it)."""
-        chosen = self.phase
+        chosen = self.player.phase
         if chosen is None or chosen[0] != record.step:
             return 0
         return min(chosen[1], self.phases(record) - 1)
@@ -637,10 +590,10 @@ class Lab:
         if isinstance(phase, bool) or not isinstance(phase, int) or not 0 <= phase < n:
             raise ValueError(f"phase must be 0..{n - 1} for step {record.step}, got {phase!r}")
         with self._lock:
-            self.phase = (record.step, phase)
+            self.player.phase = (record.step, phase)
 
     def _try_step(self) -> bool:
-        """``_step`` for a press or a Play tick: a failure is kept in ``failure`` (and logged with its
+        """``_step`` for a press or a Play tick: a failure is kept in ``run.failure`` (and logged with its
         traceback) for the page to say, instead of an exception in the middle of the stage."""
         try:
             self._step()
@@ -650,27 +603,27 @@ class Lab:
         return True
 
     def _ignore(self, why: str, said_on: int | None = None, short: str | None = None) -> str:
-        """A press that did nothing: counted in ``ignored`` and said (``ignored_why``). With ``said_on`` (a
+        """A press that did nothing: counted in ``protocol.ignored`` and said (``protocol.ignored_why``). With ``said_on`` (a
         Next event at a finished run's end: the step on screen) it is an answer, not an ignored press: not
-        counted in ``ignored`` (the page's "N presses ignored" toast), said once as a ``notice`` and beside
-        the step (``next_said``; ``short``: the stage's one-line form)."""
+        counted in ``protocol.ignored`` (the page's "N presses ignored" toast), said once as a ``protocol.notice`` and beside
+        the step (``protocol.next_said``; ``short``: the stage's one-line form)."""
         return self.protocol.ignore(why, said_on, short)
 
     def take_presses(self, token, total, log) -> int:
         """The browser's press counter: ``total`` presses counted so far for the lab named ``token``, and
         ``log`` the kinds of the last of them, oldest first ("F" forward, "B" back, "P" play / pause). Runs
-        each press not handled yet, in order, exactly once (``presses`` counts them), however many script
+        each press not handled yet, in order, exactly once (``protocol.handled`` counts them), however many script
         runs hand over the same or an older total. A total for another lab (``token``) or that is not a count runs
         nothing. Presses older than the log reaches are counted as ignored. Returns how many were new."""
         with self._lock:
             if not self._is_new_total(token, total, log):
                 return 0
-            new, kinds = total - self.presses, self.pending_kinds(token, total, log)
+            new, kinds = total - self.protocol.handled, self.pending_kinds(token, total, log)
             for _ in range(new - len(kinds)):
                 self._ignore("more presses at once than the page could keep apart")
             for k in kinds:
                 self._press(PRESS_KINDS.get(k, k))
-            self.presses = total
+            self.protocol.handled = total
             return new
 
     def _is_new_total(self, token, total, log) -> bool:
@@ -683,27 +636,27 @@ class Lab:
         return self.protocol.pending_kinds(token, total, log)
 
     def play_tick(self, now: float | None = None) -> int:
-        """One Play tick: while ``playing``, as many steps as keep Play at ``play_speed`` steps per second
+        """One Play tick: while ``player.playing``, as many steps as keep Play at ``player.speed`` steps per second
         since it started (at least one, at most ``MAX_PLAY_CATCH_UP``: a page that draws slower than the speed
         shows every k-th step, the steps themselves keep the pace). Returns the steps run; 0, and Play stops
-        (``playing`` False), when there is nothing to run or the engines failed; 0 too when not playing (a
+        (``player.playing`` False), when there is nothing to run or the engines failed; 0 too when not playing (a
         Pause that came first). ``now``: monotonic seconds (tests)."""
         with self._lock:
-            if not self.playing:
+            if not self.player.playing:
                 return 0
             now = time.monotonic() if now is None else now
-            started, done = self.play_clock
-            due = int((now - started) * self.play_speed) + 1 - done  # the first step runs at once
+            started, done = self.player.clock
+            due = int((now - started) * self.player.speed) + 1 - done  # the first step runs at once
             ran = 0
             for _ in range(max(1, min(due, MAX_PLAY_CATCH_UP))):
-                if self.failure is not None or not self.has_work() or not self._try_step():
+                if self.run.failure is not None or not self.has_work() or not self._try_step():
                     break
                 ran += 1
             if ran == 0:
-                self.playing = False
+                self.player.playing = False
                 return 0
-            self.play_clock = (started, done + ran)
-            self.cursor = -1
+            self.player.clock = (started, done + ran)
+            self.player.cursor = -1
             return ran
 
     def set_play_speed(self, speed: float) -> None:
@@ -711,15 +664,15 @@ class Lab:
         if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not speed > 0:
             raise ValueError(f"play speed must be a positive number of steps per second, got {speed!r}")
         with self._lock:
-            if speed != self.play_speed:
-                self.play_speed = float(speed)
+            if speed != self.player.speed:
+                self.player.speed = float(speed)
                 self._start_play_clock()
 
     def _start_play_clock(self) -> None:
-        self.player.start_clock(self.history[-1][0].step if self.history else 0)
+        self.player.start_clock(self.run.history[-1][0].step if self.run.history else 0)
 
     def play_pace(self, now: float | None = None) -> float | None:
-        """Steps per second Play has run since it started (what ``play_tick`` keeps at ``play_speed``; None
+        """Steps per second Play has run since it started (what ``play_tick`` keeps at ``player.speed``; None
         before its first second). More than the page shows when it draws slower than the speed: see
         ``play_rate``."""
         with self._lock:
@@ -733,7 +686,7 @@ class Lab:
 
     def play_rate(self) -> float | None:
         """The rate the page says it measured while playing: the steps it advanced on screen per second since
-        Play started, i.e. (the step number last drawn - the latest step when Play started: ``play_base``) over
+        Play started, i.e. (the step number last drawn - the latest step when Play started: ``player.base``) over
         the seconds from Play's start to that drawing (``play_drawn``). What a viewer counts on the step
         counter, however many steps each drawing advances: a tick that comes late runs the steps it owes
         (``play_tick``) and the page draws the last of them, so counting drawings instead said 3.5 while the
@@ -753,26 +706,26 @@ class Lab:
         """"next": the next step with a key event (``key_events``): while looking back, the next recorded one;
         else (or when no later recorded step has one) steps run until one has. "end": run until no work is
         left. At most ``MAX_RUN_STEPS`` steps per press. Returns "next" / "end"; "none-left" when no key
-        event remained (the page says it: ``notice``); ignores the press when nothing can run.
+        event remained (the page says it: ``protocol.notice``); ignores the press when nothing can run.
 
         When "next" finds no key event in the steps it ran, the screen stays on the step it showed (the steps
         are recorded: the slider and Step reach them). A presenter pressing N after the last moment expects
         what a slide deck does after its last slide (nothing moves, and it says why), not to land silently on
         a last step hundreds of steps on (issue 23: ``chat-workload`` ran 629 steps without a word)."""
         total = self.step_count
-        self.playing = False  # the moment a speaker jumps to must stay on screen: Play stops
-        if kind == "next" and 0 <= self.cursor < total - 1:
-            later = [i for i in range(self.cursor + 1, total) if self.key_events(self.history[i][0])]
+        self.player.playing = False  # the moment a speaker jumps to must stay on screen: Play stops
+        if kind == "next" and 0 <= self.player.cursor < total - 1:
+            later = [i for i in range(self.player.cursor + 1, total) if self.key_events(self.run.history[i][0])]
             if later:
-                self.cursor = -1 if later[0] == total - 1 else later[0]
+                self.player.cursor = -1 if later[0] == total - 1 else later[0]
                 return "next"
-            if not self.has_work() or self.failure is not None:
+            if not self.has_work() or self.run.failure is not None:
                 return self._ignore(f"Next event: no copy-on-write, prefix-cache hit, preemption or swap after "
                                     f"step {self._shown_step():,}, and the run has finished",
                                     said_on=self._shown_step(),
                                     short=f"Next event: none after step {self._shown_step():,}; the run has "
                                           f"finished")
-        if self.failure is not None:
+        if self.run.failure is not None:
             return self._ignore("the engines stopped after an error; press Reset")
         if not self.has_work():
             if kind == "next" and total:  # what N was asked: no event is left (not only that nothing runs)
@@ -785,20 +738,20 @@ class Lab:
                                 else "nothing to run; add a request first")
         shown = self._shown_step()  # the step on screen (None: nothing yet), kept while searching on
         if total:
-            self.cursor = self.cursor if self.cursor >= 0 else total - 1  # pinned: a trimmed history moves it
+            self.player.cursor = self.player.cursor if self.player.cursor >= 0 else total - 1  # pinned: a trimmed history moves it
         ran = 0
         for _ in range(MAX_RUN_STEPS):
             if not self.has_work() or not self._try_step():
                 break
             ran += 1
-            if kind == "next" and self.key_events(self.history[-1][0]):
-                self.cursor = -1
+            if kind == "next" and self.key_events(self.run.history[-1][0]):
+                self.player.cursor = -1
                 return kind
-        if kind == "end" or self.failure is not None:  # a failure: the page says it
-            self.cursor = -1
+        if kind == "end" or self.run.failure is not None:  # a failure: the page says it
+            self.player.cursor = -1
             return kind
         if shown is None:  # nothing was on screen to stay on: the last step run
-            self.cursor = -1
+            self.player.cursor = -1
             where = f"showing step {self.steps_run:,}"
         else:
             where = f"still showing step {shown:,}"
@@ -815,15 +768,15 @@ class Lab:
 
     def _shown_step(self) -> int | None:
         """The engine step number of the step on screen (None when nothing has run)."""
-        if not self.history:
+        if not self.run.history:
             return None
-        return self.history[self.cursor if self.cursor >= 0 else -1][0].step
+        return self.run.history[self.player.cursor if self.player.cursor >= 0 else -1][0].step
 
     def _say(self, what: str, short: str | None = None) -> None:
         self.protocol.say(self._shown_step(), what, short)
 
     def said_on(self, record: StepRecord) -> str | None:
-        """What the last Next event that found no event said (``next_said``), while the step it was said on
+        """What the last Next event that found no event said (``protocol.next_said``), while the step it was said on
         (``record``) is still on screen; else None. The stage shows it beside the step (a toast is easily
         missed: at a finished run's end N showed only the last step's sentence, issue 23)."""
         return self.protocol.said_on(record.step)
@@ -837,7 +790,7 @@ class Lab:
     def step_budget(self) -> int | None:
         """The paged engine's token budget per step in vLLM V1 (``max_num_batched_tokens``, tokens); None in
         the paper's semantics (a step is a prefill or a decode step, no budget)."""
-        return self.paged.max_num_batched_tokens if self.paged.semantics == "v1" else None
+        return self.run.paged.max_num_batched_tokens if self.run.paged.semantics == "v1" else None
 
     def contiguous_final_lengths(self) -> dict[str, int]:
         """The baseline's sequences' final lengths known in advance (tokens), by sequence id: from its
@@ -850,33 +803,33 @@ class Lab:
         """Show recorded step ``cursor`` (0-based; -1 or the last step: follow the latest)."""
         with self._lock:
             total = self.step_count
-            self.cursor = -1 if cursor < 0 or cursor >= total - 1 else cursor
+            self.player.cursor = -1 if cursor < 0 or cursor >= total - 1 else cursor
 
     def frame(self) -> tuple[list[tuple[StepRecord, StepRecord | None]], int, bool]:
         """What to draw, read at one moment: the recorded steps (a copy), the 0-based index of the step shown
         (-1 when nothing has run) and whether work is left."""
         with self._lock:
-            history = list(self.history)
-            index = len(history) - 1 if self.cursor < 0 else min(self.cursor, len(history) - 1)
+            history = list(self.run.history)
+            index = len(history) - 1 if self.player.cursor < 0 else min(self.player.cursor, len(history) - 1)
             return history, index, self.has_work()
 
     def counts(self) -> dict:
         """The stage's counts, read at one moment: steps recorded, each engine's own step count (None without
         a baseline), presses handled and ignored."""
         with self._lock:
-            return dict(recorded=self.step_count, pagedSteps=self.paged.step_count,
-                        contiguousSteps=self.contiguous.step_count if self.contiguous is not None else None,
-                        handled=self.presses, ignored=self.ignored)
+            return dict(recorded=self.step_count, pagedSteps=self.run.paged.step_count,
+                        contiguousSteps=self.run.contiguous.step_count if self.run.contiguous is not None else None,
+                        handled=self.protocol.handled, ignored=self.protocol.ignored)
 
     def reset_prefix_cache(self) -> str | None:
         """vLLM's ``reset_prefix_cache`` on the paged engine, between steps: the engine's own message, or None
         when it refuses (requests still hold blocks)."""
         with self._lock:
-            if not self.paged.reset_prefix_cache():
+            if not self.run.paged.reset_prefix_cache():
                 return None
-            said = [e.message for e in self.paged.log.events if e.kind == "reset_prefix_cache"]
+            said = [e.message for e in self.run.paged.log.events if e.kind == "reset_prefix_cache"]
             return said[-1] if said else "prefix cache reset"
 
     def record(self, index: int) -> tuple[StepRecord, StepRecord | None]:
         """The recorded step ``index`` (0-based), for time travel."""
-        return self.history[index]
+        return self.run.history[index]

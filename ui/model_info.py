@@ -6,7 +6,7 @@ from engine.model_loader import geometry_from_config
 from ui.state import default_settings, get_lab, shared_model
 
 lab = get_lab()
-model_id = lab.settings.model if lab else default_settings().model
+model_id = lab.run.settings.model if lab else default_settings().model
 try:
     model, tokenizer = shared_model(model_id)
 except ValueError as exc:

@@ -180,14 +180,14 @@ def v1_preset_note(settings: LabSettings) -> str:
 
 def semantics_banner(lab) -> None:
     """The semantics of the engines on screen, always under the title; why V1 was not applied, if so."""
-    st.markdown(f"**{engine_semantics_line(lab.paged)}**. The contiguous baseline runs the paper's scheduler.")
+    st.markdown(f"**{engine_semantics_line(lab.run.paged)}**. The contiguous baseline runs the paper's scheduler.")
     # a switch chosen in the sidebar but not applied: said here too, where the audience looks
     chosen = st.session_state.get(f"set_semantics_{st.session_state.get('lab_generation', 0)}")
-    if chosen in SEMANTICS_LABELS and chosen != lab.settings.semantics:
+    if chosen in SEMANTICS_LABELS and chosen != lab.run.settings.semantics:
         st.caption(f"{SEMANTICS_LABELS[chosen]} is chosen in the sidebar but not applied yet: the run above is "
-                   f"still {SEMANTICS_LABELS[lab.settings.semantics]}; press **Apply and reset** to switch.")
-    if lab.semantics_note:
-        st.warning(lab.semantics_note, icon=":material/info:")
+                   f"still {SEMANTICS_LABELS[lab.run.settings.semantics]}; press **Apply and reset** to switch.")
+    if lab.run.semantics_note:
+        st.warning(lab.run.semantics_note, icon=":material/info:")
 
 
 def prefix_cache_reset(lab) -> None:
@@ -213,7 +213,7 @@ def request_form(lab) -> None:
         max_tokens = c1.number_input("max_tokens", value=24, step=1)
         temperature = c2.number_input("temperature", value=0.8, step=0.1, format="%.2f")
         c3, c4, c5 = st.columns(3)
-        v1 = lab.paged.semantics == "v1"
+        v1 = lab.run.paged.semantics == "v1"
         n = c3.number_input("n", value=1, step=1,
                             help="parallel samples: forks sharing the prompt's blocks (paper), child requests "
                                  "R<k>.0, R<k>.1, ... over the prefix cache (vLLM V1)")
@@ -237,8 +237,8 @@ def request_form(lab) -> None:
 # ------------------------------------------------------------------------------------------------- views
 def tinted_text(seq, table_colors: str) -> str:
     """The sequence's tokens, each tinted by its logical block (alternating shades of its request colour)."""
-    tokenizer = shared_model(get_lab().settings.model)[1]
-    B = get_lab().paged.block_size
+    tokenizer = shared_model(get_lab().run.settings.model)[1]
+    B = get_lab().run.paged.block_size
     parts = []
     for t, tok in enumerate(seq.token_ids):
         piece = html.escape(tokenizer.decode([tok])).replace("\n", "⏎")
@@ -296,7 +296,7 @@ def main() -> None:
         run_presses(lab)
     present = presenter.presenting()
     if not present:  # the presenter view has no sidebar (hidden, its forms not drawn)
-        settings_form(lab.settings)
+        settings_form(lab.run.settings)
         prefix_cache_reset(lab)
         request_form(lab)
     scenario_sidebar(lab)  # the run as a file and a link; keeps the URL on this run and step
@@ -330,7 +330,7 @@ def stage(lab, present: bool, timer: tuple[bool, float | None]) -> None:
     class_server.touch_seat()  # a class server: this session is active (app.py's keep_session does not run here)
     # replaced or released while idle (the page's full run builds a fresh one and says so), or the presenter
     # toggle flipped in a callback: the whole page runs again before anything of the old layout is drawn
-    if lab is not get_lab() or lab.paged is None or presenter.presenting() != present:
+    if lab is not get_lab() or lab.run.paged is None or presenter.presenting() != present:
         st.rerun(scope="app")
     if any(kind in LONG_PRESSES for kind in pending_presses(lab)):
         run_presses(lab)
@@ -374,8 +374,8 @@ def controls(lab, present: bool = False) -> None:
     (``Lab.phases``): the button then reads "Selection". In a browser the stage's counter (``ui.state.stage_keys``) takes
     their clicks and the keys over and hands them to the lab in order."""
     said_ignored(lab, present)
-    if lab.failure is not None:
-        st.error(f"The engines stopped: {lab.failure}. Nothing more runs in this lab: press **Reset**.")
+    if lab.run.failure is not None:
+        st.error(f"The engines stopped: {lab.run.failure}. Nothing more runs in this lab: press **Reset**.")
     history, index, has_work = lab.frame()
     total = len(history)
     st.session_state["cursor"] = lab.player.cursor  # a mirror for reading; the lab keeps the cursor with the steps
@@ -441,12 +441,12 @@ def run_presses(lab) -> None:
 def _reset() -> None:
     lab = get_lab()
     if lab is not None:
-        build_lab(lab.settings)
+        build_lab(lab.run.settings)
 
 
 def said_ignored(lab, present: bool = False) -> None:
     """Presses that did nothing are said, once: a toast with how many and why; so is what a press did that
-    the screen does not show (``Lab.notice``), in the Playground's view. The presenter view has no notice
+    the screen does not show (``Lab.protocol.notice``), in the Playground's view. The presenter view has no notice
     toast: it covered the first sentence and the block tables' title for seconds, and the line beside the
     step says it (``Lab.said_short_on``)."""
     seen = st.session_state.get("ignored_seen")
@@ -457,7 +457,7 @@ def said_ignored(lab, present: bool = False) -> None:
         st.toast(f"{n} press{'es' * (n != 1)} ignored: {lab.protocol.ignored_why}.", icon=":material/block:",
                  duration="long" if lab.protocol.ignored_why.startswith("Next event") else "short")
     st.session_state["ignored_seen"] = (lab.protocol.token, lab.protocol.ignored)
-    # what a press did that is not on screen (``Lab.notice``: "Next event" found no event left), said once
+    # what a press did that is not on screen (``Lab.protocol.notice``: "Next event" found no event left), said once
     told = st.session_state.get("notices_seen")
     if told is None or told[0] != lab.protocol.token:
         told = (lab.protocol.token, 0)
@@ -502,7 +502,7 @@ def views(lab, present: bool = False) -> None:
         nothing_yet(lab)
         return
     if present:  # no slider: the keys and the clicker move through the steps
-        presenter.views(lab, history, index, has_work, shared_model(lab.settings.model)[1].decode)
+        presenter.views(lab, history, index, has_work, shared_model(lab.run.settings.model)[1].decode)
         lab.play_drawn(history[index][0].step)  # drawn to the end (a run stopped early never gets here)
         return
     index = scrub(total, index)
@@ -519,7 +519,7 @@ def views(lab, present: bool = False) -> None:
     previous = history[index - 1][0] if index > 0 else None
     phase = phase_control(lab, paged)  # a beam step: which of its two moments every view below shows
     # the step read once for every view below (``viz.stage``: the presenter view and the exports read it so too)
-    step = stage_step(paged, contiguous, previous, order=lab.order, decode=shared_model(lab.settings.model)[1].decode,
+    step = stage_step(paged, contiguous, previous, order=lab.run.order, decode=shared_model(lab.run.settings.model)[1].decode,
                       budget=lab.step_budget(), final_lengths=lab.contiguous_final_lengths(), phase=phase)
     metrics_row(lab, paged, contiguous, step.moment)
     st.caption(sharing_line(lab, history, index))
@@ -568,16 +568,16 @@ def advance_play(lab) -> None:
 
 
 def nothing_yet(lab) -> None:
-    queued, added = len(lab.pending), len(lab.order)
+    queued, added = len(lab.run.pending), len(lab.run.order)
     said = []
     if queued:
-        by = "the preset" if lab.settings.preset != "custom" else "the scenario file or link"  # Preset: custom
+        by = "the preset" if lab.run.settings.preset != "custom" else "the scenario file or link"  # Preset: custom
         said.append(f"{queued} request{' is' if queued == 1 else 's are'} queued by {by}")
     if added:
         said.append(f"{added} request{' was' if added == 1 else 's were'} added")
     st.info("Nothing has run yet. Press **Step** (or PageDown) to run the first engine step"
             + (f"; {' and '.join(said)}." if said else "; add a request in the sidebar first."))
-    for note in lab.notes:
+    for note in lab.run.notes:
         st.caption(note)
 
 
@@ -606,7 +606,7 @@ def metrics_row(lab, paged, contiguous, moment: dict | None = None) -> None:
     left, right = st.columns([4, 3])
     left.caption("**Paged** block pool" + (f" ({moment['label']})" if moment and moment["label"] else ""))
     if contiguous is not None:
-        right.caption(f"**Contiguous** baseline, {POLICY_LABELS[lab.settings.contiguous_policy]}")
+        right.caption(f"**Contiguous** baseline, {POLICY_LABELS[lab.run.settings.contiguous_policy]}")
     m = list(left.columns(4)) + list(right.columns(3))
     m[0].metric("running", len(snap.running),
                 help="running requests on the paged engine: in the paper's semantics a request may hold several "
@@ -617,7 +617,7 @@ def metrics_row(lab, paged, contiguous, moment: dict | None = None) -> None:
                      f"block that still holds a cached prefix counts as free")
     m[2].metric("slack", _slack(snap), help="unused slots in allocated blocks (last-block slack)")
     cache = metrics.prefix_cache_stats(snap.prefix_cache)
-    if not lab.settings.enable_prefix_caching:
+    if not lab.run.settings.enable_prefix_caching:
         rate = "off"
     else:
         rate = f"{cache['hit_rate_pct']:.1f}%" if cache["query_tokens"] else "-"
@@ -639,8 +639,8 @@ def metrics_row(lab, paged, contiguous, moment: dict | None = None) -> None:
                          f"for tokens still to come, {waste['internal']:,} reserved past a known final length "
                          f"(internal fragmentation); besides, {waste['external']:,} free slots in gaps too small "
                          f"for a reservation (external fragmentation). Policy "
-                         f"{POLICY_LABELS[lab.settings.contiguous_policy]}: reserves "
-                         f"{POLICY_RESERVES[lab.settings.contiguous_policy]}")
+                         f"{POLICY_LABELS[lab.run.settings.contiguous_policy]}: reserves "
+                         f"{POLICY_RESERVES[lab.run.settings.contiguous_policy]}")
 
 
 def pools(lab, step) -> None:
@@ -649,7 +649,7 @@ def pools(lab, step) -> None:
     blocks in use, this step's changed blocks outlined)."""
     snap = step.record.snapshot
     contiguous = step.contiguous
-    order = lab.order
+    order = lab.run.order
     left, right = st.columns(2)
     with left:
         st.subheader("Paged block pool")
@@ -670,10 +670,10 @@ def pools(lab, step) -> None:
         st.plotly_chart(step.slots_figure(), width="stretch", key="paged_slots")
         if contiguous is not None:
             st.plotly_chart(step.region_figure(), width="stretch", key="region")
-            for note in lab.notes:
+            for note in lab.run.notes:
                 st.caption(note)
         else:
-            st.info(" ".join(lab.notes) or "The contiguous baseline is not available for these settings.")
+            st.info(" ".join(lab.run.notes) or "The contiguous baseline is not available for these settings.")
         st.caption(colour_key(snap, contiguous.snapshot.contiguous if contiguous is not None else None,
                               None if selected == "none" else selected, strips=True))
 
@@ -687,9 +687,9 @@ def sharing_line(lab, history, index: int) -> str:
         hits += f" (by {', '.join(dict.fromkeys(counts['hit_seqs']))})"
     forks = f"{counts['forks']} fork{'s' * (counts['forks'] != 1)}, {counts['cow']} copy-on-write " \
             f"cop{'y' if counts['cow'] == 1 else 'ies'}"
-    if lab.paged.semantics == "v1":
+    if lab.run.paged.semantics == "v1":
         kids = "; ".join(f"{parent} runs as {len(children)} child requests {', '.join(children)}"
-                         for parent, children in lab.paged.parents.items())
+                         for parent, children in lab.run.paged.parents.items())
         return (f"Sharing so far (vLLM V1): {kids + '; ' if kids else ''}{hits}; {forks} (V1 shares full "
                 f"blocks only through the prefix cache).")
     return f"Sharing so far (paper, vLLM V0): {forks}; {hits}."
@@ -728,7 +728,7 @@ def tables_and_text(lab, step, records: list) -> None:
     st.subheader("Generated text (tokens tinted by logical block)")
     # one element for all sequences (a paragraph each): fewer elements to send on every step
     st.markdown("\n\n".join(f"**{seq.seq_id}** ({seq.status}) "
-                              + tinted_text(seq, request_color(request_id_of(seq.seq_id), lab.order))
+                              + tinted_text(seq, request_color(request_id_of(seq.seq_id), lab.run.order))
                               for seq in latest_sequences(records)), unsafe_allow_html=True)
 
 

@@ -125,13 +125,13 @@ def numbers(lab, paged, contiguous, moment: dict | None = None) -> list[str]:
     if snap.swapped:
         line += f", {len(snap.swapped)} swapped out"
     cache = metrics.prefix_cache_stats(snap.prefix_cache)
-    if lab.settings.enable_prefix_caching and cache["query_tokens"]:
+    if lab.run.settings.enable_prefix_caching and cache["query_tokens"]:
         line += f", hit rate {cache['hit_rate_pct']:.0f}%"
     lines = [line]
     if contiguous is not None:
         cs = contiguous.snapshot
         unused = f", {metrics.slack_pct(cs):.0f}% of reserved unused" if metrics.slots_allocated(cs) else ""
-        lines.append(f"**Contiguous** ({POLICY_LABELS[lab.settings.contiguous_policy]}): {len(cs.running)} "
+        lines.append(f"**Contiguous** ({POLICY_LABELS[lab.run.settings.contiguous_policy]}): {len(cs.running)} "
                      f"admitted, {len(cs.waiting)} waiting{unused}")
     return lines
 
@@ -199,7 +199,7 @@ def column_lines(lab, paged, contiguous, moment: dict, last_step: int, has_work:
     out += [("numbers", line) for line in numbers(lab, paged, contiguous, moment)]
     if said := playing_line(lab):
         out.append(("caption", said))
-    out += [("caption", note) for note in lab.notes]  # e.g. a request the baseline cannot admit at all
+    out += [("caption", note) for note in lab.run.notes]  # e.g. a request the baseline cannot admit at all
     return out
 
 
@@ -263,7 +263,7 @@ def views(lab, history: list, index: int, has_work: bool, decode) -> None:
     has_work = not finished_on(history, index, has_work)
     phase = lab.phase_of(paged)
     # the step read once for every view below (``viz.stage``: the Playground and the exports read it so too)
-    step = stage_step(paged, contiguous, previous, order=lab.order, decode=decode, budget=lab.step_budget(),
+    step = stage_step(paged, contiguous, previous, order=lab.run.order, decode=decode, budget=lab.step_budget(),
                       final_lengths=lab.contiguous_final_lengths(), phase=phase)
     moment = step.moment
     sentences = few_sentences(step)
@@ -289,7 +289,7 @@ def views(lab, history: list, index: int, has_work: bool, decode) -> None:
             steady_chart(projector_style(fig, height=size["strip"], min_font=size["font"], scale=1.0),
                          "present_region_fig", config={"displayModeBar": False})
         else:
-            st.info(" ".join(lab.notes) or "No contiguous baseline for these settings.")
+            st.info(" ".join(lab.run.notes) or "No contiguous baseline for these settings.")
     with low_right, st.container(key="present_numbers"):
         numbers_now = [text for kind, text in column if kind == "numbers"]
         for kind, text in column:

@@ -54,11 +54,11 @@ def lab_scenario(lab: Lab) -> ScenarioFile:
     got), every request added so far at the step it arrived with its priority, then those still to arrive.
     A sampled request without a seed gets the one the paged engine drew, so the file runs the same tokens.
     Raises ValueError if the run cannot be a file (e.g. more than ``MAX_REQUESTS`` requests)."""
-    settings = lab.settings
+    settings = lab.run.settings
     fields = {k: getattr(settings, k) for k in ScenarioSettings.model_fields}
-    if settings.kv_budget_mb > 0 and lab.paged is not None:
-        fields["num_blocks"] = lab.paged.num_blocks
-    requests = [_with_seed(lab, rid, r) for rid, r in list(lab.arrivals)] + [r for r, _ in list(lab.pending)]
+    if settings.kv_budget_mb > 0 and lab.run.paged is not None:
+        fields["num_blocks"] = lab.run.paged.num_blocks
+    requests = [_with_seed(lab, rid, r) for rid, r in list(lab.run.arrivals)] + [r for r, _ in list(lab.run.pending)]
     if settings.preset != "custom":
         name, description = settings.preset, SCENARIOS[settings.preset].description
     elif settings.scenario is not None:
@@ -72,9 +72,9 @@ def lab_scenario(lab: Lab) -> ScenarioFile:
 def _with_seed(lab: Lab, rid: str, request):
     """``request`` with the seed the paged engine drew for it, when it samples without one of its own."""
     params = request.params
-    if params.seed is not None or params.greedy or params.beam_width > 1 or lab.paged is None:
+    if params.seed is not None or params.greedy or params.beam_width > 1 or lab.run.paged is None:
         return request
-    engine_request = lab.paged.requests.get(rid) or lab.paged.requests.get(f"{rid}.0")  # V1: n child requests
+    engine_request = lab.run.paged.requests.get(rid) or lab.run.paged.requests.get(f"{rid}.0")  # V1: n child requests
     if engine_request is None:
         return request
     return dataclasses.replace(request, params=dataclasses.replace(params, seed=engine_request.seed))
@@ -83,8 +83,8 @@ def _with_seed(lab: Lab, rid: str, request):
 def runs_shipped_preset(lab: Lab) -> bool:
     """Whether the lab runs a shipped preset as shipped: its own settings (model aside) and nothing added by
     hand, so its name alone is the link."""
-    s = lab.settings
-    if s.preset == "custom" or len(lab.arrivals) + len(lab.pending) != lab.queued:
+    s = lab.run.settings
+    if s.preset == "custom" or len(lab.run.arrivals) + len(lab.run.pending) != lab.run.queued:
         return False
     shipped, _ = fit_semantics(preset_settings(s.preset, s.model))
     return s == shipped
@@ -101,7 +101,7 @@ def link_query(lab: Lab, scenario: ScenarioFile | None = None) -> dict[str, str]
     when already made). Raises ValueError if the scenario is too big for a link (``encode_link``) or cannot be
     a file."""
     if runs_shipped_preset(lab):
-        value = lab.settings.preset
+        value = lab.run.settings.preset
     else:
         value = encode_link(scenario if scenario is not None else lab_scenario(lab))
     return {LINK_PARAM: value, STEP_PARAM: str(shown_step(lab))}
@@ -216,7 +216,7 @@ def open_scenario_link() -> None:
         return
     lab = get_lab()
     ran = run_steps(lab, steps)
-    if ran < steps and lab.failure is None:
+    if ran < steps and lab.run.failure is None:
         st.session_state[ERROR] = (f"This link asks for step {steps:,}, but the run ends at step {ran:,}: "
                                    f"showing step {ran:,}.")
 
@@ -236,7 +236,7 @@ def run_steps(lab: Lab, steps: int) -> int:
     drawn = time.monotonic()
     try:
         for i in range(steps):
-            if lab.paged is None or not lab.has_work():  # released (its tab closed), or done
+            if lab.run.paged is None or not lab.has_work():  # released (its tab closed), or done
                 break
             try:
                 lab.step()
@@ -266,10 +266,10 @@ def scenario_sidebar(lab: Lab) -> None:
         if why_no_file:
             st.caption(f"This run cannot be saved as a scenario: {why_no_file}")
         if scenario is not None:
-            added = len(scenario.requests) - lab.queued
+            added = len(scenario.requests) - lab.run.queued
             st.caption(f"Scenario **{scenario.name}**: {len(scenario.requests)} request"
                        f"{'s' * (len(scenario.requests) != 1)}" + (f", {added} added by hand" if added > 0 and
-                                                                    lab.queued else "")
+                                                                    lab.run.queued else "")
                        + ". Save it, edit it, open it again, or share the link below.")
             stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", scenario.name).strip("-.") or "scenario"
             c1, c2 = st.columns(2)
@@ -296,7 +296,7 @@ def scenario_sidebar(lab: Lab) -> None:
                        f"was last drawn (it opens the same run on any server of this app). For the step on screen "
                        f"now, copy the browser's address: it follows every step.")
             st.code(page_link(), language=None, wrap_lines=True)
-        if lab.settings.model != EMBEDDED_MODEL:
+        if lab.run.settings.model != EMBEDDED_MODEL:
             st.caption("A link does not carry the model: it opens on the embedded model (a file opened here runs "
                        "on the model in effect).")
 
@@ -348,7 +348,7 @@ def _uploaded(key: str) -> None:
     lab = get_lab()
     try:
         scenario = read_file(upload.getvalue(), fmt)
-        settings = scenario_settings(scenario, lab.settings.model if lab is not None else EMBEDDED_MODEL)
+        settings = scenario_settings(scenario, lab.run.settings.model if lab is not None else EMBEDDED_MODEL)
     except ValueError as exc:
         st.session_state[ERROR] = f"{upload.name} cannot be opened: {exc}; {KEPT}"
         return

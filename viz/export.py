@@ -331,8 +331,8 @@ def run_figure(history, order: list[str], decode: Callable | None = None, budget
     frame per step shown (``name``: its step number), a slider over them and Play / Pause buttons.
 
     Args:
-        history: ``Lab.history``: a list of (paged StepRecord, contiguous StepRecord or None), in step order.
-        order: request ids in first-seen order (``Lab.order``; fixes each request's colour).
+        history: ``Lab.run.history``: a list of (paged StepRecord, contiguous StepRecord or None), in step order.
+        order: request ids in first-seen order (``Lab.run.order``; fixes each request's colour).
         decode: token ids -> text, for the pool's and tables' hovers (optional; larger file).
         budget: vLLM V1's token budget per step, named in the sentences (None: the paper's semantics).
         title: the first line of the figure's title.

@@ -445,8 +445,10 @@ def live_view(live: LiveSet) -> None:
     tiles = [(sv, stream) for sv in live.servers for stream in sv.streams]
     single = len(live.servers) == 1
     mirrors = {k: v.mirror for k, v in views.items()}
+    down = {k: f"{v.endpoint}: {v.state}" for k, v in views.items()
+            if v.state in ("unreachable", "not_publisher", "connecting")}
     routed = router_panel(live.servers, mirrors, {n: p.latest()[0] for n, p in live.pollers.items()
-                                                  if p.latest()[0] is not None}, "live")
+                                                  if p.latest()[0] is not None}, "live", unavailable=down)
     for col, (sv, stream) in zip(tile_columns(len(tiles)), tiles):
         v = views[stream]
         with col:
@@ -525,7 +527,7 @@ ROUTER_HELP = ("Per server, the longest prefix of the prompt its KV events say i
                "from the server's /metrics, plus the request's own), lowest wins. engine.watch.router.")
 
 
-def router_panel(servers, mirrors: dict, values: dict, key: str) -> dict:
+def router_panel(servers, mirrors: dict, values: dict, key: str, unavailable: dict | None = None) -> dict:
     """Paste a prompt (text, tokenized with the sidebar's tokenizer as vLLM's /v1/completions does, or token
     ids): its cached prefix per server and where a KV-aware router would send it (``engine.watch.router``).
     Returns stream -> the matched hashes, which the trees ring."""
@@ -541,20 +543,33 @@ def router_panel(servers, mirrors: dict, values: dict, key: str) -> dict:
             return {}
         try:
             ids = parse_ids(text) if kind == "token ids" else tokenize(text)
-            result = route(servers, mirrors, ids, values)
+            result = route(servers, mirrors, ids, values, unavailable=unavailable)
         except ValueError as exc:
             st.error(f"Router view: {exc}")
             return {}
         rows = ["| server | cached prefix (tokens) | blocks | prefill blocks | decode blocks | cost |",
                 "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        notes = []
         for name, r in result["servers"].items():
+            if not r["candidate"]:
+                rows.append(f"| {name} | {r['why_not']} | - | - | - | - |")
+                continue
+            if r.get("incomplete"):
+                notes.append(f"{name}: {r['incomplete']}: its cached prefix may be larger than shown.")
             load = "" if r["load_known"] else " (load unknown)"
             rows.append(f"| {'**' + name + '**' if name == result['choice'] else name} | "
                         f"{r['cached_prefix_tokens']:,} of {r['prompt_tokens']:,} | {r['cached_prefix_blocks']:,} | "
-                        f"{r['prefill_blocks']:g} | {r['decode_blocks']:,}{load} | {r['cost']:g} |")
+                        f"{r['prefill_blocks']:g} | {r['decode_blocks']:g}{load} | {r['cost']:g} |")
         st.markdown("\n".join(rows))
-        st.markdown(f"A KV-aware router would send it to **{result['choice']}**.", help=ROUTER_HELP)
-        return {result["_streams"][n]: result["_hashes"][n] for n in result["servers"]}
+        st.caption(f"Costs in blocks of {result['cost_block_size']} tokens for every server (one unit when "
+                   f"block sizes differ).")
+        for n in notes:
+            st.caption(n)
+        if result["choice"] is None:
+            st.warning("No server is a candidate: none of their KV events could be read.")
+        else:
+            st.markdown(f"A KV-aware router would send it to **{result['choice']}**.", help=ROUTER_HELP)
+        return {result["_streams"][n]: result["_hashes"][n] for n in result["_streams"]}
 
 
 def tokenize(text: str) -> list[int]:

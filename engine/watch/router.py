@@ -24,10 +24,16 @@ The router rule implemented is Dynamo's KV router cost (Dynamo docs, "Router des
 https://docs.nvidia.com/dynamo/latest/design-docs/router-design and .../components/router/routing-concepts):
 
     cost(worker) = overlap_score_weight x prefill_blocks + decode_blocks           (lower is better)
-    prefill_blocks = (prompt tokens - cached prefix tokens) / block_size            (tokens to compute, in blocks)
-    decode_blocks  = the worker's active blocks + the request's own blocks          ("potential active blocks")
+    prefill_blocks = (prompt tokens - cached prefix tokens) / B                     (tokens to compute, in blocks)
+    decode_blocks  = (the worker's active tokens) / B + ceil(prompt tokens / B)     ("potential active blocks")
 
 with Dynamo's defaults ``kv_overlap_score_weight = 1.0`` and router temperature 0 (the lowest cost wins).
+Dynamo's workers all have one block size B. Servers watched side by side may not (the lab's 16 beside a vLLM
+server's 32): costing each in its own blocks would make a block of 32 tokens weigh as much as one of 16, and a
+server with 80 of 99 tokens cached could lose to one with none. So every figure is counted in tokens and
+divided by one common B for all servers, ``cost_block_size``: the smallest block size among the servers that
+are candidates (with one block size for all it is Dynamo's cost exactly). A server's active tokens are its
+active blocks x its own block size. With equal load, more cached tokens never costs more.
 Dynamo counts a worker's active blocks itself, from the requests it routed; a watcher has no such record, so
 the active blocks here are read from the server's own ``/metrics``: ``vllm:kv_cache_usage_perc`` x its usable
 pool (blocks held by running requests, ``metrics.active_blocks``). A server without ``/metrics`` counts 0
@@ -36,6 +42,14 @@ tokens, then the one given first (Dynamo samples among equal workers; a view mus
 llm-d's precise prefix-cache scorer scores the same longest cached prefix (consecutive blocks from the first,
 per pod), normalised, beside its load scorers with configurable weights; Dynamo's single cost is the rule
 implemented.
+
+Not a candidate: a server none of whose KV event streams could be read (unreachable, not a publisher, never
+connected: ``unavailable``) is shown as "unreachable: not a candidate" and never chosen (a router has no
+tree for it). Its block size is its own (from its /metrics) or unknown, never another server's.
+
+A mirror that joined a running server without the batches before it (its first batch numbered above 0, or
+no batch at all) may be missing blocks stored before: its row says so (``incomplete``), since its cached
+prefix may be larger than shown.
 
 A server with several data-parallel ranks is several workers to a router: each rank is scored and the
 server's row is its best rank (``rank`` says which).
@@ -55,8 +69,10 @@ from ..records import plural
 OVERLAP_SCORE_WEIGHT = 1.0   # Dynamo's default kv_overlap_score_weight
 DEFAULT_BLOCK_SIZE = 16      # vLLM's default, for a server whose block size nothing has told yet
 MAX_PROMPT_TOKENS = 1_048_576  # a prompt longer than this is refused (no served model takes 2**20 tokens)
-RULE = ("Dynamo KV router cost: overlap_score_weight x prefill_blocks + decode_blocks, lowest wins "
+RULE = ("Dynamo KV router cost: overlap_score_weight x prefill_blocks + decode_blocks, lowest wins, every server "
+        "counted in blocks of one common size (cost_block_size) "
         "(https://docs.nvidia.com/dynamo/latest/design-docs/router-design)")
+UNREACHABLE = "unreachable: not a candidate"
 
 
 @dataclass
@@ -122,43 +138,72 @@ def cached_prefix(mirror, ids: list[int]) -> PrefixMatch:
 
 @dataclass
 class WorkerScore:
-    """One stream (a server's data-parallel rank) as Dynamo's cost sees it; see the module docstring."""
+    """One stream (a server's data-parallel rank) as Dynamo's cost sees it; see the module docstring. The
+    ``*_blocks`` of the cost are in blocks of ``cost_block_size`` (common to all servers); ``block_size`` is
+    the server's own (None: unknown)."""
     server: str
     rank: int
     stream: int
     prompt_tokens: int
-    block_size: int
+    block_size: int | None
+    cost_block_size: int
     cached_prefix_tokens: int
     cached_prefix_blocks: int
     matched_blocks: int
-    prefill_blocks: float
+    prefill_blocks: float | None
     active_blocks: int | None     # None: the server's load is unknown (no /metrics), counted as 0
-    request_blocks: int
-    decode_blocks: int
-    cost: float
+    request_blocks: int | None
+    decode_blocks: float | None
+    cost: float | None            # None: not a candidate
     hashes: list[str] = field(default_factory=list)
+    reachable: bool = True
+    candidate: bool = True
+    why_not: str | None = None
+    incomplete: str | None = None
+
+
+def own_block_size(mirror, server_metrics: dict | None) -> int | None:
+    """A stream's block size: its events', else its /metrics', else None (unknown)."""
+    values = server_metrics or {}
+    return mirror.block_size or (int(values["block_size"]) if values.get("block_size") else None)
+
+
+def incomplete_note(mirror, has_replay: bool = False) -> str | None:
+    """Why the mirror may be missing blocks the server holds, or None: it joined after the server began (its
+    first batch numbered above 0) or saw no batch at all. With a replay endpoint the past was asked for; a
+    first batch above 0 then still means the server's replay buffer no longer held the start."""
+    if mirror.first_seq is None:
+        if mirror.num_batches:
+            return None
+        return "no batch seen: blocks stored before this view began are unknown"
+    if mirror.first_seq > 0:
+        return (f"cache seen from batch {mirror.first_seq}: blocks stored before are unknown"
+                + ("" if has_replay else " (no --replay endpoint)"))
+    return None
 
 
 def score(server: str, rank: int, stream: int, mirror, ids: list[int], server_metrics: dict | None = None,
-          overlap_score_weight: float = OVERLAP_SCORE_WEIGHT, fallback_block_size: int = DEFAULT_BLOCK_SIZE
+          overlap_score_weight: float = OVERLAP_SCORE_WEIGHT, cost_block_size: int = DEFAULT_BLOCK_SIZE
           ) -> WorkerScore:
-    """One stream's figures. Its block size: its events', else its /metrics', else ``fallback_block_size``
-    (the other servers' block size, or vLLM's default 16: an empty server's cost must be in the same units)."""
+    """One stream's figures, its cost in blocks of ``cost_block_size`` (common to all servers: the module
+    docstring)."""
     m = cached_prefix(mirror, ids)
     values = server_metrics or {}
-    size = m.block_size or (int(values["block_size"]) if values.get("block_size") else fallback_block_size)
+    size = own_block_size(mirror, values)
     active = metrics.active_blocks(values)
-    request_blocks = math.ceil(len(ids) / size)
-    prefill = (len(ids) - m.tokens) / size
-    decode = (active or 0) + request_blocks
+    b = cost_block_size
+    request_blocks = math.ceil(len(ids) / b)
+    prefill = (len(ids) - m.tokens) / b
+    decode = (active or 0) * (size or b) / b + request_blocks
     return WorkerScore(server=server, rank=rank, stream=stream, prompt_tokens=len(ids), block_size=size,
-                       cached_prefix_tokens=m.tokens, cached_prefix_blocks=m.blocks, matched_blocks=m.matched_blocks,
-                       prefill_blocks=round(prefill, 4), active_blocks=active, request_blocks=request_blocks,
-                       decode_blocks=decode, cost=round(overlap_score_weight * prefill + decode, 4), hashes=m.hashes)
+                       cost_block_size=b, cached_prefix_tokens=m.tokens, cached_prefix_blocks=m.blocks,
+                       matched_blocks=m.matched_blocks, prefill_blocks=round(prefill, 4), active_blocks=active,
+                       request_blocks=request_blocks, decode_blocks=round(decode, 4),
+                       cost=round(overlap_score_weight * prefill + decode, 4), hashes=m.hashes)
 
 
 def route(servers, mirrors: dict, ids: list[int], server_metrics: dict | None = None,
-          overlap_score_weight: float = OVERLAP_SCORE_WEIGHT) -> dict:
+          overlap_score_weight: float = OVERLAP_SCORE_WEIGHT, unavailable: dict | None = None) -> dict:
     """Every server's best rank and the choice.
 
     Args:
@@ -166,39 +211,59 @@ def route(servers, mirrors: dict, ids: list[int], server_metrics: dict | None = 
         mirrors: stream -> PrefixCacheMirror.
         ids: the prompt's token ids (``check_prompt``).
         server_metrics: server name -> its parsed /metrics (``server_metrics.parse_metrics``), where known.
+        unavailable: stream -> why its events could not be read (unreachable, not a publisher, never
+            connected); a server all of whose streams are here is not a candidate.
 
-    Returns ``{"servers": {name: {cached_prefix_tokens, cached_prefix_blocks, ...}}, "choice": name, "rule":
-    RULE, "overlap_score_weight": w, "prompt_tokens": n}``; ``choice`` is None when no server is given."""
+    Returns ``{"servers": {name: {cached_prefix_tokens, cached_prefix_blocks, reachable, candidate, ...}},
+    "choice": name, "rule": RULE, "cost_block_size": B, "overlap_score_weight": w, "prompt_tokens": n}``;
+    ``choice`` is None when no server is a candidate."""
     ids = check_prompt(ids)
     if not overlap_score_weight >= 0:
         raise ValueError(f"overlap_score_weight must be >= 0, got {overlap_score_weight}")
-    sizes = [m.block_size for m in mirrors.values() if m.block_size]
-    fallback = max(set(sizes), key=sizes.count) if sizes else DEFAULT_BLOCK_SIZE
+    from .cache_mirror import PrefixCacheMirror
+
+    unavailable = unavailable or {}
+    values_of = {sv.name: (server_metrics or {}).get(sv.name) for sv in servers}
+    reach = {sv.name: [st for st in sv.streams if st not in unavailable] for sv in servers}
+    sizes = [own_block_size(mirrors.get(st) or PrefixCacheMirror(rank=st), values_of[sv.name])
+             for sv in servers for st in reach[sv.name]]
+    known = [x for x in sizes if x]
+    common = min(known) if known else DEFAULT_BLOCK_SIZE
     rows: dict[str, WorkerScore] = {}
     order = {}
     for i, sv in enumerate(servers):
         order[sv.name] = i
-        values = (server_metrics or {}).get(sv.name)
+        values = values_of[sv.name]
         best = None
         for r, stream in enumerate(sv.streams):
-            mirror = mirrors.get(stream)
-            if mirror is None:
-                from .cache_mirror import PrefixCacheMirror
-
-                mirror = PrefixCacheMirror(rank=stream)
-            s = score(sv.name, r, stream, mirror, ids, values, overlap_score_weight, fallback)
+            if stream in unavailable:
+                continue
+            mirror = mirrors.get(stream) or PrefixCacheMirror(rank=stream)
+            s = score(sv.name, r, stream, mirror, ids, values, overlap_score_weight, common)
+            replays = list(getattr(sv, "replays", None) or [])
+            s.incomplete = incomplete_note(mirror, bool(r < len(replays) and replays[r]))
             if best is None or (s.cost, -s.cached_prefix_tokens) < (best.cost, -best.cached_prefix_tokens):
                 best = s
+        if best is None:  # no stream of it could be read: a router has no tree for it
+            stream = sv.streams[0] if sv.streams else -1
+            why = "; ".join(f"{unavailable[st]}" for st in sv.streams if st in unavailable)
+            best = WorkerScore(server=sv.name, rank=0, stream=stream, prompt_tokens=len(ids),
+                               block_size=own_block_size(PrefixCacheMirror(rank=stream), values),
+                               cost_block_size=common, cached_prefix_tokens=0, cached_prefix_blocks=0,
+                               matched_blocks=0, prefill_blocks=None, active_blocks=metrics.active_blocks(values or {}),
+                               request_blocks=None, decode_blocks=None, cost=None, reachable=False, candidate=False,
+                               why_not=f"{UNREACHABLE} ({why})" if why else UNREACHABLE)
         rows[sv.name] = best
-    choice = min(rows.values(), key=lambda s: (s.cost, -s.cached_prefix_tokens, order[s.server]), default=None)
+    candidates = [s for s in rows.values() if s.candidate]
+    choice = min(candidates, key=lambda s: (s.cost, -s.cached_prefix_tokens, order[s.server]), default=None)
     out = {name: {k: v for k, v in asdict(s).items() if k not in ("server", "hashes", "stream")}
            for name, s in rows.items()}
     for name, s in rows.items():
         out[name]["load_known"] = s.active_blocks is not None
     return {"servers": out, "choice": None if choice is None else choice.server, "rule": RULE,
-            "overlap_score_weight": overlap_score_weight, "prompt_tokens": len(ids),
-            "_hashes": {name: s.hashes for name, s in rows.items()},
-            "_streams": {name: s.stream for name, s in rows.items()}}
+            "cost_block_size": common, "overlap_score_weight": overlap_score_weight, "prompt_tokens": len(ids),
+            "_hashes": {name: s.hashes for name, s in rows.items() if s.candidate},
+            "_streams": {name: s.stream for name, s in rows.items() if s.candidate}}
 
 
 def public(result: dict) -> dict:
@@ -208,8 +273,13 @@ def public(result: dict) -> dict:
 
 def lines(result: dict) -> list[str]:
     """``route``'s result in words, one line per server and the choice."""
-    out = [f"prompt: {result['prompt_tokens']:,} tokens"]
+    b = result.get("cost_block_size")
+    out = [f"prompt: {result['prompt_tokens']:,} tokens; costs in blocks of {b} tokens for every server"]
     for name, r in result["servers"].items():
+        size = f"blocks of {r['block_size']}" if r["block_size"] else "block size unknown"
+        if not r["candidate"]:
+            out.append(f"  {name}: {r['why_not']}; {size}")
+            continue
         load = (f"{r['active_blocks']:,} active blocks (/metrics)" if r["load_known"] else
                 "load unknown (no /metrics: 0 active blocks counted)")
         rank = f" rank {r['rank']}" if r["rank"] else ""
@@ -217,9 +287,12 @@ def lines(result: dict) -> list[str]:
                    f"{plural(r['cached_prefix_blocks'], 'block')} of {r['block_size']}"
                    + (f" ({r['matched_blocks']} cached, the last-token rule leaves {r['cached_prefix_blocks']})"
                       if r["matched_blocks"] != r["cached_prefix_blocks"] else "")
-                   + f"; prefill {r['prefill_blocks']:g} blocks, decode {r['decode_blocks']:,} blocks ({load}); "
+                   + f"; prefill {r['prefill_blocks']:g} blocks, decode {r['decode_blocks']:g} blocks ({load}); "
                      f"cost {r['cost']:g}")
-    out.append(f"a KV-aware router would send it to: {result['choice']}  ({result['rule']}, "
+        if r.get("incomplete"):
+            out.append(f"    note: {r['incomplete']}: the cached prefix may be larger than shown")
+    choice = result["choice"] if result["choice"] is not None else "none (no server is a candidate)"
+    out.append(f"a KV-aware router would send it to: {choice}  ({result['rule']}, "
                f"overlap_score_weight {result['overlap_score_weight']:g})")
     return out
 
@@ -291,8 +364,8 @@ def from_live(args):
     from .servers import parse_servers
 
     servers = parse_servers(args.server, args.replay, args.metrics)
-    if not args.wait > 0 or args.wait > 600:
-        raise ValueError(f"--wait must be seconds from 0 to 600, got {args.wait}")
+    if not 0 < args.wait <= 600:  # NaN fails too
+        raise ValueError(f"--wait must be seconds above 0, at most 600, got {args.wait}")
     subs = []
     try:
         for sv in servers:
@@ -305,8 +378,9 @@ def from_live(args):
     finally:
         for s in subs:
             s.stop()
-    problems = [f"{s.endpoint}: {v.state}" for s, v in zip(subs, views.values())
-                if v.state in ("unreachable", "not_publisher", "connecting")]
+    down = {s.rank: f"{s.endpoint}: {v.state}" for s, v in zip(subs, views.values())
+            if v.state in ("unreachable", "not_publisher", "connecting")}
+    problems = list(down.values())
     if len(problems) == len(subs):  # nothing to route on: an answer would only say every cache is empty
         raise ValueError(f"no server's KV events could be read within --wait {args.wait:g} s ({'; '.join(problems)})")
     values = {}
@@ -316,22 +390,24 @@ def from_live(args):
                 values[sv.name] = fetch_metrics(sv.metrics_url)
             except ValueError as exc:
                 problems.append(str(exc))
-    return servers, {k: v.mirror for k, v in views.items()}, values, problems
+    return servers, {k: v.mirror for k, v in views.items()}, values, problems, down
 
 
 def main(args, out=None) -> int:
     out = sys.stdout if out is None else out
     ids = prompt_ids(args)
     problems: list[str] = []
+    down: dict = {}
     if args.capture:
         if args.replay or args.metrics:
             raise ValueError("--replay / --metrics go with --server, not --capture (a capture holds its /metrics)")
         servers, mirrors, values = from_capture(args.capture)
     else:
-        servers, mirrors, values, problems = from_live(args)
-    result = route(servers, mirrors, ids, values, args.overlap_score_weight)
+        servers, mirrors, values, problems, down = from_live(args)
+    result = route(servers, mirrors, ids, values, args.overlap_score_weight, unavailable=down)
+    incomplete = [f"{name}: {r['incomplete']}" for name, r in result["servers"].items() if r.get("incomplete")]
     if args.json:
-        print(json.dumps({**public(result), "problems": problems}), file=out)
+        print(json.dumps({**public(result), "problems": problems + incomplete}), file=out)
     else:
         for line in lines(result):
             print(line, file=out)

@@ -136,3 +136,46 @@ def test_the_page_router_panel_excludes_a_down_server():
         live = at.session_state["server_live"] if "server_live" in at.session_state else None
         if live is not None:
             live.stop()
+
+
+# ------------------------------------------------------------ 4. a prompt longer than a server takes
+def test_a_prompt_longer_than_the_servers_max_model_len_is_not_routed_there():
+    servers = parse_servers(["small=tcp://127.0.0.1:1", "big=tcp://127.0.0.1:2"])
+    mirrors = {0: PrefixCacheMirror(rank=0), 1: PrefixCacheMirror(rank=1)}
+    r = route(servers, mirrors, [1] * 10, {"small": {"max_model_len": 8}, "big": {"max_model_len": 64}})
+    assert r["choice"] == "big" and not r["servers"]["small"]["candidate"]
+    assert "the prompt is 10 tokens, more than 8 (max_model_len from its /metrics)" in r["servers"]["small"]["why_not"]
+    r = route(servers, mirrors, [1] * 10, model_limit=(9, "the tokenizer"))
+    assert r["choice"] is None and all(not x["candidate"] for x in r["servers"].values())
+
+
+def test_max_model_len_is_read_from_an_info_gauge():
+    from engine.watch.server_metrics import parse_metrics
+
+    text = ('# TYPE vllm:model_config_info gauge\nvllm:model_config_info{max_model_len="4096",model="m"} 1.0\n'
+            '# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{block_size="32",num_gpu_blocks="99"} 1.0\n')
+    assert parse_metrics(text) == {"max_model_len": 4096, "block_size": 32, "num_gpu_blocks": 99}
+
+
+def test_route_cli_a_text_prompt_past_the_models_length(capfd):
+    from engine.cli import main
+    from test_router import ROOT, SHIPPED
+
+    folder = str(ROOT / "assets" / "tiny_model")
+    text = "ROMEO. But soft, what light " * 400  # well past the tiny model's 2,048 tokens
+    rc = main(["route", "--capture", str(SHIPPED), "--prompt", text, "--tokenizer", folder, "--json"])
+    out, err = capfd.readouterr()  # the fds: transformers' logger writes to the stderr it was set up with
+    assert rc == 0, err
+    got = json.loads(out)
+    row = got["servers"]["server"]
+    assert got["prompt_tokens"] > 2048 and not row["candidate"] and got["choice"] is None
+    assert "more than 2,048 (the tokenizer's model_max_length" in row["why_not"]
+    assert "Token indices sequence length" not in err
+
+
+def test_route_cli_prompt_ids_beyond_the_vocabulary(capsys):
+    from test_router import ROOT, SHIPPED
+
+    rc, _, err = route_cli(["--capture", str(SHIPPED), "--prompt-ids", "1,999999", "--tokenizer",
+                            str(ROOT / "assets" / "tiny_model")], capsys)
+    assert rc == 2 and "token 1 is 999999, beyond the vocabulary of 2,048 ids" in err

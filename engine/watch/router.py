@@ -203,7 +203,8 @@ def score(server: str, rank: int, stream: int, mirror, ids: list[int], server_me
 
 
 def route(servers, mirrors: dict, ids: list[int], server_metrics: dict | None = None,
-          overlap_score_weight: float = OVERLAP_SCORE_WEIGHT, unavailable: dict | None = None) -> dict:
+          overlap_score_weight: float = OVERLAP_SCORE_WEIGHT, unavailable: dict | None = None,
+          model_limit: tuple[int, str] | None = None) -> dict:
     """Every server's best rank and the choice.
 
     Args:
@@ -213,6 +214,9 @@ def route(servers, mirrors: dict, ids: list[int], server_metrics: dict | None = 
         server_metrics: server name -> its parsed /metrics (``server_metrics.parse_metrics``), where known.
         unavailable: stream -> why its events could not be read (unreachable, not a publisher, never
             connected); a server all of whose streams are here is not a candidate.
+        model_limit: (tokens, where it was read) the longest prompt the model takes (the tokenizer's
+            ``model_max_length`` / the config's ``max_position_embeddings``), for servers whose /metrics give
+            no ``max_model_len``; a server whose limit the prompt exceeds cannot take it: not a candidate.
 
     Returns ``{"servers": {name: {cached_prefix_tokens, cached_prefix_blocks, reachable, candidate, ...}},
     "choice": name, "rule": RULE, "cost_block_size": B, "overlap_score_weight": w, "prompt_tokens": n}``;
@@ -244,6 +248,13 @@ def route(servers, mirrors: dict, ids: list[int], server_metrics: dict | None = 
             s.incomplete = incomplete_note(mirror, bool(r < len(replays) and replays[r]))
             if best is None or (s.cost, -s.cached_prefix_tokens) < (best.cost, -best.cached_prefix_tokens):
                 best = s
+        limit = model_limit
+        if values and values.get("max_model_len"):
+            limit = (int(values["max_model_len"]), "max_model_len from its /metrics")
+        if best is not None and limit and len(ids) > limit[0]:  # vLLM refuses such a request outright
+            best.candidate, best.cost = False, None
+            best.why_not = (f"cannot take it: the prompt is {len(ids):,} tokens, more than {limit[0]:,} "
+                            f"({limit[1]}): not a candidate")
         if best is None:  # no stream of it could be read: a router has no tree for it
             stream = sv.streams[0] if sv.streams else -1
             why = "; ".join(f"{unavailable[st]}" for st in sv.streams if st in unavailable)
@@ -321,25 +332,60 @@ def add_parser(sub) -> None:
     r.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def prompt_ids(args) -> list[int]:
-    if args.prompt_ids is not None:
-        return parse_ids(args.prompt_ids)
-    if not args.tokenizer:
-        raise ValueError("--prompt needs --tokenizer DIR (the servers' model folder) to become token ids; or give "
-                         "--prompt-ids")
+def load_tokenizer(folder: str):
+    """``--tokenizer DIR``'s tokenizer, or ValueError naming the folder."""
     from pathlib import Path
 
-    if not Path(args.tokenizer).is_dir():
-        raise ValueError(f"--tokenizer {args.tokenizer!r} is not a folder")
+    if not Path(folder).is_dir():
+        raise ValueError(f"--tokenizer {folder!r} is not a folder")
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(args.tokenizer)
+        return AutoTokenizer.from_pretrained(folder)
     except Exception as exc:  # noqa: BLE001 - one line naming the folder
-        raise ValueError(f"--tokenizer {args.tokenizer!r}: no tokenizer could be loaded from it "
+        raise ValueError(f"--tokenizer {folder!r}: no tokenizer could be loaded from it "
                          f"({type(exc).__name__})") from None
-    # as vLLM's /v1/completions tokenizes a text prompt (special tokens added)
-    return check_prompt(tok(args.prompt)["input_ids"])
+
+
+def model_limit(tok, folder: str) -> tuple[int, str] | None:
+    """The longest prompt the model takes, from the tokenizer's ``model_max_length`` (transformers' "no
+    limit" is a huge sentinel, ignored) or the folder's config.json ``max_position_embeddings``; None when
+    neither says."""
+    n = getattr(tok, "model_max_length", None)
+    if isinstance(n, int) and 0 < n < 10 ** 8:
+        return n, f"the tokenizer's model_max_length in {folder}"
+    from pathlib import Path
+
+    try:
+        cfg = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    n = cfg.get("max_position_embeddings") if isinstance(cfg, dict) else None
+    return (n, f"max_position_embeddings in {folder}/config.json") if isinstance(n, int) and n > 0 else None
+
+
+def prompt_ids(args) -> list[int]:
+    """The prompt's ids; sets ``args.model_limit`` ((tokens, source) or None) from ``--tokenizer``."""
+    args.model_limit = None
+    if args.prompt_ids is not None:
+        ids = parse_ids(args.prompt_ids)
+        if args.tokenizer:
+            tok = load_tokenizer(args.tokenizer)
+            args.model_limit = model_limit(tok, args.tokenizer)
+            vocab = len(tok)
+            bad = next(((i, t) for i, t in enumerate(ids) if t >= vocab), None)
+            if bad:
+                raise ValueError(f"--prompt-ids: token {bad[0]} is {bad[1]}, beyond the vocabulary of "
+                                 f"{vocab:,} ids of --tokenizer {args.tokenizer!r}")
+        return ids
+    if not args.tokenizer:
+        raise ValueError("--prompt needs --tokenizer DIR (the servers' model folder) to become token ids; or give "
+                         "--prompt-ids")
+    tok = load_tokenizer(args.tokenizer)
+    args.model_limit = model_limit(tok, args.tokenizer)
+    # as vLLM's /v1/completions tokenizes a text prompt (special tokens added); verbose=False: transformers'
+    # "Token indices sequence length is longer than..." warning is said by the router's row instead
+    return check_prompt(tok(args.prompt, verbose=False)["input_ids"])
 
 
 def from_capture(path: str):
@@ -404,7 +450,8 @@ def main(args, out=None) -> int:
         servers, mirrors, values = from_capture(args.capture)
     else:
         servers, mirrors, values, problems, down = from_live(args)
-    result = route(servers, mirrors, ids, values, args.overlap_score_weight, unavailable=down)
+    result = route(servers, mirrors, ids, values, args.overlap_score_weight, unavailable=down,
+                   model_limit=getattr(args, "model_limit", None))
     incomplete = [f"{name}: {r['incomplete']}" for name, r in result["servers"].items() if r.get("incomplete")]
     if args.json:
         print(json.dumps({**public(result), "problems": problems + incomplete}), file=out)

@@ -41,6 +41,8 @@ def parse_metrics(text: str) -> dict:
                     if value not in (None, "", "None"):
                         out[label] = int(value)
                 continue
+            if name.endswith("_info") and sample.labels.get("max_model_len", "").isdigit():
+                out["max_model_len"] = int(sample.labels["max_model_len"])  # where a server's info gauge says it
             base = name[:-len("_total")] if name.endswith("_total") else name
             if base in WANTED and not name.endswith("_created"):
                 key = WANTED[base]

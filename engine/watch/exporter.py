@@ -17,9 +17,17 @@ positional form) and ``rank`` (the server's data-parallel rank), names under ``p
     paged_lab_mirror_blocks_stored / _removed   gauge  blocks stored / removed since the watch began
     paged_lab_mirror_lost_batches           gauge    batches lost in gaps
 
-Gauges, not counters, for the totals: a mirror restarts with its server (its counts begin again), which a
-Prometheus counter must never do. The window is ``rates.WINDOW_S`` of the server's own clock (the batches'
-``ts``). Every ratio is ``engine.metrics``'s, divided by 100.
+``batches``, ``blocks_stored``, ``blocks_removed`` and ``lost_batches`` are totals since this watch began:
+they never go back within the watch, across restarts of the server too (the mirror's view of the cache is
+reset when its server restarts, its counts are not), as Prometheus counters behave; they stay gauges so
+their names are the ones documented (``increase()`` / ``rate()`` over them are right). The windowed numbers
+are honest about an empty window: no /metrics query in the last window (an idle server), or a server
+whose /metrics cannot be read now, takes the ``hit_rate_ratio`` series out (absent, the Server page's "-"),
+not the last value seen; a restart of the server's counters inside the window counts as Prometheus'
+``increase()`` counts it (from 0), never as a negative or a lost window. A
+gauge whose value is unknown now (``pool_share_ratio`` without /metrics) is absent too. The window is
+``rates.WINDOW_S`` of the server's own clock (the batches' ``ts``; for the hit rate, the scrapes' times).
+Every ratio is ``engine.metrics``'s, divided by 100.
 """
 
 from __future__ import annotations
@@ -37,10 +45,10 @@ GAUGES = {
     "cached_tokens": "cached blocks x block size",
     "pool_share_ratio": "cached blocks over the server's usable pool (needs its /metrics)",
     "evictions_per_second": f"blocks removed per second of the server's clock over the last {WINDOW_S:g} s",
-    "batches": "KV event batches applied",
-    "blocks_stored": "blocks stored since the watch began",
-    "blocks_removed": "blocks removed since the watch began",
-    "lost_batches": "batches lost in gaps of the stream",
+    "batches": "KV event batches applied since the watch began (across server restarts)",
+    "blocks_stored": "blocks stored since the watch began (across server restarts)",
+    "blocks_removed": "blocks removed since the watch began (across server restarts)",
+    "lost_batches": "batches lost in gaps of the stream since the watch began",
 }
 
 
@@ -89,14 +97,12 @@ class MirrorExporter:
                            "evictions_per_second": rates["evictions_per_s"], "batches": m.num_batches,
                            "blocks_stored": m.total_stored, "blocks_removed": m.total_removed,
                            "lost_batches": v.lost}
-                for k, value in numbers.items():
-                    if value is not None:
-                        self.gauges[k].labels(*labels).set(value)
+                for k, value in numbers.items():  # unknown now: absent, never the last value seen
+                    _set(self.gauges[k], labels, value)
             if poller is not None:
-                scrapes = poller.history()
-                hit = hit_rate_window(scrapes)
-                if hit is not None:
-                    self.hit_rate.labels(sv.name, "all").set(hit / 100)
+                _, error, _ = poller.latest()
+                hit = None if error else hit_rate_window(poller.history())  # unreadable now: unknown now
+                _set(self.hit_rate, (sv.name, "all"), None if hit is None else hit / 100)
 
     def text(self) -> str:
         """The exposition as Prometheus would scrape it."""
@@ -108,11 +114,35 @@ class MirrorExporter:
             self._server.server_close()
 
 
+def _set(gauge, labels: tuple, value) -> None:
+    """Set a labelled gauge, or take its series out when the value is unknown now (None)."""
+    if value is not None:
+        gauge.labels(*labels).set(value)
+        return
+    try:
+        gauge.remove(*labels)
+    except KeyError:  # never set
+        pass
+
+
 def hit_rate_window(scrapes: list, window_s: float = WINDOW_S) -> float | None:
-    """The hit rate (percent) between the newest scrape and the newest one at least ``window_s`` older (or the
-    oldest kept): ``metrics.windowed_hit_rate_pct``. ``scrapes``: (time, values) oldest first."""
+    """The hit rate (percent) over the last ``window_s`` seconds of scrapes: the increase of the hits over the
+    increase of the queries between the newest scrape and the newest one at least ``window_s`` older (or the
+    oldest kept), counted as Prometheus' ``increase()`` counts: a counter that went back (the server
+    restarted) increased by its new value. None when no query came in the window. ``scrapes``: (time, values)
+    oldest first."""
     if len(scrapes) < 2:
         return None
-    t_last, last = scrapes[-1]
-    earlier = next((v for t, v in reversed(scrapes) if t_last - t >= window_s), scrapes[0][1])
-    return metrics.windowed_hit_rate_pct(earlier, last)
+    t_last = scrapes[-1][0]
+    first = max((i for i, (t, _) in enumerate(scrapes) if t_last - t >= window_s), default=0)
+    inside = scrapes[first:]
+
+    def increase(key: str) -> float:
+        total = 0.0
+        for (_, a), (_, b) in zip(inside, inside[1:]):
+            x, y = a.get(key, 0.0), b.get(key, 0.0)
+            total += y - x if y >= x else y  # a reset: counted from 0
+        return total
+
+    dq, dh = increase("prefix_cache_queries"), increase("prefix_cache_hits")
+    return metrics.windowed_hit_rate_pct({}, {"prefix_cache_queries": dq, "prefix_cache_hits": dh})

@@ -28,7 +28,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench.report import write_section  # noqa: E402
 from engine import EMBEDDED_MODEL, SamplingParams  # noqa: E402
-from ui.lab import Lab, LabSettings  # noqa: E402
+from engine.scenarios.run_spec import RunSpec
+from ui.lab import Lab  # noqa: E402
 from viz import (block_pool_figure, block_table_rows, contiguous_region_figure, paged_slots_figure,  # noqa: E402
                  timeline_figure)
 
@@ -38,7 +39,7 @@ def ms(samples: list[float]) -> float:
 
 
 def step_and_draw(n_steps: int = 30) -> float:
-    lab = Lab.create(LabSettings(model=EMBEDDED_MODEL, preset="custom", block_size=16, num_blocks=256,
+    lab = Lab.create(RunSpec(model=EMBEDDED_MODEL, preset="custom", block_size=16, num_blocks=256,
                                  max_model_len=256))
     for i in range(16):
         lab.add_request(f"ROMEO. Speak, friend number {i}.", SamplingParams(max_tokens=120, temperature=0.8,

@@ -11,7 +11,7 @@ longer than a second shows progress, never a bare spinner"; ``bench/lessons_spee
   runs and a Compare run are computed once per server process and shared by every session; a class of
   twenty opening lesson 5, or running Compare on the default workload, pays for one run, not twenty. The
   key is everything that decides the run (the lessons: the function, its arguments and the model;
-  Compare: the fitted ``LabSettings``, the workload, seed, semantics and token budget), so other settings
+  Compare: the fitted ``RunSpec``, the workload, seed, semantics and token budget), so other settings
   never get someone else's run.
 * Computed once, also when several sessions ask at the same moment: the work runs in a worker thread and
   every session asking for it waits and shows its progress (``RunCache.get``). Like ``st.cache_resource``,

@@ -17,7 +17,7 @@ PARTS = {"run": Run, "player": Player, "protocol": PressProtocol, "session": Ses
 
 
 def test_the_lab_is_its_four_parts_and_a_lock():
-    settings = lab_module.LabSettings(model="m")
+    settings = lab_module.RunSpec(model="m")
     made = lab_module.Lab(settings, None, None, notes=["a note"], semantics_note="why")
     assert set(vars(made)) == set(PARTS) | {"_lock"}
     for name, part in PARTS.items():

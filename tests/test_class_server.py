@@ -143,9 +143,10 @@ def test_session_bytes_are_what_the_engines_allocate(class_mode, loaded):
 
 
 def test_the_request_cap(class_mode, loaded):
-    from ui.lab import Lab, LabSettings
+    from engine.scenarios.run_spec import RunSpec
+    from ui.lab import Lab
 
-    lab = Lab.create(LabSettings(model=EMBEDDED_MODEL, preset="custom", num_blocks=64, max_model_len=256), loaded)
+    lab = Lab.create(RunSpec(model=EMBEDDED_MODEL, preset="custom", num_blocks=64, max_model_len=256), loaded)
     cap = limits.class_limits().max_requests
     for _ in range(cap):
         lab.add_request("ROMEO. ", SamplingParams(max_tokens=2))

@@ -96,10 +96,11 @@ def test_v1_child_ids_already_taken_refuse_the_whole_request(loaded):
 
 def test_a_class_server_counts_v1_child_requests_before_adding_any(loaded, monkeypatch):
     """The cap is the app's (infra/class_limits.py), applied where the Playground's lab adds a request."""
-    from ui.lab import Lab, LabSettings
+    from engine.scenarios.run_spec import RunSpec
+    from ui.lab import Lab
 
     monkeypatch.setenv(limits.CLASS_SERVER_ENV, "1")
-    lab = Lab.create(LabSettings(model=EMBEDDED_MODEL, preset="custom", num_blocks=16, max_model_len=64,
+    lab = Lab.create(RunSpec(model=EMBEDDED_MODEL, preset="custom", num_blocks=16, max_model_len=64,
                                  semantics="v1"), loaded)
     engine = lab.run.paged
     cap = limits.class_limits().max_requests

@@ -7,13 +7,14 @@ import threading
 
 from engine import EMBEDDED_MODEL
 from engine.model_loader import load_shared
-from ui.lab import Lab, LabSettings
+from engine.scenarios.run_spec import RunSpec
+from ui.lab import Lab
 
 
 def test_concurrent_steps_stay_consistent():
     """Two threads press Step 12 times each (a double click, a key repeat, PageDown during Play): every press
     is one whole step of both engines, recorded in order, none lost or interleaved."""
-    lab = Lab.create(LabSettings(model=EMBEDDED_MODEL, preset="batch", block_size=16, num_blocks=12,
+    lab = Lab.create(RunSpec(model=EMBEDDED_MODEL, preset="batch", block_size=16, num_blocks=12,
                                  max_model_len=128), load_shared(EMBEDDED_MODEL))
     errors = []
 
@@ -47,7 +48,7 @@ def test_every_preset_is_the_same_run_in_the_cli_and_the_app():
         args = build_parser().parse_args(["run", "--scenario", name])
         for allocator in ("paged", "contiguous"):
             cli = engine_config(args, scenario, allocator)
-            app = preset_settings(name).config(allocator)
+            app = preset_settings(name).engine_config(allocator)
             # reservation_tokens None means max_model_len: the same reservation
             cli = dataclasses.replace(cli, reservation_tokens=cli.reservation_tokens or cli.max_model_len)
             assert app == cli, (name, allocator)

@@ -64,7 +64,7 @@ def test_lesson_7_is_in_the_catalog_and_its_playground_preset_opens_in_v1():
     assert note is None and settings.semantics == "v1"
     assert settings.max_num_batched_tokens == LESSON.playground["max_num_batched_tokens"] == \
         l7.playground()["max_num_batched_tokens"]
-    assert settings.config("paged").semantics == "v1"
+    assert settings.engine_config("paged").semantics == "v1"
 
 
 def test_markers_fields_reveals_and_recap_resolve(ctx, exs):

@@ -68,7 +68,7 @@ def test_the_playground_preset_opens(lesson):
 
     settings = {k: v for k, v in lesson.playground.items() if k != "preset"}
     lab = preset_settings(lesson.playground["preset"], **settings)
-    lab.config("paged")  # raises ValueError if the settings do not make an engine config
+    lab.engine_config("paged")  # raises ValueError if the settings do not make an engine config
 
 
 def test_numbers_are_not_typed_into_the_markdown(lesson):

@@ -1,5 +1,5 @@
 """One run spec (issue 24, item 3): ``engine.scenarios.run_spec.RunSpec`` is the one type a run's settings take
-(the CLI, the Playground's ``LabSettings``, Compare and the benchmarks build it), ``RunSpec.engine_config`` the
+(the CLI, the Playground's ``RunSpec``, Compare and the benchmarks build it), ``RunSpec.engine_config`` the
 one place an ``EngineConfig`` is derived, "the baseline runs the paper's scheduler" is written there once
 (``RunSpec.baseline``), and "learn the final lengths, then run the contiguous policies" once
 (``run_paged_then_contiguous`` / ``baseline_final_lengths``)."""
@@ -57,7 +57,6 @@ def test_the_baseline_runs_the_papers_scheduler_in_one_place():
     assert (contiguous.allocator, contiguous.semantics, contiguous.scheduling_policy,
             contiguous.max_num_batched_tokens, contiguous.max_num_seqs) == ("contiguous", "paper", "fcfs", None, 256)
     assert spec.baseline().engine_config("paged") == dataclasses.replace(contiguous, allocator="paged")
-    assert spec.config("contiguous") == contiguous  # LabSettings' name for the same function
 
 
 def test_the_paper_prefill_budget_reaches_both_paper_engines_only():

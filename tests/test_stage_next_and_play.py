@@ -13,7 +13,8 @@ import pytest
 
 from engine import EMBEDDED_MODEL, SamplingParams
 from engine.model_loader import load_shared
-from ui.lab import Lab, LabSettings
+from engine.scenarios.run_spec import RunSpec
+from ui.lab import Lab
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def loaded():
 
 def one_request_lab(loaded, max_tokens: int = 6) -> Lab:
     """A custom lab with one short request: no copy-on-write, prefix hit, preemption or swap in its run."""
-    lab = Lab.create(LabSettings(model=EMBEDDED_MODEL, preset="custom", num_blocks=16), loaded)
+    lab = Lab.create(RunSpec(model=EMBEDDED_MODEL, preset="custom", num_blocks=16), loaded)
     lab.add_request("ROMEO. ", SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     return lab
 

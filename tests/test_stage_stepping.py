@@ -225,7 +225,7 @@ def apply_untouched(current, preset: str):
 
 
 def configs(settings) -> tuple:
-    return settings, settings.config("paged"), settings.config("contiguous")
+    return settings, settings.engine_config("paged"), settings.engine_config("contiguous")
 
 
 def test_every_preset_after_every_other_preset_is_the_same_run():
@@ -347,6 +347,6 @@ def test_applying_swap_then_batch_in_the_form_runs_batch_as_described():
         lab = at.session_state["lab"]
         expected = fit_semantics(preset_settings(preset))[0]
         assert lab.run.settings == expected
-        assert (lab.run.paged.config, lab.run.contiguous.config) == (expected.config("paged"), expected.config("contiguous"))
+        assert (lab.run.paged.config, lab.run.contiguous.config) == (expected.engine_config("paged"), expected.engine_config("contiguous"))
     assert lab.run.paged.config.enable_prefix_caching is True  # as lessons.common.scenario_run runs it
     assert SCENARIOS["batch"].engine_defaults.get("preemption_mode", "recompute") == "recompute"

@@ -15,7 +15,8 @@ import pytest
 
 from engine import EMBEDDED_MODEL, SamplingParams
 from engine.model_loader import load_shared
-from ui.lab import Lab, LabSettings
+from engine.scenarios.run_spec import RunSpec
+from ui.lab import Lab
 from ui.state import preset_settings
 from viz.block_table import block_table_picture, selection_phases
 
@@ -74,7 +75,7 @@ def test_block_table_rows_keep_their_places_across_moments_and_steps(beam_run):
 @pytest.fixture()
 def stayed(loaded):
     """N pressed on step 2 of a request with many steps left: the rest ran to the end, step 2 still shown."""
-    lab = Lab.create(LabSettings(model=EMBEDDED_MODEL, preset="custom", num_blocks=16), loaded)
+    lab = Lab.create(RunSpec(model=EMBEDDED_MODEL, preset="custom", num_blocks=16), loaded)
     lab.add_request("ROMEO. " * 20, SamplingParams(max_tokens=90, temperature=0.0, ignore_eos=True))
     lab.step()
     lab.step()

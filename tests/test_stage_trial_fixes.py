@@ -19,7 +19,8 @@ import pytest
 
 from engine import EMBEDDED_MODEL, SamplingParams
 from engine.model_loader import load_shared
-from ui.lab import Lab, LabSettings
+from engine.scenarios.run_spec import RunSpec
+from ui.lab import Lab
 from ui.state import preset_settings
 from viz import block_table as bt
 from viz.block_table import block_table_picture, selection_phases
@@ -219,7 +220,7 @@ def test_play_rate_counts_the_steps_the_screen_advanced(loaded):
     steps it owes and the page draws the last. The rate said is the steps the step counter advanced over the
     seconds since Play started (about 7.6), not the drawings per second (4: the trial's "3.5 measured" while
     the counter advanced 8.5 steps a second)."""
-    lab = Lab.create(LabSettings(model=EMBEDDED_MODEL, preset="custom", num_blocks=16), loaded)
+    lab = Lab.create(RunSpec(model=EMBEDDED_MODEL, preset="custom", num_blocks=16), loaded)
     lab.add_request("ROMEO. ", SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
     for _ in range(3):
         lab.step()
@@ -242,7 +243,7 @@ def test_play_rate_counts_the_steps_the_screen_advanced(loaded):
 def test_the_presenter_says_the_rate_measured_since_play_started(loaded):
     from ui.presenter import playing_line
 
-    lab = Lab.create(LabSettings(model=EMBEDDED_MODEL, preset="custom", num_blocks=16), loaded)
+    lab = Lab.create(RunSpec(model=EMBEDDED_MODEL, preset="custom", num_blocks=16), loaded)
     lab.add_request("ROMEO. ", SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
     lab.set_play_speed(4)
     lab.press("play")
@@ -290,7 +291,7 @@ def test_sizes_keep_step_n_of_m_in_a_1280x720_window_with_a_long_sentence():
 
 # ---------------------------------------------------------------------------- 4. N at a finished run's end
 def test_next_event_at_a_finished_runs_end_says_no_event_is_left(loaded):
-    lab = Lab.create(LabSettings(model=EMBEDDED_MODEL, preset="custom", num_blocks=16), loaded)
+    lab = Lab.create(RunSpec(model=EMBEDDED_MODEL, preset="custom", num_blocks=16), loaded)
     lab.add_request("ROMEO. ", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert lab.press("end") == "end" and not lab.has_work()
     last = lab.run.history[-1][0]
@@ -314,7 +315,7 @@ def test_the_stage_says_it_beside_the_step(loaded, present):
     if present:
         at.query_params["present"] = "1"
     at.run()
-    quiet = Lab.create(LabSettings(model=EMBEDDED_MODEL, preset="custom", num_blocks=16), loaded)
+    quiet = Lab.create(RunSpec(model=EMBEDDED_MODEL, preset="custom", num_blocks=16), loaded)
     quiet.add_request("ROMEO. ", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     quiet.press("end")
     at.session_state["lab"] = quiet

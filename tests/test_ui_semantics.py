@@ -269,7 +269,7 @@ def test_settings_in_v1_reach_the_paged_engine_only_and_match_the_cli():
 
     for name, scenario in SCENARIOS.items():
         settings, note = fit_semantics(preset_settings(name, semantics="v1", max_num_batched_tokens=32))
-        paged, contiguous = settings.config("paged"), settings.config("contiguous")
+        paged, contiguous = settings.engine_config("paged"), settings.engine_config("contiguous")
         assert (contiguous.semantics, contiguous.max_num_batched_tokens, contiguous.scheduling_policy,
                 contiguous.max_num_seqs) == ("paper", None, "fcfs", 256)
         if name in ("beam-search", "swap"):
@@ -284,15 +284,16 @@ def test_settings_in_v1_reach_the_paged_engine_only_and_match_the_cli():
         args = build_parser().parse_args(["run", "--scenario", name, "--semantics", "v1"])
         cli = engine_config(args, scenario, "paged")
         cli = dataclasses.replace(cli, reservation_tokens=cli.reservation_tokens or cli.max_model_len)
-        assert cli == default.config("paged"), name
+        assert cli == default.engine_config("paged"), name
 
 
 def test_lab_priority_reaches_the_v1_engine():
     from engine import EMBEDDED_MODEL
     from engine.model_loader import load_shared
-    from ui.lab import Lab, LabSettings
+    from engine.scenarios.run_spec import RunSpec
+    from ui.lab import Lab
 
-    lab = Lab.create(LabSettings(model=EMBEDDED_MODEL, preset="custom", semantics="v1", scheduling_policy="priority"),
+    lab = Lab.create(RunSpec(model=EMBEDDED_MODEL, preset="custom", semantics="v1", scheduling_policy="priority"),
                      load_shared(EMBEDDED_MODEL))
     low = lab.add_request("ROMEO. ", SamplingParams(max_tokens=2, temperature=0), priority=5)
     high = lab.add_request("HAMLET. ", SamplingParams(max_tokens=2, temperature=0), priority=-1)

@@ -48,7 +48,9 @@ from engine import EMBEDDED_MODEL
 from infra.class_limits import (NO_SHARE_FREE, ClassLimits, SessionPlan, check_session_bytes, class_limits, plan_session,
                            session_budget_bytes, share_registry)
 
-from .lab import Lab, LabSettings, fit_semantics, run_sizes
+from engine.scenarios.run_spec import RunSpec
+
+from .lab import Lab, fit_semantics, run_sizes
 
 RELEASED_NOTE = ("Your Playground run was {why}, to free memory for the class; a fresh run has started with "
                  "the default settings.")
@@ -75,12 +77,12 @@ def model_input(current: str, key: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------ the sizes
-def session_bytes(settings: LabSettings, loaded) -> dict[str, int]:
+def session_bytes(settings: RunSpec, loaded) -> dict[str, int]:
     """``_pool_bytes``'s parts (the KV bytes a lab with ``settings`` allocates, by part)."""
     return _pool_bytes(settings, loaded)[0]
 
 
-def _pool_bytes(settings: LabSettings, loaded) -> tuple[dict[str, int], int, int]:
+def _pool_bytes(settings: RunSpec, loaded) -> tuple[dict[str, int], int, int]:
     """The KV bytes a lab with ``settings`` allocates, by part: the paged pool, its CPU swap pool, the
     contiguous baseline's region (the pool's bytes again) and, under "pow2" / "oracle", the headless paged
     run that learns the final lengths first (freed after, but held while the others exist).
@@ -91,7 +93,7 @@ def _pool_bytes(settings: LabSettings, loaded) -> tuple[dict[str, int], int, int
     from engine.model_loader import geometry_from_config, resolve_device, resolve_dtype
 
     settings, _ = fit_semantics(settings)
-    config = settings.config("paged")
+    config = settings.engine_config("paged")
     geometry = geometry_from_config(loaded[0].config, resolve_dtype(config.dtype, resolve_device(config.device)))
     per_block = geometry.bytes_per_block(config.block_size)
     blocks = (config.num_blocks if config.num_blocks is not None
@@ -105,12 +107,12 @@ def _pool_bytes(settings: LabSettings, loaded) -> tuple[dict[str, int], int, int
     return parts, blocks, swap
 
 
-def settings_requests(settings: LabSettings) -> list[tuple]:
+def settings_requests(settings: RunSpec) -> list[tuple]:
     """The (prompt, SamplingParams) pairs a lab with ``settings`` queues, read without the model: a preset's
     requests (prompts as text), a scenario file's (text or token ids); none for "custom" without a file."""
     from engine.scenarios.presets import get_scenario
 
-    from .lab import count_only_tokenizer
+    from engine.scenarios.run_spec import count_only_tokenizer
 
     if settings.preset != "custom":
         return [(r.prompt, r.params) for r in get_scenario(settings.preset).make(settings.seed,
@@ -121,7 +123,7 @@ def settings_requests(settings: LabSettings) -> list[tuple]:
             for r in settings.scenario.requests]
 
 
-def session_plan(settings: LabSettings, loaded, budget: int | None = None) -> SessionPlan:
+def session_plan(settings: RunSpec, loaded, budget: int | None = None) -> SessionPlan:
     """What a lab with ``settings`` would keep, charged to one session's share (``infra.class_limits.plan_session``):
     its KV pools (``session_bytes``), the engines' state and recorded steps for its requests
     (``settings_requests``) and Streamlit's session; the recorded steps kept are capped to what fits. Nothing is
@@ -137,7 +139,7 @@ def session_plan(settings: LabSettings, loaded, budget: int | None = None) -> Se
 PLAN_KEY = "class_memory_plan"  # the plan check_sizes made, for seat_lab: at the share this session reserved
 
 
-def check_sizes(settings: LabSettings, loaded) -> None:
+def check_sizes(settings: RunSpec, loaded) -> None:
     """On a class server, refuse settings whose lab would keep more than one session's share of the memory
     (``session_plan``: the KV pools, the engines' state, the page and the fewest recorded steps), before
     anything is allocated, and reserve the share in the server-wide registry (``infra.class_limits.share_registry``:

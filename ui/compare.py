@@ -34,8 +34,9 @@ from engine.scenarios.presets import SCENARIOS
 from engine.scenarios.run_spec import lengths_known, run_paged_then_contiguous
 from infra.runs import COMPARE_RUNS, ProgressBox, preload_model, token_detail
 from infra import class_limits as limits
+from engine.scenarios.run_spec import max_num_seqs_for
 from ui.lab import (POLICY_LABELS, POLICY_RESERVES, SEMANTICS_LABELS, engine_semantics_line,
-                    fit_semantics, max_num_seqs_for, semantics_line)
+                    fit_semantics, semantics_line)
 from ui.state import preset_settings
 from viz import contiguous_region_figure, paged_slots_figure, timeline_figure
 from viz.steps import step_tokens_figure

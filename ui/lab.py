@@ -26,7 +26,7 @@ requests (same settings, same seeds, so the same tokens; its records are not kep
 hand under those policies has no final length in advance and runs on the paged engine only (unless it
 sets ``ignore_eos``, which fixes its length), and ``run.notes`` says so.
 
-Semantics (``LabSettings.semantics``): the paged engine runs "paper" (vLLM V0 as the PagedAttention paper
+Semantics (``RunSpec.semantics``): the paged engine runs "paper" (vLLM V0 as the PagedAttention paper
 describes it) or "v1" (vLLM V1); the contiguous baseline always runs the paper's scheduler, without V1's
 token budget. What V1 lacks (preemption by swap, beam search) makes ``Lab.create`` run the paper's
 semantics instead, and ``run.semantics_note`` says why (``fit_semantics``); ``semantics_line`` names the
@@ -45,8 +45,7 @@ from dataclasses import dataclass, field
 from engine import EngineConfig, LLMEngine, SamplingParams, StepRecord
 from infra import class_limits as limits
 from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS_V1, FINAL_LENGTH_POLICIES
-from engine.scenarios.run_spec import (RunSpec, baseline_final_lengths, count_only_tokenizer,  # noqa: F401
-                                       max_num_seqs_for)
+from engine.scenarios.run_spec import RunSpec, baseline_final_lengths, count_only_tokenizer
 from engine.scenarios.scenario_file import PrioritizedRequest, length_notes
 from engine.scenarios.presets import get_scenario
 from engine.scenarios.workloads import WorkloadRequest
@@ -71,14 +70,13 @@ MAX_RUN_STEPS = 2000  # "Run to the end" / "Next event" run at most this many st
 MAX_PLAY_CATCH_UP = 16  # a Play tick runs at most this many steps to keep to the chosen speed
 
 
-# What the sidebar sets: the run spec (``engine.scenarios.run_spec.RunSpec``) that the CLI, scenario files,
-# Compare, the lessons and the benchmarks build too; ``LabSettings`` is its name here. ``preset``: a scenario
-# name, or "custom" (requests added by hand, or a scenario file's). ``settings.config(allocator)`` is
-# ``RunSpec.engine_config``: the one place an ``EngineConfig`` is derived (the baseline runs the paper's scheduler).
-LabSettings = RunSpec
+# What the sidebar sets is a run spec (``engine.scenarios.run_spec.RunSpec``), the type the CLI, scenario files,
+# Compare, the lessons and the benchmarks build too; ``preset``: a scenario name, or "custom" (requests added
+# by hand, or a scenario file's). ``RunSpec.engine_config(allocator)`` is the one place an ``EngineConfig`` is
+# derived (the baseline runs the paper's scheduler).
 
 
-def paper_only_reason(settings: LabSettings) -> str | None:
+def paper_only_reason(settings: RunSpec) -> str | None:
     """Why these settings need the paper's semantics (what vLLM V1 does not have), or None."""
     if settings.preemption_mode == "swap":
         return ("it preempts by swap (copying a victim's blocks to a CPU swap pool and back), and vLLM V1 "
@@ -92,7 +90,7 @@ def paper_only_reason(settings: LabSettings) -> str | None:
     return None
 
 
-def fit_semantics(settings: LabSettings) -> tuple[LabSettings, str | None]:
+def fit_semantics(settings: RunSpec) -> tuple[RunSpec, str | None]:
     """The settings the chosen semantics can run, and a note when they differ from what was asked.
 
     V1 with what only the paper has (``paper_only_reason``: swap, beam search) runs the paper's semantics
@@ -133,7 +131,7 @@ def engine_semantics_line(engine: LLMEngine) -> str:
                           engine.config.preemption_mode, engine.config.max_num_seqs)
 
 
-def run_sizes(settings: LabSettings, requests, num_blocks: int, swap_blocks: int = 0,
+def run_sizes(settings: RunSpec, requests, num_blocks: int, swap_blocks: int = 0,
               engines: int = 2) -> limits.RunSizes:
     """``limits.RunSizes`` of a run of ``requests`` ((prompt, SamplingParams) pairs) under ``settings`` on a pool
     of ``num_blocks`` (and ``swap_blocks``): each request's ``num_seqs`` sequences with their most tokens."""
@@ -149,7 +147,7 @@ class Run:
     StepRecord pair per step). ``failure``: a step that raised (the engines may be half-stepped: nothing more
     runs). The lab changes it only under its lock (``Lab.step``)."""
 
-    settings: LabSettings
+    settings: RunSpec
     paged: LLMEngine | None
     contiguous: LLMEngine | None
     # requests still to arrive, by arrival step, each with its final length when the policy needs it
@@ -305,7 +303,7 @@ class Lab:
     counts in the protocol at once). A field is read on its part: ``lab.run.history``, ``lab.player.cursor``,
     ``lab.protocol.token``, ``lab.session.history_limit``."""
 
-    def __init__(self, settings: LabSettings, paged: LLMEngine, contiguous: LLMEngine | None, *,
+    def __init__(self, settings: RunSpec, paged: LLMEngine, contiguous: LLMEngine | None, *,
                  notes: list[str] | None = None, semantics_note: str | None = None) -> None:
         self.run = Run(settings, paged, contiguous, notes=list(notes or []), semantics_note=semantics_note)
         self.player = Player()
@@ -318,7 +316,7 @@ class Lab:
                 f"playing={self.player.playing}, token={self.protocol.token!r})")
 
     @staticmethod
-    def needs_final_lengths(settings: LabSettings) -> bool:
+    def needs_final_lengths(settings: RunSpec) -> bool:
         """Whether ``create`` first runs the preset on a headless paged engine to learn final lengths: under
         "pow2" / "oracle", unless every request's length is known anyway (``ignore_eos``, no stop tokens:
         prompt + max_tokens, which the engine derives itself)."""
@@ -326,7 +324,7 @@ class Lab:
         return settings.preset != "custom" and settings.needs_final_lengths()
 
     @classmethod
-    def create(cls, settings: LabSettings, loaded=None, on_step=None) -> "Lab":
+    def create(cls, settings: RunSpec, loaded=None, on_step=None) -> "Lab":
         """Build both engines and queue the preset's requests (under "pow2" / "oracle" with the final
         lengths a headless paged run of the same requests reached: ``needs_final_lengths``; ``on_step``
         receives each of that run's StepRecords, for a progress bar). The settings
@@ -338,11 +336,11 @@ class Lab:
         """
         settings, semantics_note = fit_semantics(settings)
         limits.check_spec(settings)  # a class server's caps and models, before anything is loaded or allocated
-        paged = LLMEngine(settings.config("paged"), loaded)
+        paged = LLMEngine(settings.engine_config("paged"), loaded)
         contiguous = None
         notes = []
         try:
-            contiguous = LLMEngine(settings.config("contiguous"), (paged.model, paged.tokenizer))
+            contiguous = LLMEngine(settings.engine_config("contiguous"), (paged.model, paged.tokenizer))
         except ValueError as exc:
             notes.append(f"contiguous baseline not available with these settings: {exc}")
         lab = cls(settings, paged, contiguous, notes=notes, semantics_note=semantics_note)

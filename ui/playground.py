@@ -18,8 +18,9 @@ from engine.config import (CONTIGUOUS_POLICIES, DEFAULT_MAX_NUM_BATCHED_TOKENS_V
 from engine.scenarios.presets import SCENARIOS
 from ui import class_server, presenter
 from ui.exports import export_panel
+from engine.scenarios.run_spec import RunSpec, count_only_tokenizer
 from ui.lab import (MAX_RUN_STEPS, POLICY_LABELS, POLICY_RESERVES, SCHEDULING_LABELS, SEMANTICS_LABELS,
-                    LabSettings, count_only_tokenizer, engine_semantics_line)
+                    engine_semantics_line)
 from ui.scenario_io import follow_step, open_scenario_link, scenario_sidebar
 from ui.stage_gate import stage_slot
 from infra.keys import OPEN_PRESET
@@ -41,7 +42,7 @@ BUDGET_HELP = ("vLLM V1's max_num_batched_tokens: the most tokens one engine ste
 
 
 # ------------------------------------------------------------------------------------------------ sidebar
-def semantics_choice(current: LabSettings) -> str:
+def semantics_choice(current: RunSpec) -> str:
     """The sidebar's semantics switch, above the settings form (outside it, so the form shows the settings
     of the semantics chosen); like every setting it takes effect with "Apply and reset"."""
     gen = st.session_state.get("lab_generation", 0)
@@ -59,7 +60,7 @@ def semantics_choice(current: LabSettings) -> str:
     return semantics
 
 
-def settings_form(current: LabSettings) -> None:
+def settings_form(current: RunSpec) -> None:
     semantics = semantics_choice(current)
     v1 = semantics == "v1"
     with st.sidebar.form("engine"):
@@ -150,7 +151,7 @@ def settings_form(current: LabSettings) -> None:
     st.sidebar.caption(in_effect(current))
 
 
-def in_effect(settings: LabSettings) -> str:
+def in_effect(settings: RunSpec) -> str:
     """The settings the engines run with, in one line (the form may show values not applied yet)."""
     if settings.semantics == "v1":
         budget = settings.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS_V1
@@ -166,7 +167,7 @@ def in_effect(settings: LabSettings) -> str:
             f"{POLICY_LABELS[settings.contiguous_policy]}.")
 
 
-def v1_preset_note(settings: LabSettings) -> str:
+def v1_preset_note(settings: RunSpec) -> str:
     """What a preset's n samples become in vLLM V1 (its description tells the paper's story), or ""."""
     if settings.semantics != "v1" or settings.preset == "custom":
         return ""

@@ -37,7 +37,9 @@ from engine.scenarios.presets import SCENARIOS
 from engine.scenarios.workloads import Workload
 
 from infra import class_limits
-from .lab import Lab, LabSettings, fit_semantics
+from engine.scenarios.run_spec import RunSpec
+
+from .lab import Lab, fit_semantics
 from .state import build_lab, get_lab, preset_settings, scenario_settings
 
 LINK_PARAM = "scenario"
@@ -108,7 +110,7 @@ def link_query(lab: Lab, scenario: ScenarioFile | None = None) -> dict[str, str]
 
 
 # ------------------------------------------------------------------------------------------ opening a link
-def link_settings(value: str, model: str = EMBEDDED_MODEL) -> LabSettings:
+def link_settings(value: str, model: str = EMBEDDED_MODEL) -> RunSpec:
     """The Playground settings a link's ``scenario`` value opens: a preset's name, or a packed scenario
     (``decode_link``). Raises ValueError naming what is wrong."""
     value = value.strip()

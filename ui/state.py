@@ -13,7 +13,9 @@ from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS_V1
 from infra import runs
 
 from . import class_server
-from .lab import POLICY_LABELS, Lab, LabSettings, count_only_tokenizer
+from engine.scenarios.run_spec import RunSpec, count_only_tokenizer
+
+from .lab import POLICY_LABELS, Lab
 
 
 def shared_model(model: str):
@@ -28,7 +30,7 @@ def get_lab() -> Lab | None:
     return st.session_state.get("lab")
 
 
-def build_lab(settings: LabSettings) -> bool:
+def build_lab(settings: RunSpec) -> bool:
     """Replace the session's lab; on bad settings show the error and keep the previous lab."""
     try:
         loaded = shared_model(settings.model)
@@ -53,7 +55,7 @@ def build_lab(settings: LabSettings) -> bool:
     return True
 
 
-def learning_progress(settings: LabSettings, box: runs.ProgressBox):
+def learning_progress(settings: RunSpec, box: runs.ProgressBox):
     """An ``on_step`` for ``Lab.create``'s headless paged run of the preset: its steps and tokens in ``box``."""
     from engine.scenarios.presets import get_scenario
 
@@ -70,30 +72,30 @@ def learning_progress(settings: LabSettings, box: runs.ProgressBox):
     return on_step
 
 
-def preset_settings(preset: str, model: str = EMBEDDED_MODEL, **overrides) -> LabSettings:
+def preset_settings(preset: str, model: str = EMBEDDED_MODEL, **overrides) -> RunSpec:
     """Settings for a preset: those of its shipped scenario file (``assets/scenarios/<preset>.json``: block
     size, pool, lengths, reservation, preemption, prefix caching, contiguous policy, watermark (None: the
-    semantics' default), semantics, seed), then ``overrides`` (``LabSettings`` fields, e.g.
+    semantics' default), semantics, seed), then ``overrides`` (``RunSpec`` fields, e.g.
     ``semantics="v1"``). A scenario registered without a file takes its registry ``engine_defaults``
     (``engine.scenarios.scenario_file.registry_settings``, which also wrote the files).
     The one path from a preset to engine settings: the Playground, Compare, scenario links and the lessons'
     "Open this in the Playground" all use it. Raises ValueError for an unknown preset or field."""
-    return LabSettings.from_preset(preset, model, **overrides)  # engine.scenarios.run_spec.RunSpec
+    return RunSpec.from_preset(preset, model, **overrides)  # engine.scenarios.run_spec.RunSpec
 
 
-def scenario_settings(scenario, model: str = EMBEDDED_MODEL) -> LabSettings:
+def scenario_settings(scenario, model: str = EMBEDDED_MODEL) -> RunSpec:
     """Playground settings that run a scenario file (``engine.scenarios.scenario_file.ScenarioFile``): its preset's
     (``preset_settings``) when it is a shipped preset's file unchanged, so it is that preset again; else
-    "custom" with the file's settings, semantics and seed, and its requests queued (``LabSettings.scenario``)."""
+    "custom" with the file's settings, semantics and seed, and its requests queued (``RunSpec.scenario``)."""
     from engine.scenarios import scenario_file
     from engine.scenarios.presets import SCENARIOS
 
     if scenario.name in SCENARIOS and scenario == scenario_file.load_preset(scenario.name):
         return preset_settings(scenario.name, model)
-    return LabSettings.from_scenario(scenario, model)
+    return RunSpec.from_scenario(scenario, model)
 
 
-def default_settings() -> LabSettings:
+def default_settings() -> RunSpec:
     """The "batch" preset with its own pool (12 blocks of 16): too small for all six requests, so the
     first minutes in class already show preemption."""
     return preset_settings("batch")
@@ -105,16 +107,16 @@ POOL_FIELDS = ("block_size", "num_blocks", "max_model_len", "reservation", "kv_b
 
 
 def preset_fixed_fields(preset: str) -> set[str]:
-    """The ``LabSettings`` fields a scenario fixes itself (its ``engine_defaults``, e.g. prefix caching off,
+    """The ``RunSpec`` fields a scenario fixes itself (its ``engine_defaults``, e.g. prefix caching off,
     preemption by swap, a watermark): with the tick they win over the form."""
     from engine.scenarios.presets import get_scenario
 
     names = {"reservation_tokens": "reservation"}
-    fields = set(LabSettings.__dataclass_fields__)
+    fields = set(RunSpec.__dataclass_fields__)
     return {names.get(k, k) for k in get_scenario(preset).engine_defaults} & fields
 
 
-def form_values(settings: LabSettings, semantics: str | None = None) -> dict:
+def form_values(settings: RunSpec, semantics: str | None = None) -> dict:
     """What the Playground's settings form shows for ``settings`` when ``semantics`` is chosen above it (the
     form's own units: a watermark in %, 0 for "no swap pool" and "use blocks"): the values it opens with,
     so that ``applied_settings`` can tell what was changed from what was merely shown."""
@@ -134,8 +136,8 @@ def form_values(settings: LabSettings, semantics: str | None = None) -> dict:
 
 
 def _settings_fields(values: dict) -> dict:
-    """Form values (``form_values``' keys and units) as ``LabSettings`` fields."""
-    fields = {k: v for k, v in values.items() if k in LabSettings.__dataclass_fields__}
+    """Form values (``form_values``' keys and units) as ``RunSpec`` fields."""
+    fields = {k: v for k, v in values.items() if k in RunSpec.__dataclass_fields__}
     if "watermark_pct" in values:
         fields["watermark"] = float(values["watermark_pct"]) / 100
     if "swap_space_blocks" in values:
@@ -143,7 +145,7 @@ def _settings_fields(values: dict) -> dict:
     return fields
 
 
-def overridden_fields(current: LabSettings, preset: str, chosen: dict, use_preset: bool = True) -> list[str]:
+def overridden_fields(current: RunSpec, preset: str, chosen: dict, use_preset: bool = True) -> list[str]:
     """The form's fields changed in ``chosen`` that ``applied_settings`` takes from the preset instead (with
     "Use the preset's pool settings" ticked: the pool and what the preset fixes itself), in the form's keys;
     the page says so, rather than silently showing the preset's value again."""
@@ -155,7 +157,7 @@ def overridden_fields(current: LabSettings, preset: str, chosen: dict, use_prese
     return [k for k in changed if k in fixed or _settings_fields({k: chosen[k]}).keys() & fixed]
 
 
-def applied_settings(current: LabSettings, preset: str, chosen: dict, use_preset: bool = True) -> LabSettings:
+def applied_settings(current: RunSpec, preset: str, chosen: dict, use_preset: bool = True) -> RunSpec:
     """The settings "Apply and reset" builds from the form: ``chosen`` holds what the form's widgets hold
     (``form_values``' keys, only the widgets drawn), ``current`` the settings in effect, which the form
     opened with. Only what was changed in the form counts; a value merely shown is not a choice.

@@ -1,5 +1,5 @@
 """One run spec: the settings of a run and where its requests come from, in one type (``RunSpec``), that the
-CLI, the Playground (``ui.lab.LabSettings`` is this type), Compare, the lessons and the benchmarks build, and
+CLI, the Playground (its sidebar sets one), Compare, the lessons and the benchmarks build, and
 the one place an ``EngineConfig`` is derived from them (``RunSpec.engine_config``).
 
 Fields use the scenario file's names (``engine.scenarios.scenario_file.ScenarioSettings``, the validated file
@@ -182,7 +182,6 @@ class RunSpec:
                             kv_events_endpoint=spec.kv_events_endpoint,
                             kv_events_replay_endpoint=spec.kv_events_replay_endpoint)
 
-    config = engine_config  # the name the Playground's ``LabSettings`` had: the same function
 
     def check(self) -> None:
         """Raise ValueError, naming the bad value, if either engine's config would be refused."""

@@ -20,7 +20,7 @@ A scenario file (``ScenarioFile``, format version ``FORMAT_VERSION``)::
     }
 
 ``settings`` are the ``RunSpec`` fields that decide a run (``engine.scenarios.run_spec``, the Playground's
-``LabSettings``: tokens, blocks; ``reservation``:
+``RunSpec``: tokens, blocks; ``reservation``:
 the contiguous baseline's slots per request under the "max" policy, null: ``max_model_len``; ``watermark``
 null: the semantics' default). The model stays out: a scenario runs on the embedded model (its token ids are
 that tokenizer's). A request's fields are ``SamplingParams``' (vLLM's names; ``beam_width`` is beam search),

@@ -106,6 +106,7 @@ def test_route_cli_without_replay_says_the_cache_may_be_incomplete(capsys):
 
     with KVEventPublisher("tcp://127.0.0.1:0") as lab:
         lab.publish([stored([1], None, [1, 2])])  # before the route joins: never seen
+        assert lab.flush()  # handed to ZMQ before the route subscribes
         rc, out, err = route_cli(["--server", f"lab={lab.endpoint}", "--prompt-ids", "1,2,3", "--wait", "0.5",
                                   "--json"], capsys)
     assert rc == 0, err

@@ -27,7 +27,7 @@ from .capture import (CaptureReplay, CaptureWriter, new_header, read_capture, re
                       server_scrapes)
 from .groups import root_groups, tiers, tiers_line
 from .kv_subscriber import KVEventSubscriber
-from .server_metrics import MetricsPoller
+from .server_metrics import MetricsPoller, fetch_metrics
 from .servers import DEFAULT_NAME, ServerSpec, is_named, one_server, parse_servers, servers_of_capture
 from .. import metrics as lab_metrics
 from ..records import plural
@@ -251,6 +251,13 @@ def watch(args, out=None) -> int:
         for sub in subs:
             sub.stop()
         raise
+    for sv in servers:  # a /metrics URL that cannot be read is said at the start, with why
+        if sv.metrics_url:
+            try:
+                fetch_metrics(sv.metrics_url)
+            except ValueError as exc:
+                print(f"note: {sv.name} /metrics: {exc} (the KV events do not depend on it; read again every "
+                      f"few seconds)", file=out, flush=True)
     pollers = {sv.name: MetricsPoller(sv.metrics_url, on_scrape=(
         (lambda at, values, n=(sv.name if named else None): writer.add_metrics(n, at, values)) if writer else None
     )).start() for sv in servers if sv.metrics_url}
@@ -270,7 +277,9 @@ def watch(args, out=None) -> int:
         print(f"serving the mirror's metrics at {exporter.url}", file=out, flush=True)
     stop = {"now": False}
     main_thread = threading.current_thread() is threading.main_thread()  # only there can Ctrl-C be caught
+    # Ctrl-C and SIGTERM (a service manager, ``kill``) end the watch alike: the final summary is printed
     previous = signal.signal(signal.SIGINT, lambda *_: stop.update(now=True)) if main_thread else None
+    previous_term = signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True)) if main_thread else None
     start = time.monotonic()
     logged = {s.rank: 0 for s in subs}    # log entries printed per stream (``KVEventSubscriber.log``)
     states = {s.rank: None for s in subs}
@@ -306,6 +315,7 @@ def watch(args, out=None) -> int:
     finally:
         if main_thread:
             signal.signal(signal.SIGINT, previous)
+            signal.signal(signal.SIGTERM, previous_term)
         for s in subs:
             s.stop()
         for p in pollers.values():
@@ -369,21 +379,28 @@ def replay(args, out=None) -> int:
     errors: list[str] = []
     previous = None
     jump_waited = 0.0  # seconds waited in all for clock jumps, at most MAX_WAIT_S in all
-    for b in capture.batches:
-        if args.speed and previous is not None:
-            wait = replay_gap(previous, b) / args.speed
-            if wait > MAX_WAIT_S:  # e.g. a server idle for hours, or a bogus ts: say it, do not hang
-                allowed = max(0.0, MAX_WAIT_S - jump_waited)
-                print(f"(the server's clock jumps {wait * args.speed:,.0f} s before batch {b.seq}: waiting "
-                      f"{allowed:g} s instead of {wait:,.0f} s; jumps wait at most {MAX_WAIT_S:g} s in all)",
-                      file=out, flush=True)
-                wait = allowed
-                jump_waited += allowed
-            time.sleep(wait)
-        previous = b
-        _replay_one(mirrors, errors, b, out, replayer.infer_gaps, label)
+    applied, interrupted = 0, False
+    try:
+        for b in capture.batches:
+            if args.speed and previous is not None:
+                wait = replay_gap(previous, b) / args.speed
+                if wait > MAX_WAIT_S:  # e.g. a server idle for hours, or a bogus ts: say it, do not hang
+                    allowed = max(0.0, MAX_WAIT_S - jump_waited)
+                    print(f"(the server's clock jumps {wait * args.speed:,.0f} s before batch {b.seq}: waiting "
+                          f"{allowed:g} s instead of {wait:,.0f} s; jumps wait at most {MAX_WAIT_S:g} s in all)",
+                          file=out, flush=True)
+                    wait = allowed
+                    jump_waited += allowed
+                time.sleep(wait)
+            previous = b
+            _replay_one(mirrors, errors, b, out, replayer.infer_gaps, label)
+            applied += 1
+    except KeyboardInterrupt:  # Ctrl-C: stop replaying and print the state so far, as watch does
+        interrupted = True
+        print(f"(interrupted: the state below is after {applied:,} of the capture's {len(capture.batches):,} "
+              f"batches)", file=out, flush=True)
     n_errors = len(errors)
-    for m in capture.trailing:
+    for m in ([] if interrupted else capture.trailing):
         CaptureReplay.apply_marker(mirrors, errors, m, replayer.infer_gaps)
     for e in errors[n_errors:]:
         print(e, file=out)

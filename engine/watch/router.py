@@ -417,9 +417,13 @@ def from_live(args):
         for sv in servers:
             for stream, e, rep in zip(sv.streams, sv.endpoints, sv.replays):
                 subs.append(KVEventSubscriber(e, rep, rank=stream))
-        deadline = time.monotonic() + args.wait
-        while time.monotonic() < deadline:
-            time.sleep(0.1)
+        start = time.monotonic()
+        try:
+            while time.monotonic() < start + args.wait:
+                time.sleep(0.1)
+        except KeyboardInterrupt:  # Ctrl-C: answer now, with what was heard (as watch ends on Ctrl-C)
+            print(f"interrupted after {time.monotonic() - start:.1f} s of --wait {args.wait:g}: answering with "
+                  f"what was heard", file=sys.stderr, flush=True)
         views = {s.rank: s.view() for s in subs}
     finally:
         for s in subs:

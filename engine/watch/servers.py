@@ -87,6 +87,15 @@ def _split(text: str) -> list[str]:
     return [p.strip() for p in text.split(",") if p.strip()]
 
 
+def _split_strict(text: str, where: str) -> list[str]:
+    """``A,B`` as its items; ValueError naming the value when one is empty (``A,,`` / a trailing comma)."""
+    parts = [p.strip() for p in text.split(",")]
+    if any(not p for p in parts):
+        raise ValueError(f"{where} {text!r}: an empty endpoint (two commas, or one at the end): give "
+                         f"ENDPOINT[,ENDPOINT...]")
+    return parts
+
+
 def parse_servers(servers: list[str], replays: list[str] | None = None,
                   metrics: list[str] | None = None) -> list[ServerSpec]:
     """The ``--server`` / ``--replay`` / ``--metrics`` values as ServerSpecs (streams numbered)."""
@@ -95,12 +104,17 @@ def parse_servers(servers: list[str], replays: list[str] | None = None,
         name, rest = _named(value, "--server", "ENDPOINT[,ENDPOINT...]")
         if name in specs:
             raise ValueError(f"--server {value!r}: the name {name!r} is given twice")
-        endpoints = [check_endpoint(e, f"--server {name}: endpoint") for e in _split(rest)]
+        endpoints = [check_endpoint(e, f"--server {name}: endpoint") for e in _split_strict(rest, f"--server {name}:")]
+        for e in endpoints:
+            other = next((sp.name for sp in specs.values() if e in sp.endpoints), None)
+            if other is not None or endpoints.count(e) > 1:
+                raise ValueError(f"--server {value!r}: the endpoint {e!r} is given twice"
+                                 + (f" (also server {other!r})" if other else "") + ": one stream is one server's")
         specs[name] = ServerSpec(name, endpoints, [None] * len(endpoints))
     for value in replays or []:
         name, rest = _named(value, "--replay", "ENDPOINT[,ENDPOINT...]")
         spec = _known(specs, name, "--replay", value)
-        eps = [check_endpoint(e, f"--replay {name}: endpoint") for e in _split(rest)]
+        eps = [check_endpoint(e, f"--replay {name}: endpoint") for e in _split_strict(rest, f"--replay {name}:")]
         if len(eps) != len(spec.endpoints):
             raise ValueError(f"--replay {value!r}: {len(eps)} replay endpoint(s) for the {len(spec.endpoints)} "
                              f"endpoint(s) of server {name!r}: give one per endpoint, in the same order")
@@ -159,6 +173,10 @@ def parse_page(endpoints: str, replays: str = "", metrics: str = "") -> list[Ser
     ``;`` or new lines), or, with no name anywhere, one server (endpoints comma or newline separated, as
     before). Raises ValueError naming the bad value."""
     entries = page_entries(endpoints)
+    for e in entries:
+        m = re.match(r"^([A-Za-z0-9_.-]{1,40})\s+(\S+://\S*)$", e)
+        if m:
+            raise ValueError(f"server entry {e!r}: write NAME=ENDPOINT ({m.group(1)}={m.group(2)}), not a space")
     if not any(is_named(e) for e in entries):
         eps = _split(",".join(entries))
         reps = _split(",".join(page_entries(replays)))

@@ -180,3 +180,25 @@ def test_route_cli_prompt_ids_beyond_the_vocabulary(capsys):
     rc, _, err = route_cli(["--capture", str(SHIPPED), "--prompt-ids", "1,999999", "--tokenizer",
                             str(ROOT / "assets" / "tiny_model")], capsys)
     assert rc == 2 and "token 1 is 999999, beyond the vocabulary of 2,048 ids" in err
+
+
+def test_the_page_router_panel_refuses_a_text_prompt_past_the_model():
+    from engine.kv_publisher import KVEventPublisher
+    from test_ui_server import connect, new_app, rerun_until, shown, texts
+
+    at = new_app("Live server")
+    try:
+        with KVEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") as lab:
+            lab.publish([stored([1], None, [1, 2])])
+            connect(at, f"lab={lab.endpoint}", f"lab={lab.replay_endpoint}", "")
+            assert rerun_until(at, lambda x: len(shown(x)) == 1 and shown(x)[0]["cached blocks"] == "1"), texts(at)
+            at.radio(key="live_router_kind").set_value("text")
+            at.text_area(key="live_router_prompt").set_value("ROMEO. But soft, what light " * 400).run()
+            assert not at.exception
+            table = next(m.value for m in at.markdown if m.value.startswith("| server |"))
+            assert "| lab | cannot take it: the prompt is" in table and "more than 2,048" in table
+            assert "No server is a candidate" in " ".join(w.value for w in at.warning)
+    finally:
+        live = at.session_state["server_live"] if "server_live" in at.session_state else None
+        if live is not None:
+            live.stop()

@@ -543,7 +543,7 @@ def router_panel(servers, mirrors: dict, values: dict, key: str, unavailable: di
             return {}
         try:
             ids = parse_ids(text) if kind == "token ids" else tokenize(text)
-            result = route(servers, mirrors, ids, values, unavailable=unavailable)
+            result = route(servers, mirrors, ids, values, unavailable=unavailable, model_limit=prompt_limit(kind))
         except ValueError as exc:
             st.error(f"Router view: {exc}")
             return {}
@@ -566,7 +566,7 @@ def router_panel(servers, mirrors: dict, values: dict, key: str, unavailable: di
         for n in notes:
             st.caption(n)
         if result["choice"] is None:
-            st.warning("No server is a candidate: none of their KV events could be read.")
+            st.warning("No server is a candidate (each row says why).")
         else:
             st.markdown(f"A KV-aware router would send it to **{result['choice']}**.", help=ROUTER_HELP)
         return {result["_streams"][n]: result["_hashes"][n] for n in result["_streams"]}
@@ -578,7 +578,17 @@ def tokenize(text: str) -> list[int]:
     if not folder or not Path(folder).is_dir():
         raise ValueError(f"a text prompt needs the server's tokenizer: the sidebar's folder {folder!r} is not one "
                          f"(or paste token ids)")
-    return check_prompt(load_tokenizer(folder)(text)["input_ids"])
+    return check_prompt(load_tokenizer(folder)(text, verbose=False)["input_ids"])
+
+
+def prompt_limit(kind: str) -> tuple[int, str] | None:
+    """The sidebar tokenizer's model limit (``router.model_limit``) for a text prompt, or None."""
+    folder = st.session_state.get("server_tokenizer", EMBEDDED_MODEL).strip()
+    if kind == "token ids" or not folder or not Path(folder).is_dir():
+        return None
+    from engine.watch.router import model_limit
+
+    return model_limit(load_tokenizer(folder), folder)
 
 
 # ---------------------------------------------------------------------------------------------- replay

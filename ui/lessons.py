@@ -17,7 +17,7 @@ lessons = catalog()
 st.markdown(
     f"{NUMBER_WORDS.get(len(lessons), len(lessons))} short lessons on how a language-model server keeps its KV "
     "cache in memory, taught on the same engine the Playground runs. Each lesson asks you to **predict** what "
-    "the engine will do before it runs, then shows what it did. Go in order; each takes 5 to 15 minutes. "
+    "the engine will do before it runs, then shows what it did. Go in order; each takes 8 to 16 minutes. "
     "Your answers are kept in this page's link: a reload or a bookmark resumes where you were."
 )
 total_answered = total = 0

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from metrics_http import serve_metrics
 
 from engine.watch.cache_mirror import PrefixCacheMirror
 
@@ -574,25 +575,8 @@ vllm:num_preemptions_total{engine="0",model_name="m"} 3.0
 @pytest.fixture
 def metrics_url():
     """A tiny HTTP server answering /metrics in vLLM's exposition format."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            body = METRICS_TEXT.encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/metrics"
-    server.shutdown()
-    server.server_close()
+    with serve_metrics(lambda: METRICS_TEXT) as url:
+        yield url
 
 
 def test_metrics_give_the_pool_share_and_the_servers_own_counters(live_app, metrics_url):

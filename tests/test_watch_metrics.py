@@ -12,9 +12,9 @@ import threading
 import time
 import urllib.request
 from argparse import Namespace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from metrics_http import serve_metrics
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import metrics
@@ -39,27 +39,16 @@ def growing_metrics():
     """/metrics whose counters grow by 100 queries and 40 hits per read, after 200 / 50 (lifetime 25%)."""
     reads = {"n": 0}
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            n = reads["n"]
-            reads["n"] += 1
-            body = (f'vllm:cache_config_info{{block_size="2",num_gpu_blocks="11"}} 1.0\n'
-                    f'vllm:kv_cache_usage_perc{{engine="0"}} 0.0\n'
-                    f'vllm:prefix_cache_queries_total{{engine="0"}} {200 + 100 * n}\n'
-                    f'vllm:prefix_cache_hits_total{{engine="0"}} {50 + 40 * n}\n').encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def body() -> str:
+        n = reads["n"]
+        reads["n"] += 1
+        return (f'vllm:cache_config_info{{block_size="2",num_gpu_blocks="11"}} 1.0\n'
+                f'vllm:kv_cache_usage_perc{{engine="0"}} 0.0\n'
+                f'vllm:prefix_cache_queries_total{{engine="0"}} {200 + 100 * n}\n'
+                f'vllm:prefix_cache_hits_total{{engine="0"}} {50 + 40 * n}\n')
 
-        def log_message(self, *a):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/metrics"
-    server.shutdown()
-    server.server_close()
+    with serve_metrics(body) as url:
+        yield url
 
 
 def samples(url: str) -> dict:

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import io
 import json
-import threading
 from argparse import Namespace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from metrics_http import serve_metrics
 
 from engine.kv_publisher import KVEventPublisher
 from engine.watch import servers as sv
@@ -40,23 +39,8 @@ def stored(hashes: list[int], parent: int | None, tokens: list[int], block_size:
 
 @pytest.fixture(scope="module")
 def metrics_url():
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            body = METRICS_TEXT.encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *a):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/metrics"
-    server.shutdown()
-    server.server_close()
+    with serve_metrics(lambda: METRICS_TEXT) as url:
+        yield url
 
 
 def args(**kw) -> Namespace:

@@ -198,20 +198,14 @@ class BlockPool:
         one per call and group (hashes in order, their tokens concatenated, the parent of the first):
         ``key`` is (request, logical block index)."""
         h = block_hash(parent, tokens)
-        self.block_hashes[b] = h
-        self._cache(group).setdefault(h, {})[b] = None
-        if group:
-            self.block_groups[b] = group
+        self._make_findable(b, h, group)
         seq, index = key
         last = self.kv_events[-1] if self.kv_events else None
         if last is not None and last["type"] == "BlockStored" and self._last_stored == (seq, group, index - 1):
             last["block_hashes"].append(h)
             last["token_ids"].extend(tokens)
         else:
-            self.kv_events.append({"type": "BlockStored", "block_hashes": [h],
-                                   "parent_block_hash": parent if index > 0 else None,
-                                   "token_ids": list(tokens), "block_size": self.block_size, "lora_id": None,
-                                   "medium": "GPU", "lora_name": None, **({"group_idx": group} if group else {})})
+            self.kv_events.append(self._stored_event([h], parent if index > 0 else None, tokens, group))
         self._last_stored = (seq, group, index)
 
     def cache_blocks(self, entries: list[tuple[int, str]], parent: str | None, tokens: list[int], group: int) -> None:
@@ -220,15 +214,23 @@ class BlockPool:
         after the prefix hashed ``parent`` (None: from the start): vLLM's ``cache_full_blocks`` with a block
         mask (a sliding-window group keeps only the blocks a hit can use)."""
         for b, h in entries:
-            self.block_hashes[b] = h
-            self._cache(group).setdefault(h, {})[b] = None
-            if group:
-                self.block_groups[b] = group
-        self.kv_events.append({"type": "BlockStored", "block_hashes": [h for _, h in entries],
-                               "parent_block_hash": parent, "token_ids": list(tokens), "block_size": self.block_size,
-                               "lora_id": None, "medium": "GPU", "lora_name": None,
-                               **({"group_idx": group} if group else {})})
+            self._make_findable(b, h, group)
+        self.kv_events.append(self._stored_event([h for _, h in entries], parent, tokens, group))
         self._last_stored = None
+
+    def _make_findable(self, b: int, h: str, group: int) -> None:
+        """Block ``b`` carries hash ``h`` and is found by it in KV cache group ``group``'s cached-block map."""
+        self.block_hashes[b] = h
+        self._cache(group).setdefault(h, {})[b] = None
+        if group:
+            self.block_groups[b] = group
+
+    def _stored_event(self, hashes: list[str], parent: str | None, tokens, group: int) -> dict:
+        """vLLM's "BlockStored" KV event (its schema, ``engine/kv_events.py``); ``group_idx`` only for groups
+        after the first."""
+        return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+                "token_ids": list(tokens), "block_size": self.block_size, "lora_id": None, "medium": "GPU",
+                "lora_name": None, **({"group_idx": group} if group else {})}
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash, as vLLM's ``BlockPool.reset_prefix_cache``: refused (returns False,

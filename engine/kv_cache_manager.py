@@ -55,7 +55,7 @@ from .block_pool import NONE_HASH, BlockPool, NoFreeBlocksError, block_hash, pre
 from .metrics import blocks_for
 from .records import EventKind, EventLog
 from .single_type_kv_cache_manager import (NULL_BLOCK, FullAttentionManager, KVCacheGroupSpec,
-                                           SingleTypeKVCacheManager, SlidingWindowManager, manager_for)
+                                           SingleTypeKVCacheManager, manager_for)
 
 
 class KVCacheManager:
@@ -520,16 +520,10 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------------------------- KV cache groups
     def set_max_in_flight_tokens(self, max_in_flight_tokens: int, max_model_len: int) -> None:
-        """Cap what an admission counts for a sliding group (vLLM 0.32's
-        ``SlidingWindowSpec.max_admission_blocks_per_request``, kv_cache_interface.py:859-884):
-        ``ceil(min(window - 1 + max_in_flight_tokens, max_model_len) / B) + 1`` blocks, where
-        ``max_in_flight_tokens`` is the step's token budget (``max_num_batched_tokens``, one batch in
-        flight without async scheduling): a request never holds more in that group, as its window frees
-        blocks before each chunk takes new ones."""
+        """Each group caps what an admission counts for it (a sliding group: vLLM's
+        ``max_admission_blocks_per_request``, ``SlidingWindowManager.set_max_in_flight_tokens``)."""
         for m in self.managers:
-            if isinstance(m, SlidingWindowManager):
-                tokens = min(m.sliding_window - 1 + max_in_flight_tokens, max_model_len)
-                m.max_admission_blocks = blocks_for(tokens, self.block_size) + 1
+            m.set_max_in_flight_tokens(max_in_flight_tokens, max_model_len)
 
     def group_block_tables(self, seq_id: str) -> tuple[list[int], ...]:
         """``seq_id``'s block table in every KV cache group, in group order (``NULL_BLOCK`` where a sliding

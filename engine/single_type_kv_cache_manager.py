@@ -43,7 +43,10 @@ class SingleTypeKVCacheManager(ABC):
     prefix cache (under this group's id, ``group_id``: the same hash in two groups is two entries).
 
     ``max_admission_blocks``: the most blocks an admission counts for one request in this group (vLLM's
-    ``max_admission_blocks_per_request``; None: no cap, full attention holds every block to the end)."""
+    ``max_admission_blocks_per_request``; None: no cap, full attention holds every block to the end).
+    ``sliding_window``: the tokens a layer of this group attends to (None: every earlier token)."""
+
+    sliding_window: int | None = None
 
     def __init__(self, pool: BlockPool, enable_caching: bool = False, group_id: int = 0) -> None:
         self.pool = pool
@@ -61,6 +64,10 @@ class SingleTypeKVCacheManager(ABC):
     @abstractmethod
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> list[int]:
         """Give back the blocks no token after ``num_computed_tokens`` attends to; returns them."""
+
+    def set_max_in_flight_tokens(self, max_in_flight_tokens: int, max_model_len: int) -> None:
+        """Cap what an admission counts for this group given the step's token budget; no cap by default
+        (full attention holds every block to the end)."""
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Tokens before the window of the next token to compute (vLLM's default: none)."""
@@ -178,6 +185,16 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             raise ValueError(f"sliding_window must be a positive integer, got {sliding_window!r}")
         super().__init__(pool, enable_caching, group_id)
         self.sliding_window = sliding_window
+
+    def set_max_in_flight_tokens(self, max_in_flight_tokens: int, max_model_len: int) -> None:
+        """Cap what an admission counts for this group (vLLM 0.32's
+        ``SlidingWindowSpec.max_admission_blocks_per_request``, kv_cache_interface.py:859-884):
+        ``ceil(min(window - 1 + max_in_flight_tokens, max_model_len) / B) + 1`` blocks, where
+        ``max_in_flight_tokens`` is the step's token budget (``max_num_batched_tokens``, one batch in
+        flight without async scheduling): a request never holds more in this group, as its window frees
+        blocks before each chunk takes new ones."""
+        tokens = min(self.sliding_window - 1 + max_in_flight_tokens, max_model_len)
+        self.max_admission_blocks = blocks_for(tokens, self.block_size) + 1
 
     @property
     def contiguous_blocks_for_hit(self) -> int:

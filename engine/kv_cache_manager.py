@@ -147,7 +147,7 @@ class KVCacheManager:
         hashes = list(prefix_hashes(token_ids, B, max_blocks))
         is_full = [isinstance(m, FullAttentionManager) for m in self.managers]
         order = sorted(groups, key=lambda g: not is_full[g])
-        kinds = {(type(m), getattr(m, "sliding_window", None)) for m in self.managers}
+        kinds = {(type(m), m.sliding_window) for m in self.managers}
         simple = len(kinds) == 2 and is_full[order[0]]
         blocks: list[list[int] | None] = [None] * len(self.managers)
         lengths = [0] * len(self.managers)

@@ -37,7 +37,8 @@ from .memory_check import check_memory
 from .model_loader import geometry_from_config, load_model, resolve_device, resolve_dtype
 from .model_runner import ModelRunner
 from .output_processor import parent_output, request_output, sequence_states
-from .records import EventLog, ScheduledSequence, SequenceState, Snapshot, StepRecord, make_snapshot
+from .records import (EventLog, ScheduledSequence, SequenceState, Snapshot, StepRecord, kv_cache_group_dicts,
+                      make_snapshot)
 from .sampler import sample_batch
 from .scheduler import Scheduler
 from .scheduler_v1 import SchedulerV1
@@ -335,7 +336,7 @@ class LLMEngine:
         self._touched.update(output.req_ids)
         rows = self.runner.execute_model(output)
         for child, parent in output.sample_from.items():  # the n samples share their prompt's logits
-            rows[child] = rows[parent]
+            rows.setdefault(child, rows[parent])  # (a replaying runner answers each sample itself)
         requests = [self.requests[rid] for rid in output.req_ids]
         sampled = self._sample([r for r in requests if not r.is_beam_search], rows)
         beams = {r.request_id: beam_search.decide(r, rows, self.scheduler.is_stop)
@@ -396,7 +397,8 @@ class LLMEngine:
         queues = dict(waiting=list(map(request_id, self.scheduler.waiting)),
                       running=list(map(request_id, self.scheduler.running)),
                       swapped=list(map(request_id, self.scheduler.swapped)))
-        snapshot = make_snapshot(sequences=states, **bm.snapshot_fields(), **queues)
+        snapshot = make_snapshot(sequences=states, **bm.snapshot_fields(), **queues,
+                                 kv_cache_groups=kv_cache_group_dicts(getattr(bm, "groups", None)))
         bm.snapshot_taken(snapshot)  # the paged manager records the next one relative to it
         return snapshot
 

@@ -9,20 +9,27 @@ from __future__ import annotations
 
 import dataclasses
 
-from .records import SequenceState
+from .records import SequenceState, kv_cache_group_dicts
 from .sequence import FINISHED, CompletionOutput, Request, RequestOutput
 
 
 def sequence_states(req: Request, allocator) -> tuple[SequenceState, ...]:
     """The snapshot's view of each sequence of ``req`` now (a finished one with its last block table)."""
     states = []
+    num_groups = len(kv_cache_group_dicts(getattr(allocator, "groups", None)))
     for seq in req.seqs:
         held = allocator.table_of(seq.seq_id)
         table, n = held if held else (seq.last_block_table if seq.status == FINISHED else [], 0)
+        groups = []  # every KV cache group's table (a hybrid model's; SequenceState.group_block_tables)
+        if num_groups:
+            groups = (allocator.group_block_tables(seq.seq_id) if held
+                      else seq.last_group_block_tables if seq.status == FINISHED and seq.last_group_block_tables
+                      else [list(table)] * num_groups)  # holds nothing: every group's table is as empty
         states.append(SequenceState(
             seq_id=seq.seq_id, request_id=req.request_id, status=seq.status, prompt_len=seq.prompt_len,
             num_generated=len(seq.output_token_ids), num_tokens=n, block_table=list(table),
             token_ids=list(seq.token_ids), finish_reason=seq.finish_reason,
+            group_block_tables=[list(t) for t in groups],
         ))
     return tuple(states)
 

@@ -187,6 +187,12 @@ class SequenceState:
     ``token_ids`` is prompt + generated so far, so a viewer can show which text a block holds:
     token ``t`` lives in logical block ``t // block_size``. ``block_table`` is the GPU table, or the CPU
     swap-pool table while ``status`` is "swapped".
+
+    ``group_block_tables``: with KV cache groups (``Snapshot.kv_cache_groups`` not empty: a hybrid or
+    sliding-window model), the sequence's table in every group, in group order, each as long as
+    ``block_table``, ``NULL_BLOCK`` (-1) where a sliding-window group gave a block back (its window left
+    it); ``block_table`` is then the first full-attention group's table (the first group's if none is full
+    attention). Empty for a model of one full-attention group, where ``block_table`` says it all.
     """
 
     seq_id: str
@@ -198,6 +204,7 @@ class SequenceState:
     block_table: list[int]
     token_ids: list[int]
     finish_reason: str | None = None
+    group_block_tables: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -215,6 +222,12 @@ class Snapshot:
     1, per-block lists empty) and ``contiguous`` holds the region's layout and accounting: capacity,
     reservation, each reservation's start/length/used, the gaps, used, reserved-but-unused, internal and
     external fragmentation, free slots and the largest gap (``ContiguousAllocator.layout``).
+
+    ``kv_cache_groups``: one dict per KV cache group of a hybrid (or sliding-window) model, in group order
+    (``kv_cache_group_dicts``): ``{"kind": "full_attention" | "sliding_window", "sliding_window": tokens
+    or None, "layers": [decoder layer indices]}``; every group draws from this one pool and each sequence
+    has a table per group (``SequenceState.group_block_tables``). Empty for a model of one
+    full-attention group.
     """
 
     num_blocks: int
@@ -234,6 +247,7 @@ class Snapshot:
     prefix_cache: dict = field(default_factory=dict)
     allocator: str = "paged"
     contiguous: dict | None = None
+    kv_cache_groups: list[dict] = field(default_factory=list)
 
     def __getattr__(self, name: str):
         # Only reached for an attribute not set yet: the per-block lists of a snapshot built from a
@@ -262,6 +276,24 @@ class Snapshot:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+
+NULL_BLOCK = -1  # a group's table entry where a sliding window gave its block back (vLLM's null block)
+GROUP_KINDS = ("full_attention", "sliding_window")
+
+
+def kv_cache_group_dicts(groups) -> list[dict]:
+    """``Snapshot.kv_cache_groups`` of an allocator's KV cache groups (``KVCacheGroupSpec``s, or None): one
+    dict per group, ``{"kind", "sliding_window", "layers"}``; empty for None or a lone full-attention group
+    (a model whose every layer attends to everything)."""
+    if not groups or (len(groups) == 1 and groups[0].sliding_window is None):
+        return []
+    return [{"kind": g.kind, "sliding_window": g.sliding_window, "layers": list(g.layer_ids)} for g in groups]
+
+
+def shown_group(kv_cache_groups: list[dict]) -> int:
+    """The group whose table is ``SequenceState.block_table``: the first full-attention group, else 0."""
+    return next((g for g, d in enumerate(kv_cache_groups) if d["kind"] == "full_attention"), 0)
 
 
 POOL_LIST_FIELDS = ("ref_counts", "fills", "owners", "block_hashes", "swap_fills")
@@ -416,8 +448,10 @@ def _check_record(rec: "StepRecord") -> None:
     if (rec.kind == "idle") != (not rec.scheduled):
         raise ValueError(f"kind {rec.kind!r}: a step is idle exactly when it scheduled nothing "
                          f"({len(rec.scheduled)} sequences scheduled)")
+    _check_groups(snap)
+    sliding = any(g["kind"] == "sliding_window" for g in snap.kv_cache_groups)
     for i, e in enumerate(rec.kv_events):
-        _check_kv_event(i, e, snap.block_size)
+        _check_kv_event(i, e, snap.block_size, sliding and e.get("type") == "BlockStored")
     for i, e in enumerate(rec.events):
         schema = EVENT_DATA[e.kind]
         for key, value in e.data.items():
@@ -427,14 +461,58 @@ def _check_record(rec: "StepRecord") -> None:
                                  f"of that type")
 
 
+def _check_groups(snap: "Snapshot") -> None:
+    """KV cache groups: each dict well formed (its kind, a window exactly for a sliding group, its layers
+    disjoint from the others'); each sequence has one table per group (none without groups), all as long as
+    ``block_table``, the shown group's equal to it, ids in the pool, ``NULL_BLOCK`` only in a sliding group."""
+    groups, seen = snap.kv_cache_groups, set()
+    for g, d in enumerate(groups):
+        if set(d) != {"kind", "sliding_window", "layers"}:
+            raise ValueError(f"snapshot.kv_cache_groups.{g}: keys {sorted(d)} are not kind, sliding_window, layers")
+        kind, window, layers = d["kind"], d["sliding_window"], d["layers"]
+        if kind not in GROUP_KINDS:
+            raise ValueError(f"snapshot.kv_cache_groups.{g}.kind: {kind!r} is not one of {', '.join(GROUP_KINDS)}")
+        sliding = kind == "sliding_window"
+        if (window is not None) != sliding or (sliding and (isinstance(window, bool) or not isinstance(window, int)
+                                                            or window < 1)):
+            raise ValueError(f"snapshot.kv_cache_groups.{g}.sliding_window: {window!r} for a {kind} group "
+                             f"(a positive number of tokens for sliding_window, null for full_attention)")
+        if not isinstance(layers, list) or not layers or not all(
+                isinstance(l, int) and not isinstance(l, bool) and l >= 0 for l in layers) or seen & set(layers):
+            raise ValueError(f"snapshot.kv_cache_groups.{g}.layers: {layers!r} is not a non-empty list of layer "
+                             f"indices that no other group has")
+        seen.update(layers)
+    shown = shown_group(groups) if groups else None
+    for i, s in enumerate(snap.sequences):
+        tables = s.group_block_tables
+        where = f"snapshot.sequences.{i}.group_block_tables"
+        if len(tables) != len(groups):
+            raise ValueError(f"{where}: {len(tables)} tables for {len(groups)} KV cache groups ({s.seq_id})")
+        if not groups:
+            continue
+        if tables[shown] != s.block_table:
+            raise ValueError(f"{where}.{shown}: {tables[shown]} is not the block_table {s.block_table} ({s.seq_id})")
+        for g, table in enumerate(tables):
+            if len(table) != len(s.block_table):
+                raise ValueError(f"{where}.{g}: {len(table)} entries, block_table has {len(s.block_table)} ({s.seq_id})")
+            low = NULL_BLOCK if groups[g]["kind"] == "sliding_window" else 0
+            limit = snap.num_swap_blocks if s.status == "swapped" else snap.num_blocks
+            bad = [b for b in table if not low <= b < limit]
+            if bad:
+                raise ValueError(f"{where}.{g}: block {bad[0]} is not a block of the pool (0..{limit - 1}"
+                                 f"{', or -1 in a sliding-window group' if low else ''}) ({s.seq_id})")
+
+
 # vLLM's KV event types (vllm/distributed/kv_events.py) and the fields each must carry here
 KV_EVENT_FIELDS = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size"),
                    "BlockRemoved": ("block_hashes",), "AllBlocksCleared": ()}
 
 
-def _check_kv_event(i: int, e: dict, block_size: int) -> None:
-    """A KV event in vLLM's schema: a known type, its fields, hashes given, and for BlockStored one full
-    block of token ids per hash at the pool's block size."""
+def _check_kv_event(i: int, e: dict, block_size: int, sliding: bool = False) -> None:
+    """A KV event in vLLM's schema: a known type, its fields, hashes given, and for BlockStored token ids of
+    whole blocks at the pool's block size, one block per hash, except that a sliding-window group's
+    BlockStored covers a range of which it caches only the blocks a hit can use, possibly none
+    (vLLM's ``cache_full_blocks`` with a block mask; ``SlidingWindowManager.cache_blocks``)."""
     kind = e.get("type")
     if kind not in KV_EVENT_FIELDS:
         raise ValueError(f"kv_events.{i}.type: {kind!r} is not one of {', '.join(KV_EVENT_FIELDS)}")
@@ -444,14 +522,18 @@ def _check_kv_event(i: int, e: dict, block_size: int) -> None:
     if kind == "AllBlocksCleared":
         return
     hashes = e["block_hashes"]
-    if not isinstance(hashes, list) or not hashes or not all(isinstance(h, (str, int)) for h in hashes):
+    masked = kind == "BlockStored" and sliding  # a model with a sliding group: its block mask may keep none
+    if not isinstance(hashes, list) or not (hashes or masked) or not all(isinstance(h, (str, int)) for h in hashes):
         raise ValueError(f"kv_events.{i}.block_hashes: {hashes!r} is not a non-empty list of hashes")
     if kind == "BlockStored":
         tokens, size = e["token_ids"], e["block_size"]
-        if size != block_size or not isinstance(tokens, list) or len(tokens) != len(hashes) * size \
+        whole = isinstance(tokens, list) and tokens and size and len(tokens) % size == 0 \
+            and len(hashes) <= len(tokens) // size if masked else isinstance(tokens, list) and len(tokens) == len(hashes) * size
+        if size != block_size or not whole \
                 or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
             raise ValueError(f"kv_events.{i}: a BlockStored of {len(hashes)} blocks of {size} tokens needs "
-                             f"{len(hashes) * size} token ids (pool block size {block_size})")
+                             f"{len(hashes) * size} token ids{' or more, whole blocks (a sliding-window group)' if masked else ''}"
+                             f" (pool block size {block_size})")
 
 
 def write_trace(records: Iterable[StepRecord], path: str | Path) -> int:

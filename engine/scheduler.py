@@ -353,6 +353,8 @@ class Scheduler:
         """One sequence is done: free its blocks at once."""
         held = self.block_manager.table_of(seq.seq_id)
         seq.last_block_table = list(held[0]) if held else []
+        if held and getattr(self.block_manager, "hybrid", False):  # each KV cache group's table (the record's)
+            seq.last_group_block_tables = [list(t) for t in self.block_manager.group_block_tables(seq.seq_id)]
         seq.status = FINISHED
         seq.finish_reason = reason
         self.block_manager.free(seq.seq_id, final_len=seq.num_tokens)

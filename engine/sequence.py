@@ -42,6 +42,7 @@ class Sequence:
     finish_reason: str | None = None
     score: float = 0.0  # beam search: accumulated log-probability
     last_block_table: list[int] = field(default_factory=list)
+    last_group_block_tables: list[list[int]] = field(default_factory=list)  # KV cache groups: each one's last
 
     @property
     def output_token_ids(self) -> list[int]:

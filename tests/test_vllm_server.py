@@ -99,7 +99,7 @@ def test_command_line():
     cmd = s.command()
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     for flag, value in [("--num-gpu-blocks-override", "9"), ("--block-size", "32"), ("--dtype", "float32"),
-                        ("--host", "127.0.0.1"), ("--port", "18000")]:
+                        ("--host", "127.0.0.1"), ("--port", "18000"), ("--distributed-executor-backend", "uni")]:
         assert cmd[cmd.index(flag) + 1] == value
     assert "--enforce-eager" in cmd and "--enable-prefix-caching" in cmd
     kv = msgspec.json.decode(cmd[cmd.index("--kv-events-config") + 1])

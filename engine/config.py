@@ -133,6 +133,10 @@ class EngineConfig:
         kv_events_topic: the first frame of every message (vLLM's default "").
         kv_events_data_parallel_rank: the rank written into every published batch (vLLM's
             ``data_parallel_rank``; a lab engine standing in for one rank of a data-parallel server).
+        num_threads: torch's intra-op threads for this process, set when the engine is built. None: the
+            caller's choice if it made one (``OMP_NUM_THREADS``, ``torch.set_num_threads`` before the engine,
+            ``engine.threads.configure_threads``), else the engine chooses as vLLM's CPU backend does
+            (``engine.threads.engine_threads``: the cores of one NUMA node less one, and no more than are free).
 
     Raises:
         ValueError: a field is out of range, naming the field and the value.
@@ -161,6 +165,7 @@ class EngineConfig:
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""
     kv_events_data_parallel_rank: int = 0
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.semantics not in SEMANTICS:
@@ -177,6 +182,7 @@ class EngineConfig:
         _check_positive_int("max_model_len", self.max_model_len, allow_none=True)
         _check_positive_int("max_num_seqs", self.max_num_seqs)
         _check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
+        _check_positive_int("num_threads", self.num_threads, allow_none=True)
         if self.num_blocks is not None and self.kv_budget_bytes is not None:
             raise ValueError(
                 f"give num_blocks ({self.num_blocks}) or kv_budget_bytes ({self.kv_budget_bytes}), not both"

@@ -40,6 +40,7 @@ from .output_processor import parent_output, request_output, sequence_states
 from .records import (EventLog, ScheduledSequence, SequenceState, Snapshot, StepRecord, kv_cache_group_dicts,
                       make_snapshot)
 from .sampler import sample_batch
+from .threads import engine_threads
 from .scheduler import Scheduler
 from .scheduler_v1 import SchedulerV1
 from .sequence import FINISHED, Request, RequestOutput
@@ -67,6 +68,8 @@ class LLMEngine:
         keeps one copy of the weights for all sessions)."""
         config = config or EngineConfig()
         self.config = config
+        # torch's threads: the caller's choice, else as vLLM's CPU backend picks them (engine.threads)
+        self.num_threads, self.threads_why = engine_threads(config.num_threads)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.backend = kernels.resolve_backend(config.attention_backend, self.device)

@@ -5,6 +5,9 @@ section 2.2), computed by the engine's own ``KVGeometry`` from a transformers co
 well-known models live in ``lessons/data/models/*.json`` with the URL of the config.json they copy;
 parameter counts are not typed in but counted by building the model on PyTorch's "meta" device (no memory,
 no download).
+
+Lesson 10 adds hybrid models (some layers attend over a sliding window): their KV cache groups, bytes per
+token per group, and how many requests fit against an all-full-attention twin (``hybrid_fit``).
 """
 
 from __future__ import annotations
@@ -49,8 +52,30 @@ class Gpu:
         return int(self.memory_gb * GB)
 
 
+class _FrozenDict(tuple):
+    """A nested dict of a config (e.g. ``rope_scaling``) as sorted (key, value) pairs, hashable."""
+
+
+def _freeze_value(v):
+    if isinstance(v, dict):
+        return _FrozenDict(sorted((k, _freeze_value(x)) for k, x in v.items()))
+    if isinstance(v, list):
+        return tuple(_freeze_value(x) for x in v)
+    return v
+
+
+def _thaw_value(v):
+    if isinstance(v, _FrozenDict):
+        return {k: _thaw_value(x) for k, x in v}
+    if isinstance(v, tuple):
+        return [_thaw_value(x) for x in v]
+    return v
+
+
 def _freeze(d: dict) -> tuple:
-    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in d.items()))
+    """A config's fields as sorted (key, value) pairs, hashable (lists as tuples, nested dicts as
+    ``_FrozenDict``), so built configs and parameter counts can be cached by them."""
+    return tuple(sorted((k, _freeze_value(v)) for k, v in d.items()))
 
 
 @lru_cache(maxsize=None)
@@ -58,23 +83,38 @@ def _config(fields: tuple):
     from engine.model_loader import transformers_api
 
     AutoConfig = transformers_api().AutoConfig
-    d = {k: list(v) if isinstance(v, tuple) else v for k, v in fields}
+    d = {k: _thaw_value(v) for k, v in fields}
     model_type = d.pop("model_type")
     d.pop("architectures", None)
     d.pop("torch_dtype", None)
+    d.pop("quantization_config", None)  # how the weights ship (``weight_bytes``); not built on the meta device
     return AutoConfig.for_model(model_type, **d)
 
 
-def model_presets() -> dict[str, ModelPreset]:
-    """Every JSON preset under ``lessons/data/models`` by file name. Raises ValueError naming a bad file."""
+def model_presets(include_hybrid: bool = False) -> dict[str, ModelPreset]:
+    """The JSON presets under ``lessons/data/models`` by file name: those whose every layer attends to every
+    earlier token, and with ``include_hybrid`` also those with sliding-window layers (gpt-oss, Gemma 3:
+    lesson 10). Lessons 1-9 compute bytes per token as if every layer kept the whole context, which
+    overstates a hybrid model's KV cache at long contexts, so they list only the others.
+    Raises ValueError naming a bad file."""
     out = {}
     for path in sorted((DATA / "models").glob("*.json")):
         try:
             d = json.loads(path.read_text())
-            out[path.stem] = ModelPreset(path.stem, d["name"], d["source"], d.get("note", ""), _freeze(d["config"]))
+            preset = ModelPreset(path.stem, d["name"], d["source"], d.get("note", ""), _freeze(d["config"]))
         except (KeyError, json.JSONDecodeError) as exc:
             raise ValueError(f"{path.name}: not a model preset ({exc})") from exc
+        if include_hybrid or not is_hybrid(preset):
+            out[path.stem] = preset
     return out
+
+
+def is_hybrid(preset: ModelPreset) -> bool:
+    """Whether any layer of the preset's config attends over a sliding window (``layer_types`` /
+    ``sliding_window``, read by the engine's ``engine.kv_cache.layer_windows``)."""
+    from engine.kv_cache import layer_windows
+
+    return any(w is not None for w in layer_windows(preset.config))
 
 
 def gpus() -> list[Gpu]:
@@ -242,3 +282,103 @@ def plan_kv_cache(memory_bytes: int, weight_bytes: int, bytes_per_token: int, ma
         raise ValueError(f"utilization must be in (0, 1], got {utilization!r}")
     return KVPlan(math.ceil(memory_bytes * utilization), weight_bytes, activation_bytes, other_bytes,
                   bytes_per_token, block_size, max_model_len)
+
+
+# ------------------------------------------------------------------------------ hybrid models (lesson 10)
+MXFP4_BITS = 4.25  # MXFP4 (OCP Microscaling): 4-bit values, one 8-bit scale per block of 32 -> 4 + 8/32 bits
+
+
+@dataclass(frozen=True)
+class GroupCost:
+    """One KV cache group of a model (``engine.kv_cache.kv_cache_groups``: vLLM's grouping, every group
+    with as many layers): its layers, its window (None: full attention) and the bytes one token takes in it,
+    2 (K and V) x its layers x KV heads x head_dim x bytes per element."""
+
+    layers: tuple[int, ...]
+    sliding_window: int | None
+    bytes_per_token: int
+
+    @property
+    def kind(self) -> str:
+        return "full attention" if self.sliding_window is None else f"sliding window {self.sliding_window:,}"
+
+
+def group_costs(config, dtype: str) -> list[GroupCost]:
+    """The KV cache groups of ``config`` with each one's bytes per token, in the engine's group order.
+    Raises ValueError for a dtype outside ``KV_DTYPES`` or a bad ``layer_types`` / ``sliding_window``."""
+    from engine.kv_cache import kv_cache_groups
+
+    g = geometry(config, dtype)
+    per_layer = 2 * g.num_kv_heads * g.head_dim * g.dtype_bytes
+    return [GroupCost(spec.layer_ids, spec.sliding_window, per_layer * len(spec.layer_ids))
+            for spec in kv_cache_groups(config)]
+
+
+def weight_bytes(preset: ModelPreset) -> int:
+    """Bytes of the preset's weights as they ship: parameters (counted on the meta device) x the config
+    dtype's bytes, except, with an MXFP4 ``quantization_config`` (gpt-oss), the experts' weight matrices
+    (``.mlp.experts.`` parameters other than biases) at ``MXFP4_BITS`` bits each (rounded up to a byte)."""
+    fields = dict(preset.config_fields)
+    dtype_bytes = geometry(preset.config, preset.dtype).dtype_bytes
+    quant = _thaw_value(fields.get("quantization_config")) or {}
+    if quant.get("quant_method") != "mxfp4":
+        return parameter_count(preset) * dtype_bytes
+    total, experts = _count_expert_parameters(preset.config_fields)
+    return (total - experts) * dtype_bytes + math.ceil(experts * MXFP4_BITS / 8)
+
+
+@lru_cache(maxsize=8)
+def _count_expert_parameters(fields: tuple) -> tuple[int, int]:
+    """(all parameters, the experts' weight-matrix parameters) of the config, counted on the meta device."""
+    import torch
+
+    from engine.model_loader import transformers_api
+
+    with torch.device("meta"):
+        model = transformers_api().AutoModelForCausalLM.from_config(_config(fields))
+    total = experts = 0
+    for name, p in model.named_parameters():
+        total += p.numel()
+        if ".mlp.experts." in name and not name.endswith("bias"):
+            experts += p.numel()
+    return total, experts
+
+
+@dataclass(frozen=True)
+class HybridFit:
+    """Requests of ``context_tokens`` tokens that fit on a GPU, for a hybrid model and for its
+    all-full-attention twin (the same KV cache groups and block bytes, every layer keeping the whole
+    context). Bytes, except the counts."""
+
+    kv_bytes: int               # the KV budget, as ``gpu_fit`` computes it (lesson 1's convention)
+    page_bytes: int             # one block: block_size tokens of one group's layers (vLLM's page size)
+    num_blocks: int             # kv_bytes // page_bytes
+    blocks_per_request: int     # a hybrid request's blocks, every group together
+    twin_blocks_per_request: int
+    requests: int               # num_blocks // blocks_per_request
+    twin_requests: int
+
+
+def hybrid_fit(memory_bytes: int, weight_bytes: int, config, dtype: str, context_tokens: int,
+               block_size: int = 16, utilization: float = VLLM_GPU_MEMORY_UTILIZATION) -> HybridFit:
+    """How many requests holding ``context_tokens`` tokens each (all computed) fit at once.
+
+    The budget is lesson 1's (``gpu_fit``: memory x utilization - weights; activations ignored). It is cut
+    into blocks of one page: ``block_size`` tokens of the layers of one KV cache group (every group has as
+    many layers, and every group draws its blocks from the one pool: vLLM's ``get_kv_cache_config_from_groups``,
+    the engine's ``engine.kv_cache.page_bytes``). The twin's request takes ``ceil(context / block_size)``
+    blocks in every group; the hybrid one takes ``engine.metrics.hybrid_blocks_saved`` fewer (the blocks its
+    sliding-window groups gave back). vLLM's start-up "maximum concurrency" is lower for the hybrid model:
+    it budgets a sliding group for a whole prompt chunk in flight (``SlidingWindowSpec.
+    max_admission_blocks_per_request``), not for a decoding request. Raises ValueError as ``gpu_fit``."""
+    from engine.kv_cache import kv_cache_groups, page_bytes
+    from engine.metrics import blocks_for, hybrid_blocks_saved
+
+    groups = kv_cache_groups(config)
+    g = geometry(config, dtype)
+    kv = gpu_fit(memory_bytes, weight_bytes, g.bytes_per_token, context_tokens, utilization).kv_bytes
+    page = page_bytes(g, block_size, groups)
+    twin = len(groups) * blocks_for(context_tokens, block_size)
+    hybrid = twin - hybrid_blocks_saved(context_tokens, block_size, [s.sliding_window for s in groups])
+    n = kv // page
+    return HybridFit(kv, page, n, hybrid, twin, n // hybrid, n // twin)

@@ -4,7 +4,7 @@ The app keeps the code in the page's URL (``?progress=...``), so a reload or a b
 learner was, and shows it on the lessons' overview, to carry to another browser. What it holds: each
 committed answer as typed ("slug:exercise id" -> the raw answer and whether it was right), whether the first
 answer was right, and the lessons shown whole. JSON, zlib-compressed, base64url: about 300 characters for
-all nine lessons answered.
+all ten lessons answered.
 """
 
 from __future__ import annotations

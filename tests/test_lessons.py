@@ -35,9 +35,9 @@ def exercises(ctx, slug) -> dict[str, Exercise]:
 
 
 # ------------------------------------------------------------------------------------------ structure
-def test_catalog_has_the_nine_lessons_in_order():
-    assert [l.number for l in LESSONS] == list(range(1, 10))
-    assert len({l.url_path for l in LESSONS}) == 9
+def test_catalog_has_the_ten_lessons_in_order():
+    assert [l.number for l in LESSONS] == list(range(1, 11))
+    assert len({l.url_path for l in LESSONS}) == 10
     for lesson in LESSONS:
         assert Path(APP).parent.joinpath(lesson.page_path).is_file()
 

@@ -54,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="contiguous baseline: how much a request reserves (default: the scenario's, or max): "
                           "max, max_tokens (prompt + max_tokens), pow2 or oracle (its true final length, "
                           "learned from the paged run)")
-    run.add_argument("--semantics", choices=SEMANTICS, default="paper",
-                     help="the paged engine's scheduler: paper (vLLM V0 as the PagedAttention paper describes it: "
+    run.add_argument("--semantics", choices=SEMANTICS,
+                     help="the paged engine's scheduler (default: the scenario's, paper for all but hybrid-window): paper (vLLM V0 as the PagedAttention paper describes it: "
                           "prefill or decode steps, fork and copy-on-write, swap) or v1 (vLLM V1: one token budget "
                           "per step with chunked prefill, n as child requests over the prefix cache, recompute "
                           "only). The contiguous baseline always runs the paper's scheduler")
@@ -103,7 +103,7 @@ def run_spec(args, scenario) -> RunSpec:
         if not math.isfinite(args.kv_budget_mb) or args.kv_budget_mb <= 0:
             raise ValueError(f"--kv-budget-mb must be a finite number > 0, got {args.kv_budget_mb}")
         fields["kv_budget_mb"] = args.kv_budget_mb
-    semantics = getattr(args, "semantics", "paper")
+    semantics = getattr(args, "semantics", None) or RunSpec.from_preset(scenario.name).semantics
     budget = getattr(args, "max_num_batched_tokens", None)
     spec = RunSpec.from_preset(scenario.name, model=args.model, device=args.device, seed=args.seed,
                                semantics=semantics, max_num_batched_tokens=budget if semantics == "v1" else None,
@@ -149,6 +149,36 @@ def contiguous_summary(engine, records: list[StepRecord], outputs) -> dict:
         "preemption": metrics.preemption_counts(records),
         **metrics.run_stats(records, outputs),
     }
+
+
+def hybrid_summary(engine, records: list[StepRecord], outputs) -> dict | None:
+    """A hybrid model's KV cache groups and what its sliding windows saved against the all-full-attention
+    twin, step by step (``metrics.hybrid_saving`` of each record's snapshot: the Playground's line reads the
+    same), None for a model of one full-attention group. ``group_block_tables``: each request's last tables
+    (its first sequence's, as ``block_table``), the null block -1 where a window gave a block back;
+    ``by_request``: the blocks each request held fewer at its last running step; ``peak``: the step where
+    the windows saved the most; ``steps``: [step, blocks saved, blocks held, twin's blocks] per step."""
+    if not records or not records[0].snapshot.kv_cache_groups:
+        return None
+    from .kv_cache import page_bytes
+
+    per_block = page_bytes(engine.geometry, engine.block_size, engine.kv_cache_groups)
+    tables: dict[str, list[list[int]]] = {}
+    by_seq: dict[str, int] = {}
+    steps, peak = [], None
+    for rec in records:
+        saving = metrics.hybrid_saving(rec.snapshot, per_block)
+        steps.append([rec.step, saving["blocks"], saving["held"], saving["twin"]])
+        if peak is None or saving["blocks"] > peak["blocks"]:
+            peak = {"step": rec.step, **{k: saving[k] for k in ("blocks", "bytes", "held", "twin")}}
+        by_seq.update(saving["by_sequence"])
+        for s in rec.snapshot.sequences:
+            if s.group_block_tables:
+                tables.setdefault(s.request_id, [])
+                if s.seq_id == s.request_id or s.seq_id.endswith(".0") or not tables[s.request_id]:
+                    tables[s.request_id] = [list(t) for t in s.group_block_tables]
+    return {"kv_cache_groups": records[0].snapshot.kv_cache_groups, "bytes_per_block": per_block,
+            "group_block_tables": tables, "by_request": by_seq, "peak": peak, "steps": steps}
 
 
 def summarize(runs: dict) -> dict:
@@ -213,6 +243,11 @@ def summarize(runs: dict) -> dict:
         "generated_tokens": stats["generated_tokens"],  # every sample and beam
         "tokens_per_s": stats["tokens_per_s"],
     }
+    if "paged" in runs and (hybrid := hybrid_summary(*runs["paged"])) is not None:
+        out["kv_cache_groups"] = hybrid.pop("kv_cache_groups")
+        out["hybrid"] = hybrid
+        for r in out["requests"]:
+            r["group_block_tables"] = hybrid["group_block_tables"].get(r["id"], [])
     if "paged" in runs:
         out["paged"] = paged_summary(*runs["paged"])
     if "contiguous" in runs:
@@ -248,7 +283,7 @@ def print_text(summary: dict, records: list[StepRecord], out) -> None:
     for rec in records:
         snap = rec.snapshot
         shown = [e for e in rec.events if e.kind in ("preempt", "finish", "cow", "fork", "prefix_hit", "swap_out",
-                                                     "swap_in", "evict")
+                                                     "swap_in", "evict", "leave_window")
                  or e.kind == "wait" and e.request_id not in waited]
         waited |= {e.request_id for e in rec.events if e.kind == "wait"}
         notes = "; ".join(e.message for e in shown)
@@ -270,6 +305,19 @@ def print_text(summary: dict, records: list[StepRecord], out) -> None:
           f"waited at the door; peak concurrency {c['peak_concurrency']}, KV utilisation {c['kv_utilization']}%, "
           f"{c['steps']} steps, {c['tokens_per_s']} tokens/s\n")
     w("events: " + ", ".join(f"{k} {v}" for k, v in summary["events"].items()) + "\n")
+    if "hybrid" in summary:
+        h, groups = summary["hybrid"], summary["kv_cache_groups"]
+        names = ", ".join(("full attention" if g["kind"] == "full_attention" else f"sliding window "
+                           f"{g['sliding_window']} tokens") + f" (layers {', '.join(map(str, g['layers']))})"
+                          for g in groups)
+        p = h["peak"]
+        w(f"hybrid model: KV cache groups {names}, one pool of {h['bytes_per_block']:,}-byte blocks; the sliding "
+          f"windows gave back up to {p['blocks']} blocks ({p['bytes']:,} bytes) at step {p['step']}: "
+          f"{p['held']} blocks held where the same model with every layer full would hold {p['twin']}\n")
+        for rid, t in h["group_block_tables"].items():
+            w(f"   [{rid}] last tables by group: " + "; ".join(
+                f"{'full' if g['kind'] == 'full_attention' else 'window ' + str(g['sliding_window'])} {table}"
+                for g, table in zip(groups, t)) + "\n")
 
 
 def _tokenizer(engine):

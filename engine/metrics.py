@@ -57,6 +57,34 @@ def hybrid_blocks_saved(num_computed_tokens: int, block_size: int, group_windows
     return sum(blocks_left_window(num_computed_tokens, block_size, w) for w in group_windows if w is not None)
 
 
+def hybrid_saving(snap, bytes_per_block: int | None = None) -> dict | None:
+    """What a hybrid model's pool holds fewer than its all-full-attention twin after a step, read from the
+    snapshot's tables (None without KV cache groups, ``Snapshot.kv_cache_groups``): per running sequence,
+    the null entries of its sliding-window groups' tables (``SequenceState.group_block_tables``), which are
+    ``hybrid_blocks_saved(c, block_size, windows)`` for ``c`` the tokens it had computed when its step was
+    scheduled (its windows were applied then: a request decoding past the window gives a block back at the
+    step that computes position ``W - 1 + k * B``, its "leave_window" event). A prefix two requests share
+    counts for each.
+
+    Returns ``{"blocks": total, "bytes": total x bytes_per_block (None without it), "by_sequence":
+    {seq_id: blocks}, "held": blocks the running sequences' tables hold now, all groups (each block once),
+    "twin": held + blocks (what the all-full-attention twin would hold)}``. ``bytes_per_block``: one block
+    of the pool (``engine.kv_cache.page_bytes``)."""
+    groups = getattr(snap, "kv_cache_groups", None)
+    if not groups:
+        return None
+    sliding = [g for g, d in enumerate(groups) if d["kind"] == "sliding_window"]
+    by_seq, held = {}, set()
+    for s in snap.sequences:
+        if s.status != "running" or not s.group_block_tables:
+            continue
+        by_seq[s.seq_id] = sum(s.group_block_tables[g].count(-1) for g in sliding)
+        held.update(b for t in s.group_block_tables for b in t if b >= 0)
+    blocks = sum(by_seq.values())
+    return {"blocks": blocks, "bytes": None if bytes_per_block is None else blocks * bytes_per_block,
+            "by_sequence": by_seq, "held": len(held), "twin": len(held) + blocks}
+
+
 # ------------------------------------------------------------------------------------------ one snapshot
 def slots_used(snap) -> int:
     """Token slots holding K/V of live sequences (tokens)."""

@@ -109,3 +109,137 @@ def test_single_group_model_records_them_empty(make_engine, tmp_path):
     assert [s.group_block_tables for s in rec.snapshot.sequences] == [[]]
     write_trace([rec], tmp_path / "t.jsonl")
     assert list(read_trace(tmp_path / "t.jsonl"))[0].to_dict() == rec.to_dict()
+
+
+# ------------------------------------------------------------------------------------------- the figures
+ORDER = ["R1"]
+
+
+@pytest.fixture(scope="module")
+def left(hybrid_records) -> StepRecord:
+    """The step at which block 0 left R1's window."""
+    return next(r for r in hybrid_records if any(e.kind == "leave_window" for e in r.events))
+
+
+def test_block_tables_draw_a_row_per_group_with_the_null_block(left):
+    from viz.block_table import block_table_figure, block_table_picture
+
+    pic = block_table_picture(left.snapshot, left.events, ORDER)
+    assert [(r["label"], r["group"]) for r in pic["rows"]] == [("R1 window 48", 0), ("R1 full", 1)]
+    seq = left.snapshot.sequences[0]
+    assert [r["table"] for r in pic["rows"]] == seq.group_block_tables
+    assert all(a["physical"] != -1 for a in pic["arrows"])  # no arrow from a null entry
+    assert pic["left_window"] == [{"key": "R1 window 48", "seq_id": "R1", "group": 0, "blocks": [0], "logical": [0]}]
+    fig = block_table_figure(left, ORDER).to_dict()
+    ticks = fig["layout"]["yaxis"]["ticktext"]
+    assert [t.split("</span> ")[1] for t in ticks] == ["R1 window 48", "R1 full"]
+    labels = next(t for t in fig["data"] if t.get("meta", {}).get("role") == "logical_labels")
+    assert labels["text"].count("null") == 1
+    caption = " ".join(a["text"] for a in fig["layout"]["annotations"] if a.get("name") == "caption")
+    assert "left the window: R1 window 48 block 0" in caption
+    # the null entry is outlined as what the step changed
+    outline = next(t for t in fig["data"] if t.get("meta", {}).get("role") == "outline_changed")
+    x0 = labels["x"][labels["text"].index("null")]
+    assert any(abs(x - x0) < 0.5 for x in outline["x"] if x is not None)
+
+
+def test_pool_marks_the_group_of_each_block(left):
+    from viz.pool import pool_cells
+
+    seq = left.snapshot.sequences[0]
+    cells = {c["block"]: c for c in pool_cells(left.snapshot, ORDER)}
+    for g, tag in ((0, "win"), (1, "full")):
+        for b in seq.group_block_tables[g]:
+            if b >= 0:
+                assert cells[b]["group"] == g and cells[b]["label"].endswith(f" {tag}")
+    freed = [e for e in left.events if e.kind == "leave_window"][0].blocks[0]
+    assert cells[freed]["group"] is None and cells[freed]["ref_count"] == 0
+
+
+def test_the_saving_line_is_the_metric(left, hybrid_records):
+    from engine.metrics import hybrid_saving
+    from viz.stage import hybrid_line, hybrid_short, stage_step
+
+    (sched,) = left.scheduled
+    want = hybrid_blocks_saved(sched.start_pos, B, [48, None])
+    saving = hybrid_saving(left.snapshot, 100)
+    assert saving["blocks"] == want == 1 and saving["bytes"] == 100
+    seq = left.snapshot.sequences[0]
+    assert saving["held"] == sum(b >= 0 for t in seq.group_block_tables for b in t)
+    assert saving["twin"] == saving["held"] + want
+    line = stage_step(left, order=ORDER).hybrid_line(100)
+    assert "window 48 (layers 0, 2), full (layers 1, 3)" in line
+    assert f"gave back {want} block (100 bytes): {saving['held']} blocks held where every layer full would hold " \
+           f"{saving['twin']}" in line
+    assert hybrid_short(left.snapshot, 100).startswith(f"windows gave back {want} block (100 bytes)")
+    before = hybrid_records[hybrid_records.index(left) - 1]
+    assert hybrid_saving(before.snapshot)["blocks"] == 0
+
+
+def test_a_single_group_run_looks_as_before(make_engine):
+    from viz.block_table import block_table_picture
+    from viz.pool import pool_cells
+    from viz.stage import hybrid_line
+
+    engine = make_engine(num_blocks=16)
+    engine.add_request("Hello there", SamplingParams(max_tokens=2, temperature=0.0))
+    rec = engine.step()
+    pic = block_table_picture(rec.snapshot, rec.events, ["R1"])
+    assert [(r["label"], r["group"]) for r in pic["rows"]] == [("R1", None)] and pic["left_window"] == []
+    assert all(c["group"] is None and " full" not in c["label"] for c in pool_cells(rec.snapshot, ["R1"]))
+    assert hybrid_line(rec.snapshot) is None
+
+
+# ------------------------------------------------------------------------------------ preset, Next, CLI
+def test_the_preset_names_the_hybrid_model_and_v1():
+    from engine.scenarios.presets import get_scenario
+    from engine.scenarios.run_spec import RunSpec
+
+    spec = RunSpec.from_preset("hybrid-window")
+    assert Path(spec.model).resolve() == Path(HYBRID).resolve() and spec.semantics == "v1"
+    assert get_scenario("hybrid-window").model == spec.model
+    assert RunSpec.from_preset("batch").model != spec.model  # other presets keep the embedded model
+
+
+def test_next_event_stops_where_a_block_leaves_the_window(loaded):
+    from ui.lab import Lab
+    from ui.state import preset_settings
+
+    lab = Lab.create(preset_settings("hybrid-window"), loaded)
+    assert lab.press("next") == "next"
+    history, index, _ = lab.frame()
+    shown = history[index][0]
+    assert shown.step == 3 and lab.key_events(shown) == ["leave_window"]
+    assert -1 in shown.snapshot.sequences[0].group_block_tables[0]
+    lab.press("next")
+    history, index, _ = lab.frame()
+    assert history[index][0].step == 19 and lab.key_events(history[index][0]) == ["leave_window"]
+    assert "block leaving a window" in lab.key_events_said()
+
+
+def test_cli_json_carries_the_groups_and_the_same_saving(loaded, monkeypatch, capsys, tmp_path):
+    import json
+
+    import engine.llm_engine as llm_engine
+    from engine.cli import main
+    from engine.metrics import hybrid_saving
+    from engine.records import read_trace
+
+    real = llm_engine.LLMEngine
+    monkeypatch.setattr(llm_engine, "LLMEngine", lambda config, given=None: real(config, loaded=given or loaded))
+    trace = tmp_path / "hybrid.jsonl"
+    assert main(["run", "--scenario", "hybrid-window", "--json", "--trace", str(trace)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    records = list(read_trace(trace))
+    assert out["kv_cache_groups"] == records[0].snapshot.kv_cache_groups
+    hybrid = out["hybrid"]
+    peak = max(records, key=lambda r: hybrid_saving(r.snapshot)["blocks"])
+    (r1,) = [s for s in peak.scheduled if s.seq_id == "R1"]
+    assert hybrid["peak"]["blocks"] == hybrid_saving(peak.snapshot)["blocks"] == \
+        hybrid_blocks_saved(r1.start_pos, B, [48, None]) == 2
+    assert hybrid["peak"]["bytes"] == 2 * hybrid["bytes_per_block"]
+    r1_out = next(r for r in out["requests"] if r["id"] == "R1")
+    assert r1_out["group_block_tables"][1] == r1_out["block_table"] and r1_out["group_block_tables"][0][:2] == [-1, -1]
+    assert main(["run", "--scenario", "hybrid-window"]) == 0
+    text = capsys.readouterr().out
+    assert "sliding windows gave back up to 2 blocks" in text and "left the 48-token sliding window" in text

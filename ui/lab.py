@@ -63,9 +63,12 @@ SEMANTICS_LABELS = {"paper": "Paper (vLLM V0)", "v1": "vLLM V1"}
 SCHEDULING_LABELS = {"fcfs": "FCFS (first come, first served)", "priority": "priority (lower value first)"}
 
 # "Next event" stops at the next step with one of these on the paged engine: a copy-on-write, a prefix-cache
-# hit of a first admission, a preemption, a swap out or in (the moments a talk is about).
+# hit of a first admission, a preemption, a swap out or in, a block leaving a sliding window (a hybrid model's
+# KV cache group gave it back: the null block entered its table) (the moments a talk is about).
 PRESS_KINDS = {"F": "forward", "B": "back", "P": "play", "N": "next", "E": "end"}  # the browser's letters
-KEY_EVENT_KINDS = ("cow", "prefix_hit", "preempt", "swap_out", "swap_in")
+KEY_EVENT_KINDS = ("cow", "prefix_hit", "preempt", "swap_out", "swap_in", "leave_window")
+KEY_EVENTS_SAID = "copy-on-write, prefix-cache hit, preemption or swap"  # what Next event looks for, in words
+KEY_EVENTS_SAID_HYBRID = "copy-on-write, prefix-cache hit, preemption, swap or block leaving a window"
 MAX_RUN_STEPS = 2000  # "Run to the end" / "Next event" run at most this many steps per press (then stop, said)
 MAX_PLAY_CATCH_UP = 16  # a Play tick runs at most this many steps to keep to the chosen speed
 
@@ -692,6 +695,21 @@ class Lab:
         with self._lock:
             return self.player.rate()
 
+    def bytes_per_block(self) -> int | None:
+        """Bytes of one block of the paged pool (``engine.kv_cache.page_bytes``: one KV cache group's layers),
+        None before an engine exists."""
+        from engine.kv_cache import page_bytes
+
+        e = self.run.paged
+        if e is None:
+            return None
+        return page_bytes(e.geometry, e.block_size, e.kv_cache_groups)
+
+    def key_events_said(self) -> str:
+        """What Next event looks for, in words: a block leaving a window too on a hybrid model's run."""
+        hybrid = getattr(getattr(self.run.paged, "block_manager", None), "hybrid", False)
+        return KEY_EVENTS_SAID_HYBRID if hybrid else KEY_EVENTS_SAID
+
     @staticmethod
     def key_events(record: StepRecord) -> list[str]:
         """The ``KEY_EVENT_KINDS`` a paged step recorded, in order, once each (a re-admission's own-block hit
@@ -718,7 +736,7 @@ class Lab:
                 self.player.cursor = -1 if later[0] == total - 1 else later[0]
                 return "next"
             if not self.has_work() or self.run.failure is not None:
-                return self._ignore(f"Next event: no copy-on-write, prefix-cache hit, preemption or swap after "
+                return self._ignore(f"Next event: no {self.key_events_said()} after "
                                     f"step {self._shown_step():,}, and the run has finished",
                                     said_on=self._shown_step(),
                                     short=f"Next event: none after step {self._shown_step():,}; the run has "
@@ -727,7 +745,7 @@ class Lab:
             return self._ignore("the engines stopped after an error; press Reset")
         if not self.has_work():
             if kind == "next" and total:  # what N was asked: no event is left (not only that nothing runs)
-                return self._ignore(f"Next event: no copy-on-write, prefix-cache hit, preemption or swap is left "
+                return self._ignore(f"Next event: no {self.key_events_said()} is left "
                                     f"after step {self._shown_step():,}: the run has finished (Reset runs it "
                                     f"again)", said_on=self._shown_step(),
                                     short=f"Next event: none after step {self._shown_step():,}; the run has "
@@ -758,7 +776,7 @@ class Lab:
                       f"{self.steps_run:,}); {where}: press N again to look further",
                       f"Next event: none up to step {self.steps_run:,} (recorded); N looks further")
         else:
-            self._say(f"Next event: no copy-on-write, prefix-cache hit, preemption or swap is left: the remaining "
+            self._say(f"Next event: no {self.key_events_said()} is left: the remaining "
                       f"{ran:,} steps ran to the end (recorded up to step {self.steps_run:,}: the slider and "
                       f"Step show them); {where}",
                       f"Next event: none is left (the run ended at step {self.steps_run:,}, recorded)")

@@ -394,7 +394,7 @@ def controls(lab, present: bool = False) -> None:
                 help=f"Run one engine step, or while looking back, show the next recorded step; on a beam-search "
                      f"step, first show its beam selection ({STAGE_KEYS_HELP}).")
     c[2].button("Next event", key="stage_next", on_click=_press, args=("next",), width="stretch",
-                help=f"Run to the next copy-on-write, prefix-cache hit, preemption or swap (N); while looking "
+                help=f"Run to the next {lab.key_events_said()} (N); while looking "
                      f"back, show the next recorded one. At most {MAX_RUN_STEPS:,} steps per press.")
     c[3].button("Run to end", key="stage_end", on_click=_press, args=("end",), width="stretch",
                 disabled=not has_work and not replaying,
@@ -523,6 +523,8 @@ def views(lab, present: bool = False) -> None:
     step = stage_step(paged, contiguous, previous, order=lab.run.order, decode=shared_model(lab.run.settings.model)[1].decode,
                       budget=lab.step_budget(), final_lengths=lab.contiguous_final_lengths(), phase=phase)
     metrics_row(lab, paged, contiguous, step.moment)
+    if hybrid := step.hybrid_line(lab.bytes_per_block()):  # a hybrid model: its groups and what its windows save
+        st.caption(f"**Hybrid model.** {hybrid}")
     st.caption(sharing_line(lab, history, index))
     pools(lab, step)
     step_in_words(step)
@@ -608,6 +610,9 @@ def metrics_row(lab, paged, contiguous, moment: dict | None = None) -> None:
     left.caption("**Paged** block pool" + (f" ({moment['label']})" if moment and moment["label"] else ""))
     if contiguous is not None:
         right.caption(f"**Contiguous** baseline, {POLICY_LABELS[lab.run.settings.contiguous_policy]}")
+    saving = metrics.hybrid_saving(snap, lab.bytes_per_block())
+    if saving is not None and contiguous is None:
+        right.caption(f"**Hybrid** model vs every layer full ({saving['bytes']:,} bytes saved)")
     m = list(left.columns(4)) + list(right.columns(3))
     m[0].metric("running", len(snap.running),
                 help="running requests on the paged engine: in the paper's semantics a request may hold several "
@@ -629,6 +634,15 @@ def metrics_row(lab, paged, contiguous, moment: dict | None = None) -> None:
                      f"Re-admissions after a preemption are counted apart (they mostly find their own freed "
                      f"blocks): {cache['readmission_hit_tokens']:,} hit tokens of "
                      f"{cache['readmission_query_tokens']:,} in {cache['readmissions']} re-admissions.")
+    if saving is not None and contiguous is None:  # a hybrid model (no baseline): what its windows save, big
+        m[4].metric("blocks saved", f"{saving['blocks']}",
+                    help=f"blocks the sliding windows gave back: the sliding-window KV cache group's tables hold "
+                         f"the null block (-1) there now, "
+                         f"{saving['bytes']:,} bytes the all-full-attention twin would hold more "
+                         f"(engine.metrics.hybrid_saving; per request: {saving['by_sequence']})")
+        m[5].metric("held / all full", f"{saving['held']} / {saving['twin']}",
+                    help="blocks the running requests hold now, in every KV cache group, and what the same model "
+                         "with every layer attending to everything would hold")
     if contiguous is not None:
         cs = contiguous.snapshot
         m[4].metric("admitted", len(cs.running), help="running requests on the contiguous baseline (it never "

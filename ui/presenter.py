@@ -34,7 +34,7 @@ from engine import metrics
 from ui.lab import POLICY_LABELS
 from ui.state import viewport
 from viz.presenter import one_line_cells, presenter_sizes, projector_style
-from viz.stage import StageStep, stage_step
+from viz.stage import StageStep, hybrid_short, stage_step
 from viz.steps import SEMANTICS_SHORT, step_label
 
 PRESENT_PARAM = "present"  # ?present=1 opens the Playground in the presenter view
@@ -128,6 +128,8 @@ def numbers(lab, paged, contiguous, moment: dict | None = None) -> list[str]:
     if lab.run.settings.enable_prefix_caching and cache["query_tokens"]:
         line += f", hit rate {cache['hit_rate_pct']:.0f}%"
     lines = [line]
+    if hybrid := hybrid_short(snap, lab.bytes_per_block()):  # a hybrid model: what its sliding windows save
+        lines.append(f"**Hybrid**: {hybrid}")
     if contiguous is not None:
         cs = contiguous.snapshot
         unused = f", {metrics.slack_pct(cs):.0f}% of reserved unused" if metrics.slots_allocated(cs) else ""

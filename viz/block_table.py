@@ -39,12 +39,13 @@ from typing import Callable
 
 import plotly.graph_objects as go
 
-from engine.records import blocks_new_in_tables
+from engine.records import NULL_BLOCK, blocks_new_in_tables, shown_group
 
 from .colors import FREE, OUTLINE, SELECTED, SHARED, TEXT, request_color, request_id_of
 from .plain import figure
 
 CHANGED = OUTLINE  # outline of what a step changed: the pool's (viz/pool.py)
+NULL_LINE = "#8a8a8a"  # the border of a null entry (a block a sliding window gave back): no request's colour
 FONT_PX = 14         # smallest text on the figure in the Playground (the presenter passes its own, 18-27 px)
 ROW_PX, ROW_PX_COMPACT = 38, 34  # one sequence's row at 14 px (rows grow with the font)
 MIN_PLOT_PX = 230    # plot area at least this high, so a small preset is not a sliver (height ~ 300 px)
@@ -112,6 +113,44 @@ def _token_pick(snapshot, token, rows) -> dict | None:
                        f"{offset} = {slot}"}
 
 
+def group_label(group: dict) -> str:
+    """A KV cache group as a row says it: "full" (full attention) or "window 48" (a sliding window of 48
+    tokens); ``group`` one of ``Snapshot.kv_cache_groups``."""
+    return "full" if group["kind"] == "full_attention" else f"window {group['sliding_window']}"
+
+
+def _group_rows(rows: list, groups: list[dict]) -> tuple[list, dict]:
+    """Each sequence's row once per KV cache group (``SequenceState.group_block_tables``), in group order:
+    (rows, key -> (sequence id, group)). The shown group's row keeps the sequence id as its key (the
+    token pick and copy-on-write name it); another group's is "<id> <label>"."""
+    shown, out, meta = shown_group(groups), [], {}
+    for s in rows:
+        tables = s.group_block_tables or [s.block_table] * len(groups)
+        for g, table in enumerate(tables):
+            key = s.seq_id if g == shown else f"{s.seq_id} {group_label(groups[g])}"
+            out.append(dataclasses.replace(s, seq_id=key, block_table=list(table)))
+            meta[key] = (s.seq_id, g)
+    return out, meta
+
+
+def _left_window(events, meta: dict, rows) -> list[dict]:
+    """The null entries this step's "leave_window" events put in the drawn rows: one dict per event (row
+    ``key``, ``logical`` indices that became the null block, the ``blocks`` given back). A window frees
+    from the left, so they are the last nulls of the row's leading run of nulls."""
+    by = {v: k for k, v in meta.items()}
+    tables = {s.seq_id: s.block_table for s in rows}
+    out = []
+    for e in events:
+        if e.kind != "leave_window" or (e.request_id, e.data.get("group")) not in by:
+            continue
+        key = by[(e.request_id, e.data["group"])]
+        table = tables.get(key, [])
+        lead = next((i for i, b in enumerate(table) if b != NULL_BLOCK), len(table))
+        out.append({"key": key, "seq_id": e.request_id, "group": e.data["group"], "blocks": list(e.blocks),
+                    "logical": list(range(max(0, lead - len(e.blocks)), lead))})
+    return out
+
+
 def block_table_picture(snapshot, events=(), request_order: list[str] | None = None, selected: str | None = None,
                         token: tuple[str, int] | None = None, max_rows: int = 8, max_blocks: int = 16,
                         max_physical: int | None = None) -> dict:
@@ -127,11 +166,16 @@ def block_table_picture(snapshot, events=(), request_order: list[str] | None = N
         max_physical: most physical blocks drawn (what fits their columns): fewer logical blocks, then fewer
             rows are drawn until the blocks they reference fit.
 
-    Returns a dict: ``rows`` (seq_id, status, color, table, num_tokens), ``columns`` (logical indices drawn),
+    KV cache groups (``snapshot.kv_cache_groups``, a hybrid model): one row per group per sequence, each
+    labelled with its group ("R1 full", "R1 window 48"), its null entries (-1: blocks a sliding window gave
+    back) drawn as empty "null" boxes with no arrow; ``max_rows`` still counts sequences' rows.
+
+    Returns a dict: ``rows`` (seq_id: the row's key, request: the sequence id, label, group (index or None),
+    status, color, table, num_tokens), ``columns`` (logical indices drawn),
     ``physical`` (block, ref_count, fill, owners, shared, changed, free), ``arrows`` (seq_id, logical, physical,
     kind "table" or "cow_old": the table's arrow before this step's copy-on-write), ``changed`` (physical
     blocks), ``cow`` (events drawn: seq_id, logical, src, dst), ``token`` (see ``_token_pick``) and
-    ``notes`` (what is left out).
+    ``notes`` (what is left out), ``left_window`` (``_left_window``: the null entries this step made).
 
     Raises:
         ValueError: ``snapshot`` is the contiguous baseline's, ``max_rows`` / ``max_blocks`` < 1, or the
@@ -143,10 +187,15 @@ def block_table_picture(snapshot, events=(), request_order: list[str] | None = N
         raise ValueError(f"max_rows {max_rows} / max_blocks {max_blocks}: each must be >= 1")
     order = request_order or []
     B = snapshot.block_size
-    rows, rows_left = _shown_rows(snapshot.sequences, selected, max_rows)
+    groups = list(getattr(snapshot, "kv_cache_groups", None) or [])
+    per_seq = max(1, len(groups))  # rows a sequence takes: one per KV cache group
+    rows, rows_left = _shown_rows(snapshot.sequences, selected, max(1, max_rows // per_seq))
     pick = _token_pick(snapshot, token, rows)
     if pick and all(s.seq_id != pick["seq_id"] for s in rows):  # the picked sequence is always drawn
         rows = rows[:-1] + [next(s for s in snapshot.sequences if s.seq_id == pick["seq_id"])]
+    meta = {s.seq_id: (s.seq_id, None) for s in rows}
+    if groups:
+        rows, meta = _group_rows(rows, groups)
     changed = blocks_new_in_tables(events)
     keep = pick["logical"] if pick else None
     while True:  # fewer logical blocks, then fewer rows, until the physical blocks fit their column
@@ -159,7 +208,7 @@ def block_table_picture(snapshot, events=(), request_order: list[str] | None = N
             max_blocks = max(1, min(max_blocks, len(columns)) - 1)
         elif len(rows) > 1:
             rows = _drop_row(rows, pick, changed)
-            rows_left += 1
+            rows_left += 1 if not groups else 0
         else:
             break
 
@@ -172,16 +221,21 @@ def block_table_picture(snapshot, events=(), request_order: list[str] | None = N
                 for b in _order_physical(rows, arrows)]
 
     notes = []
+    drawn = len({meta[s.seq_id][0] for s in rows})
     if rows_left:
-        notes.append(f"{len(rows)} of {len(rows) + rows_left} sequences")
+        notes.append(f"{drawn} of {drawn + rows_left} sequences")
     if len(columns) < num_logical:
         notes.append(f"{len(columns)} of {num_logical} logical blocks")
-    return {"rows": [{"seq_id": s.seq_id, "status": str(s.status), "table": list(s.block_table),
-                      "token_ids": s.token_ids,
-                      "num_tokens": s.num_tokens, "color": request_color(request_id_of(s.seq_id), order)}
-                     for s in rows],
-            "columns": columns, "physical": physical, "arrows": arrows, "changed": sorted(changed),
-            "cow": cows, "token": pick, "notes": notes, "block_size": B}
+    rows_out = []
+    for s in rows:
+        real, g = meta[s.seq_id]
+        rows_out.append({"seq_id": s.seq_id, "request": real, "group": g,
+                         "label": real if g is None else f"{real} {group_label(groups[g])}",
+                         "status": str(s.status), "table": list(s.block_table), "token_ids": s.token_ids,
+                         "num_tokens": s.num_tokens, "color": request_color(request_id_of(real), order)})
+    return {"rows": rows_out, "columns": columns, "physical": physical, "arrows": arrows, "changed": sorted(changed),
+            "cow": cows, "token": pick, "notes": notes, "block_size": B,
+            "left_window": _left_window(events, meta, rows) if groups else []}
 
 
 def _drop_row(rows: list, pick: dict | None, changed: set[int]) -> list:
@@ -346,7 +400,7 @@ def _arrows(rows, shown: set[int], events, B: int) -> tuple[list[dict], list[dic
         if s.status != "running":
             continue  # a swapped sequence's table lists CPU swap-pool blocks: no arrow into the GPU pool
         arrows += [{"seq_id": s.seq_id, "logical": i, "physical": b, "kind": "table"}
-                   for i, b in enumerate(s.block_table) if i in shown]
+                   for i, b in enumerate(s.block_table) if i in shown and b != NULL_BLOCK]
     live = {s.seq_id: s.block_table for s in rows if s.status == "running"}
     for e in events:
         if e.kind != "cow" or e.request_id not in live:
@@ -457,6 +511,15 @@ def _box_traces(pic: dict, g: dict, faded: set[str], decode) -> list[dict]:
                 continue
             x = g["x_of"][i]
             held = max(0, min(B, r["num_tokens"] - i * B))
+            if b == NULL_BLOCK:  # a sliding window gave this block back: the table holds the null block
+                add((FREE, NULL_LINE, 0.35 if r["seq_id"] in faded else 1.0), x, y, LOGICAL_W, g["box_h"])
+                lx.append(x)
+                ly.append(y)
+                ltext.append("null")
+                lhover.append(f"{r['label']} logical block {i} (tokens {i * B}..{i * B + B - 1}): left the window, "
+                              f"no later token attends to it; its block was given back to the pool, the table "
+                              f"holds the null block (-1)")
+                continue
             color = FREE if swapped else r["color"]
             add((color, r["color"], 0.35 if r["seq_id"] in faded else 1.0), x, y, LOGICAL_W, g["box_h"])
             lx.append(x)
@@ -465,7 +528,7 @@ def _box_traces(pic: dict, g: dict, faded: set[str], decode) -> list[dict]:
             where = (f"CPU swap-pool block {b} (swapped out)" if swapped else
                      f"physical block {b}, slots {b * B}..{b * B + B - 1}")
             text = decode(r["token_ids"][i * B:i * B + held]) if decode and held else ""
-            lhover.append(f"{r['seq_id']} logical block {i} (tokens {i * B}..{i * B + B - 1}; holds {held}/{B})"
+            lhover.append(f"{r['label']} logical block {i} (tokens {i * B}..{i * B + B - 1}; holds {held}/{B})"
                           f"<br>-> {where}" + (f"<br>text: {_escape(text)}" if text else ""))
     px, py, ptext, phover = [], [], [], []
     for p in pic["physical"]:
@@ -559,6 +622,10 @@ def _outline_traces(pic: dict, g: dict, selected: str | None) -> list[dict]:
         for i, b in enumerate(r["table"]):
             if i in g["x_of"] and b in changed:
                 add("changed", g["x_of"][i], g["row_y"][r["seq_id"]], LOGICAL_W + 0.08, g["box_h"] + 4)
+    for left in pic.get("left_window", ()):  # the null block entered these entries this step
+        for i in left["logical"]:
+            if i in g["x_of"] and left["key"] in g["row_y"]:
+                add("changed", g["x_of"][i], g["row_y"][left["key"]], LOGICAL_W + 0.08, g["box_h"] + 4)
     for p in pic["physical"]:
         x, y = g["phys_xy"][p["block"]]
         if p["changed"]:
@@ -652,7 +719,7 @@ def block_table_figure(source, request_order: list[str] | None = None, selected:
         g = _geometry(pic, compact, font_px, plot_px)  # same slots, the rows' own blocks swapped among them
     if _fewer_crossings(pic, g):
         g = _geometry(pic, compact, font_px, plot_px)  # same slots, blocks moved where fewer arrows cross
-    faded = {r["seq_id"] for r in pic["rows"] if selected and request_id_of(r["seq_id"]) != selected}
+    faded = {r["seq_id"] for r in pic["rows"] if selected and request_id_of(r["request"]) != selected}
     data = _arrow_traces(pic, g, faded) + _box_traces(pic, g, faded, decode) + _outline_traces(pic, g, selected)
     step = getattr(source, "step", None)
     head = title or ("Block tables" + (f" after step {step}" if step else "") + ": logical -> physical")
@@ -666,6 +733,10 @@ def block_table_figure(source, request_order: list[str] | None = None, selected:
                                                     for c in pic["cow"][:4])
                       + (f" (+{len(pic['cow']) - 4} more)" if len(pic["cow"]) > 4 else "")
                       + " (dotted: the arrow before the copy)")
+    if pic["left_window"] and captions:
+        bottom.append("left the window: " + ", ".join(
+            f"{w['key']} block{'s' * (len(w['blocks']) > 1)} {', '.join(map(str, w['blocks']))}"
+            for w in pic["left_window"]) + " (given back to the pool; the table holds the null block)")
     if pic["token"] and captions:
         bottom.append(pic["token"]["caption"])
     layout = _layout(pic, g, head, bottom, width_px or 620)
@@ -682,7 +753,7 @@ def _top_px(font: int, notes: bool | None) -> int:
 def _header(g: dict, pic: dict, width_px: int) -> str:
     """The longest of ``HEADERS`` that fits over the physical column and the arrows' gap (estimated from the
     figure's width: the row labels take the left, the x range the rest)."""
-    label_chars = max((len(r["seq_id"]) + 2 + (10 if r["status"] == "swapped" else 0) for r in pic["rows"]),
+    label_chars = max((len(r.get("label", r["seq_id"])) + 2 + (10 if r["status"] == "swapped" else 0) for r in pic["rows"]),
                       default=4)
     plot_w = width_px - 20 - CHAR_EM * g["font"] * label_chars - 10
     per_unit = plot_w / (g["x_max"] + 0.7)
@@ -722,7 +793,7 @@ def _layout(pic: dict, g: dict, head: str, bottom: list[str], width_px: int = 62
                   "zeroline": False, "range": [-0.7, g["x_max"]], "fixedrange": True},
         "yaxis": {"range": [g["plot_px"], 0], "tickmode": "array", "fixedrange": True, "showgrid": False,
                   "zeroline": False, "tickvals": [g["row_y"][r["seq_id"]] for r in pic["rows"]],
-                  "ticktext": [f'<span style="color:{r["color"]}">\u25a0</span> {r["seq_id"]}'
+                  "ticktext": [f'<span style="color:{r["color"]}">\u25a0</span> {r.get("label", r["seq_id"])}'
                                + (" (swapped)" if r["status"] == "swapped" else "") for r in pic["rows"]],
                   "tickfont": {"size": font, "color": TEXT}, "automargin": True},
     }

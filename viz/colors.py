@@ -109,7 +109,11 @@ def colour_key(snapshot, contiguous_layout: dict | None = None, selected: str | 
     if contiguous_layout and contiguous_layout.get("external_frag_slots"):
         parts.append("orange = external fragmentation (gaps too small for a reservation, though together "
                      "they would hold one)")
-    parts.append("palest grey = free. Outlined black: the blocks this step took, copied, swapped out or freed")
+    if getattr(snapshot, "kv_cache_groups", None):  # a hybrid model: a block's KV cache group on its cell
+        parts.append("\"win\" / \"full\" on a block = the KV cache group whose table holds it (sliding-window or "
+                     "full-attention layers; the groups share the one pool)")
+    parts.append("palest grey = free. Outlined black: the blocks this step took, copied, swapped out or freed"
+                 + (" (a block that left a window too)" if getattr(snapshot, "kv_cache_groups", None) else ""))
     if selected:
         parts.append(f"magenta: {selected}'s blocks")
     return "; ".join(parts) + "."

@@ -2,7 +2,9 @@
 
 Cell colour: the owning request's colour; grey with the reference count written on it when several
 sequences share the block; light grey when free but still holding a cached prefix; near-white when free.
-Cell text (small pools): owner and fill "k/B". Hover: block id, owners, reference count, fill, prefix-cache
+Cell text (small pools): owner and fill "k/B". KV cache groups (a hybrid model,
+``Snapshot.kv_cache_groups``): one pool for every group, each block in use held by one group at a time, so
+a cell also says its group ("full" or "win", ``block_groups``) and the hover names it. Hover: block id, owners, reference count, fill, prefix-cache
 hash, and the text of the tokens the block holds (``decode`` turns token ids into text).
 
 Traces and layout are plain dicts wrapped by ``viz.plain.figure`` (no Plotly validation on the step's path:
@@ -37,16 +39,44 @@ def _discrete_scale(colors: list[str]) -> list[list]:
 
 
 def block_tokens(snapshot) -> dict[int, list[int]]:
-    """Physical block -> the token ids it holds, read from the sequences' tables and tokens."""
+    """Physical block -> the token ids it holds, read from the sequences' tables (every KV cache group's)
+    and tokens."""
     B = snapshot.block_size
     held: dict[int, list[int]] = {}
     for seq in snapshot.sequences:
         if seq.status != "running":
             continue
-        for i, b in enumerate(seq.block_table):
-            if b not in held:
-                held[b] = seq.token_ids[i * B:(i + 1) * B][: snapshot.fills[b]]
+        for table in seq.group_block_tables or [seq.block_table]:
+            for i, b in enumerate(table):
+                if b >= 0 and b not in held:
+                    held[b] = seq.token_ids[i * B:(i + 1) * B][: snapshot.fills[b]]
     return held
+
+
+GROUP_TAGS = {"full_attention": "full", "sliding_window": "win"}  # a cell's group, short enough for a cell
+
+
+def block_groups(snapshot) -> dict[int, int]:
+    """Physical block -> the KV cache group whose tables hold it (a hybrid model's; empty without groups)."""
+    groups: dict[int, int] = {}
+    if not getattr(snapshot, "kv_cache_groups", None):
+        return groups
+    for seq in snapshot.sequences:
+        if seq.status != "running":
+            continue
+        for g, table in enumerate(seq.group_block_tables):
+            for b in table:
+                if b >= 0:
+                    groups.setdefault(b, g)
+    return groups
+
+
+def group_name(group: dict) -> str:
+    """A KV cache group in words: "full attention (layers 1, 3)" / "sliding window 48 tokens (layers 0, 2)"."""
+    layers = ", ".join(map(str, group["layers"]))
+    if group["kind"] == "full_attention":
+        return f"full attention (layers {layers})"
+    return f"sliding window {group['sliding_window']} tokens (layers {layers})"
 
 
 def pool_cells(snapshot, request_order: list[str], decode: Callable[[list[int]], str] | None = None) -> list[dict]:
@@ -54,6 +84,8 @@ def pool_cells(snapshot, request_order: list[str], decode: Callable[[list[int]],
     B = snapshot.block_size
     tokens = block_tokens(snapshot)
     hashes = snapshot.block_hashes or [None] * snapshot.num_blocks
+    kv_groups = getattr(snapshot, "kv_cache_groups", None) or []
+    held_by = block_groups(snapshot)
     cells = []
     for b in range(snapshot.num_blocks):
         owners = snapshot.owners[b]
@@ -67,8 +99,12 @@ def pool_cells(snapshot, request_order: list[str], decode: Callable[[list[int]],
         else:
             color, label = request_color(owners[0], request_order), f"{b}: {owners[0]}<br>{fill}/{B}"
         text = decode(tokens[b]) if decode and b in tokens else ""
+        group = held_by.get(b)
+        if group is not None:  # a hybrid model: the cell says which group's tables hold it
+            label += f" {GROUP_TAGS[kv_groups[group]['kind']]}"
         cells.append({"block": b, "owners": owners, "ref_count": count, "fill": fill, "color": color,
-                      "label": label, "hash": hashes[b] or "", "text": text})
+                      "label": label, "hash": hashes[b] or "", "text": text, "group": group,
+                      "group_name": group_name(kv_groups[group]) if group is not None else ""})
     return cells
 
 
@@ -113,7 +149,7 @@ def block_pool_figure(snapshot, request_order: list[str], decode: Callable[[list
             r, col = divmod(c["block"], ncols)
             z[r][col] = index[c["color"]]
             text[r][col] = c["label"] if show_text else ""
-            custom[r][col] = [c["block"], ", ".join(c["owners"]) or "free", c["ref_count"], f"{c['fill']}/{B}",
+            custom[r][col] = [c["block"], _owners_text(c), c["ref_count"], f"{c['fill']}/{B}",
                               c["hash"] or "-", c["text"], c["block"] * B]
             pos[c["block"]] = (r, col)
     data = [{
@@ -157,6 +193,12 @@ def block_pool_figure(snapshot, request_order: list[str], decode: Callable[[list
     if shapes:  # only when framed: an empty list would still be sent to the browser with every step
         layout["shapes"] = shapes
     return figure(data, layout)
+
+
+def _owners_text(cell: dict) -> str:
+    """The hover's owners: the sequences, and with KV cache groups the group whose tables hold the block."""
+    owners = ", ".join(cell["owners"]) or "free"
+    return f"{owners} (KV cache group {cell['group']}: {cell['group_name']})" if cell.get("group") is not None else owners
 
 
 def _row_label(cell: dict) -> str:

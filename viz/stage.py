@@ -13,7 +13,9 @@ from that one reading:
   the tables took anew (``engine.records.blocks_new_in_tables``);
 - ``region_figure``: the contiguous baseline's strip (``viz.region.contiguous_region_figure``), with the
   final lengths known in advance when given;
-- ``sentences``: the step in words (``viz.steps.step_sentences``).
+- ``sentences``: the step in words (``viz.steps.step_sentences``);
+- ``hybrid_line``: a hybrid model's KV cache groups and the memory its sliding windows save against its
+  all-full-attention twin (``engine.metrics.hybrid_saving``), or None for a model of one group.
 
 Each page chooses only the look: the Playground its titles, the highlighted request, the slot view and the
 token pick; the presenter view the projector's type and sizes (``viz.presenter``); the exports the plain
@@ -28,10 +30,12 @@ from typing import Callable
 
 import plotly.graph_objects as go
 
+from engine.metrics import hybrid_saving
 from engine.records import changed_blocks
 
 from .block_table import block_table_figure
 from .pool import block_pool_figure
+from .block_table import group_label
 from .presenter import phase_moment
 from .region import contiguous_region_figure, paged_slots_figure
 from .steps import SEMANTICS_SHORT, step_label, step_sentences
@@ -106,6 +110,10 @@ class StageStep:
         return block_table_figure(s, list(self.order), events=self.events, decode=self.decode, token=token,
                                   title=title, **style)
 
+    def hybrid_line(self, bytes_per_block: int | None = None) -> str | None:
+        """The KV cache groups of the moment shown and what their windows save (``hybrid_line``)."""
+        return hybrid_line(self.snapshot, bytes_per_block)
+
     def region_figure(self) -> go.Figure | None:
         """The contiguous baseline's strip of this step, or None without a baseline."""
         if self.contiguous is None:
@@ -144,3 +152,34 @@ def stage_step(record, contiguous=None, previous=None, *, order, decode: Callabl
         snapshot, events, label = moment["snapshot"], list(moment["events"]), moment["label"]
     return StageStep(record, contiguous, previous, tuple(order), decode, budget, final_lengths, phase, snapshot,
                      events, label, tuple(changed_blocks(events)))
+
+
+def hybrid_line(snapshot, bytes_per_block: int | None = None) -> str | None:
+    """One line for a hybrid model's snapshot (None without KV cache groups): its groups, then what the
+    sliding windows gave back against the all-full-attention twin (``engine.metrics.hybrid_saving``: blocks,
+    and bytes with ``bytes_per_block``), e.g. "KV cache groups: window 48 (layers 0, 2), full (layers 1,
+    3), one pool. The windows gave back 1 block (24,576 bytes): 8 blocks held where every layer full would
+    hold 9." """
+    saving = hybrid_saving(snapshot, bytes_per_block)
+    if saving is None:
+        return None
+    groups = ", ".join(f"{group_label(d)} (layers {', '.join(map(str, d['layers']))})"
+                       for d in snapshot.kv_cache_groups)
+    n = saving["blocks"]
+    size = f" ({saving['bytes']:,} bytes)" if saving["bytes"] is not None else ""
+    who = ", ".join(f"{k}: {v}" for k, v in saving["by_sequence"].items() if v)
+    return (f"KV cache groups: {groups}, one pool. The sliding windows gave back {n} block{'s' * (n != 1)}{size}"
+            + (f" ({who})" if who and len(saving["by_sequence"]) > 1 else "")
+            + f": {saving['held']} blocks held where every layer full would hold {saving['twin']}.")
+
+
+def hybrid_short(snapshot, bytes_per_block: int | None = None) -> str | None:
+    """``hybrid_line`` in a few words, for the presenter's numbers: "windows gave back 1 block (24,576 bytes):
+    7 held, 8 with every layer full"; None without KV cache groups."""
+    saving = hybrid_saving(snapshot, bytes_per_block)
+    if saving is None:
+        return None
+    n = saving["blocks"]
+    size = f" ({saving['bytes']:,} bytes)" if saving["bytes"] is not None else ""
+    return (f"windows gave back {n} block{'s' * (n != 1)}{size}: {saving['held']} held, {saving['twin']} with "
+            f"every layer full")

@@ -7,12 +7,16 @@ A scenario is reproducible from its name and a seed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
 from ..config import SamplingParams
 from .workloads import Workload, WorkloadRequest, lognormal_lengths, synthetic_workload
+
+# The embedded hybrid model (issue 25): layers 0, 2 attend over a sliding window of 48 tokens, 1, 3 to everything
+HYBRID_MODEL = str(Path(__file__).resolve().parents[2] / "assets" / "tiny_hybrid_model")
 
 # LESSON_BRIEF section 2: final lengths of 8 requests (numpy, seed 7), max length 2,048, block size 16.
 LESSON_LENGTHS = [853, 581, 631, 812, 541, 709, 758, 241]
@@ -22,13 +26,20 @@ LESSON_LENGTHS = [853, 581, 631, 812, 541, 709, 758, 241]
 class Scenario:
     """``make(seed, tokenize)`` returns the Workload; ``engine_defaults`` are EngineConfig fields the
     scenario needs (e.g. a small pool; the lessons' scenarios set ``watermark`` 0 to keep the exact pool), which command-line flags may override; ``compare`` scenarios run
-    the paged engine and the contiguous baseline on the same requests by default."""
+    the paged engine and the contiguous baseline on the same requests by default. An ``engine_defaults``
+    "model" names the model the scenario is about (a folder, e.g. ``HYBRID_MODEL``; ``model``); without it
+    the scenario runs on the embedded model or the one the caller names (``RunSpec.from_preset``)."""
 
     name: str
     description: str
     build: Callable
     engine_defaults: dict = field(default_factory=dict)
     compare: bool = False
+
+    @property
+    def model(self) -> str | None:
+        """The model this scenario is about, or None (any model; the embedded one by default)."""
+        return self.engine_defaults.get("model")
 
     def make(self, seed: int, tokenize: Callable[[str], list[int]]) -> Workload:
         built = self.build(seed, tokenize)
@@ -240,4 +251,26 @@ register(Scenario(
     "(lesson 5)",
     _memory_pressure, {"block_size": 16, "num_blocks": 10, "max_model_len": 128, "enable_prefix_caching": False,
                        "swap_space_blocks": 16, "watermark": 0.0},
+))
+
+
+# ------------------------------------------------------------------------------------ hybrid models
+HYBRID_TEXT = "ROMEO. But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. "
+
+
+def _hybrid_window(seed: int, tokenize) -> list[tuple[list[int], SamplingParams]]:
+    # 62 prompt tokens: the step that computes position 63 = 48 - 1 + 16 (step 3) frees block 0 of the sliding
+    # group, the one that computes 79 (step 19) block 1; the short request never leaves its window
+    return [(exact_prompt(tokenize, HYBRID_TEXT, 62), SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)),
+            (exact_prompt(tokenize, PRESSURE_TEXTS[1], 20),
+             SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))]
+
+
+register(Scenario(
+    "hybrid-window",
+    "the hybrid model (layers 0, 2: a sliding window of 48 tokens; 1, 3: full attention), vLLM V1: a 62-token "
+    "prompt decodes past the window, so at step 3 its first block leaves the window: the sliding group's table "
+    "holds the null block and the pool one block fewer than the same model with every layer full",
+    _hybrid_window, {"model": HYBRID_MODEL, "semantics": "v1", "block_size": 16, "num_blocks": 24,
+                     "max_model_len": 128, "enable_prefix_caching": False, "watermark": 0.0},
 ))

@@ -115,6 +115,9 @@ class RunSpec:
         if unknown:
             raise ValueError(f"unknown Playground setting(s): {', '.join(sorted(unknown))}")
         fields.update(overrides)
+        if model == EMBEDDED_MODEL:  # a preset about another model (e.g. the hybrid one) names it
+            from .presets import get_scenario
+            model = get_scenario(preset).model or model  # its engine_defaults' "model"
         return cls(model=model, preset=preset, **fields)
 
     @classmethod

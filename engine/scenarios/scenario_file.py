@@ -551,6 +551,7 @@ def registry_settings(name: str) -> tuple[str, dict]:
 
     defaults = dict(get_scenario(name).engine_defaults)
     semantics = defaults.pop("semantics", "paper")
+    defaults.pop("model", None)  # the model a scenario is about is the run's, not a file's setting (RunSpec.from_preset)
     if "reservation_tokens" in defaults:
         defaults["reservation"] = defaults.pop("reservation_tokens")
     unknown = set(defaults) - set(ScenarioSettings.model_fields)

@@ -12,10 +12,15 @@ budget); the contiguous baselines always run the paper's scheduler. In V1, "pow2
 final lengths from a paged run in the paper's semantics, the scheduler the baselines run (sampled tokens
 could differ under another batching), when the workload's lengths are not known in advance.
 
+The contiguous runs do not run the model: each sequence samples the tokens it sampled on the paged engine
+under the baselines' scheduler (``engine.replay_runner``: the scheduler, allocator and records are a real
+run's; ``tests/test_replay_runner.py`` compares them record by record). In V1 that is the headless paper run,
+which therefore runs whenever the workload can be replayed. A workload with a beam search runs its baselines on
+the model (its beams depend on log-probabilities no run records); the timing line says which.
+
 A finished comparison is kept once per server process under everything that decides it (``run_key``) and
-shared by every session (``cached_run_all``, ``infra.runs.COMPARE_RUNS``): the runs are deterministic, and
-five whole runs of ``lesson-lengths`` take 20-30 s on 2 cores with one torch thread each. While they run, a
-progress box says which run and how far (``infra.runs.ProgressBox``).
+shared by every session (``cached_run_all``, ``infra.runs.COMPARE_RUNS``): the runs are deterministic. While
+they run, a progress box says which run and how far (``infra.runs.ProgressBox``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from engine.cli import contiguous_summary, paged_summary
 from engine.model_loader import load_shared
 from engine.config import CONTIGUOUS_POLICIES, DEFAULT_MAX_NUM_BATCHED_TOKENS_V1, SEMANTICS
 from engine.scenarios.presets import SCENARIOS
+from engine.replay_runner import replayable
 from engine.scenarios.run_spec import lengths_known, run_paged_then_contiguous
 from infra.runs import COMPARE_RUNS, ProgressBox, preload_model, token_detail
 from infra import class_limits as limits
@@ -100,7 +106,8 @@ def run_all(name: str, seed: int, semantics: str = "paper", budget: int | None =
 
     Returns {"name", "seed", "settings", "semantics", "semantics_line", "semantics_note", "budget", "paged":
     (records, summary), "policies": {policy: (records, summary)}, "skipped": {policy: reason}, "seconds":
-    {"paged", "learn", "contiguous": {policy: s}, "total"}}; the settings are those in effect (a workload V1
+    {"paged", "learn", "contiguous": {policy: s}, "total"}, "tokens": {policy: "replayed" | "model"},
+    "not_replayed": why none was replayed, or None}; the settings are those in effect (a workload V1
     cannot run runs in the paper's semantics, "semantics_note" says why). The result may be shared by every
     session (``cached_run_all``): read it, never change it.
     Raises ValueError (settings, a class server's caps, or the paged engine refusing a request); a policy
@@ -113,13 +120,15 @@ def run_all(name: str, seed: int, semantics: str = "paper", budget: int | None =
     workload = SCENARIOS[name].make(seed, _tokenize(loaded[1]))
     limits.check_request_count(0, sum(r.params.n if settings.semantics == "v1" else 1 for r in workload.requests))
     n = len(workload.requests)
-    learn = settings.semantics != "paper" and not lengths_known(workload)
+    # V1: a headless paper run learns the final lengths and gives the tokens the baselines replay
+    learn = settings.semantics != "paper" and (not lengths_known(workload) or replayable(workload))
     progress = _Runs(report, 1 + learn + len(CONTIGUOUS_POLICIES),
                      sum(r.params.max_tokens * r.params.num_seqs for r in workload.requests),
                      all(r.params.length_known for r in workload.requests))
     label = {"paged": f"Running {n} request{'s' * (n != 1)} of {name} on the paged engine "
                       f"({SEMANTICS_LABELS[settings.semantics]})",
-             "learn": "Learning the final lengths the baselines' scheduler (the paper's) reaches"}
+             "learn": "Running the requests under the baselines' scheduler (the paper's): the final lengths "
+                      "it reaches and the tokens the baselines replay"}
     label.update({p: f"Running the same requests on the contiguous baseline, {POLICY_LABELS[p]}: it reserves "
                      f"{POLICY_RESERVES[p]}" for p in CONTIGUOUS_POLICIES})
 
@@ -137,7 +146,8 @@ def run_all(name: str, seed: int, semantics: str = "paper", budget: int | None =
               "paged": (runs.paged.records, paged_summary(paged, runs.paged.records, runs.paged.outputs)),
               "policies": {p: (r.records, contiguous_summary(r.engine, r.records, r.outputs))
                            for p, r in runs.contiguous.items()},
-              "skipped": runs.skipped, "seconds": {**runs.seconds, "total": time.perf_counter() - start}}
+              "skipped": runs.skipped, "seconds": {**runs.seconds, "total": time.perf_counter() - start},
+              "tokens": runs.tokens, "not_replayed": runs.not_replayed}
     return result
 
 
@@ -156,9 +166,15 @@ def timing_line(result: dict, cached: bool) -> str:
         return ""
     contiguous = sum(sec["contiguous"].values())
     steps = len(result["paged"][0]) + sum(len(r) for r, _ in result["policies"].values())
+    how = result.get("tokens", {})
+    replayed = sum(v == "replayed" for v in how.values())
+    tokens = ("replaying the paged run's tokens" if how and replayed == len(how)
+              else f"{replayed} of {len(how)} replaying the paged run's tokens" if replayed
+              else "on the model" + (f": {result['not_replayed']}" if result.get("not_replayed") else ""))
     line = (f"{1 + len(result['policies'])} runs, {steps:,} engine steps in {sec['total']:.1f} s (paged "
-            f"{sec['paged']:.1f} s, " + (f"learning final lengths {sec['learn']:.1f} s, " if sec["learn"] else "")
-            + f"contiguous {contiguous:.1f} s)")
+            f"{sec['paged']:.1f} s, " + (f"the paper's scheduler for the baselines {sec['learn']:.1f} s, "
+                                         if sec["learn"] else "")
+            + f"contiguous {contiguous:.1f} s, {tokens})")
     return (f"Kept from an earlier run with the same settings on this server: {line}." if cached
             else f"Ran now: {line}; kept for anyone running the same settings.")
 

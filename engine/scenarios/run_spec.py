@@ -235,12 +235,17 @@ class _Scheduled:
 
 
 def run(config: EngineConfig, workload: Workload, loaded=None, on_step=None, final_lens=None,
-        keep_records: bool = True) -> Run:
+        keep_records: bool = True, replay: dict[str, list[int]] | None = None) -> Run:
     """Build an engine from ``config`` (on ``loaded`` (model, tokenizer), else loading it) and run
-    ``workload`` to completion. ``on_step(record)`` is called after each step."""
+    ``workload`` to completion. ``on_step(record)`` is called after each step. ``replay``: sequence id -> token
+    ids of an earlier run of ``workload`` under this engine's scheduler; the engine then samples those tokens
+    instead of running the model (``engine.replay_runner``; raises ``ReplayMismatch`` where they do not fit)."""
     from ..llm_engine import LLMEngine
+    from ..replay_runner import ReplayRunner
 
     engine = LLMEngine(config, loaded)
+    if replay is not None:
+        engine.runner = ReplayRunner(replay, engine.model.config.vocab_size)
     records: list = []
 
     def step(record) -> None:
@@ -260,6 +265,12 @@ def baseline_final_lengths(spec: RunSpec, workload: Workload, loaded, paged: Run
     seeds, so the same tokens as the baseline will sample; ``on_step`` gets its records, which are not kept)."""
     if paged is not None and (paged.engine.semantics == "paper" or lengths_known(workload)):
         return learn_final_lengths(paged.outputs, paged.records)
+    return learn_final_lengths(*_headless_baseline(spec, workload, loaded, on_step)[1:])
+
+
+def _headless_baseline(spec: RunSpec, workload: Workload, loaded, on_step=None) -> tuple[Run, list, list]:
+    """(run, its outputs, what ``learn_final_lengths`` reads of its records) of a paged run of ``spec.baseline()``
+    whose records are not kept (``on_step`` gets them)."""
     learned: list = []  # a beam search may run past its longest output: its records say how far
 
     def keep(record) -> None:
@@ -267,25 +278,28 @@ def baseline_final_lengths(spec: RunSpec, workload: Workload, loaded, paged: Run
         if on_step is not None:
             on_step(record)
     headless = run(spec.baseline().engine_config("paged"), workload, loaded, on_step=keep, keep_records=False)
-    return learn_final_lengths(headless.outputs, learned)
+    return headless, headless.outputs, learned
 
 
 @dataclass
 class PagedThenContiguous:
     """``run_paged_then_contiguous``'s result: the paged run (None when it was not asked for), the final
     lengths learnt for the baseline (None: not needed), each policy's contiguous run, why a policy could not
-    run, and the seconds each part took ({"paged", "learn", "contiguous": {policy: s}})."""
+    run, the seconds each part took ({"paged", "learn", "contiguous": {policy: s}}), and how each contiguous
+    run got its tokens ({policy: "replayed" | "model"}) with why none was replayed (None: they were)."""
 
     paged: Run | None
     final_lens: list[int] | None
     contiguous: dict[str, Run] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     seconds: dict = field(default_factory=lambda: {"paged": 0.0, "learn": 0.0, "contiguous": {}})
+    tokens: dict[str, str] = field(default_factory=dict)
+    not_replayed: str | None = None
 
 
 def run_paged_then_contiguous(spec: RunSpec, workload: Workload, loaded=None, policies=None, paged: bool = True,
                               run_engine: Callable | None = None, on_step: Callable | None = None,
-                              skip_refused: bool = False) -> PagedThenContiguous:
+                              skip_refused: bool = False, replay: bool = True) -> PagedThenContiguous:
     """Run ``workload`` on the paged engine (``spec``'s semantics), then on the contiguous baseline (the
     paper's scheduler, ``spec.baseline()``) under each of ``policies`` (default: ``spec.contiguous_policy``),
     in the same KV byte budget, on one copy of the weights (``loaded`` (model, tokenizer), else loaded once
@@ -299,14 +313,26 @@ def run_paged_then_contiguous(spec: RunSpec, workload: Workload, loaded=None, po
     on ``workload``; the CLI runs several passes with its own). ``skip_refused``: a policy whose engine
     refuses its settings or a request (ValueError) is listed in ``skipped`` with the reason instead of raising.
 
+    ``replay`` (with the default ``run_engine``): the contiguous runs replay the tokens of a paged run under the
+    baseline's scheduler instead of running the model (``engine.replay_runner``: the same tokens, so the same
+    records; ``result.tokens`` says which did). That run is the paged run when it ran the paper's scheduler,
+    else the headless run that learns the final lengths ("learn"), run for this when none was needed. Not
+    replayed (``result.not_replayed`` says why): a custom ``run_engine``, a beam search in the workload; a
+    replay that does not fit (``ReplayMismatch``) reruns that policy on the model.
+
     Raises ValueError: bad settings, or a request the paged engine refuses.
     """
+    from ..replay_runner import ReplayMismatch, replayable, tokens_by_sequence
+
     policies = [spec.contiguous_policy] if policies is None else list(policies)
     learn = any(p in FINAL_LENGTH_POLICIES for p in policies)
     callback = on_step or (lambda what: None)
+    why_not = ("not asked" if not replay else "the caller runs the engines" if run_engine is not None
+               else "beam search: its beams depend on log-probabilities the runs do not record"
+               if not replayable(workload) else "no policy to run" if not policies else None)
 
-    def default_run(what, config, final_lens) -> Run:
-        return run(config, workload, loaded, on_step=callback(what), final_lens=final_lens)
+    def default_run(what, config, final_lens, tokens=None) -> Run:
+        return run(config, workload, loaded, on_step=callback(what), final_lens=final_lens, replay=tokens)
     run_engine = run_engine or default_run
     seconds = {"paged": 0.0, "learn": 0.0, "contiguous": {}}
     first = None
@@ -315,21 +341,37 @@ def run_paged_then_contiguous(spec: RunSpec, workload: Workload, loaded=None, po
         first = run_engine("paged", spec.engine_config("paged"), None)
         loaded = loaded or (first.engine.model, first.engine.tokenizer)
         seconds["paged"] = time.perf_counter() - t0
+    # the run under the baseline's scheduler whose tokens the baselines replay
+    source = first if first is not None and first.engine.semantics == "paper" else None
     finals = None
-    if learn:
-        t0 = time.perf_counter()
-        finals = baseline_final_lengths(spec, workload, loaded, paged=first, on_step=callback("learn"))
-        seconds["learn"] = time.perf_counter() - t0
-    result = PagedThenContiguous(first if paged else None, finals, seconds=seconds)
+    t0 = time.perf_counter()
+    if learn and (source is not None or lengths_known(workload)):
+        finals = baseline_final_lengths(spec, workload, loaded, paged=first)
+    if (learn and finals is None) or (why_not is None and source is None):
+        source, *learnt = _headless_baseline(spec, workload, loaded, on_step=callback("learn"))
+        if learn and finals is None:
+            finals = learn_final_lengths(*learnt)
+    seconds["learn"] = time.perf_counter() - t0 if source is not first else 0.0
+    tokens = tokens_by_sequence(source.engine) if why_not is None else None
+    result = PagedThenContiguous(first if paged else None, finals, seconds=seconds, not_replayed=why_not)
     for policy in policies:
         t0 = time.perf_counter()
         try:
             config = dataclasses.replace(spec, contiguous_policy=policy).engine_config("contiguous")
-            result.contiguous[policy] = run_engine(policy, config, finals if policy in FINAL_LENGTH_POLICIES else None)
+            lens = finals if policy in FINAL_LENGTH_POLICIES else None
+            if tokens is None:
+                result.contiguous[policy] = run_engine(policy, config, lens)
+            else:
+                try:
+                    result.contiguous[policy], result.tokens[policy] = run_engine(policy, config, lens, tokens), \
+                        "replayed"
+                except ReplayMismatch:  # the tokens did not fit this run (see engine.replay_runner): the model
+                    result.contiguous[policy], result.tokens[policy] = run_engine(policy, config, lens), "model"
         except ValueError as exc:
             if not skip_refused:
                 raise
             result.skipped[policy] = str(exc)
             continue
+        result.tokens.setdefault(policy, "model")
         seconds["contiguous"][policy] = time.perf_counter() - t0
     return result

@@ -167,11 +167,17 @@ def applied_settings(current: RunSpec, preset: str, chosen: dict, use_preset: bo
     (``POOL_FIELDS``) and what X fixes itself (``preset_fixed_fields``), which always come from X. Applying
     the preset already in effect keeps the earlier changes (the form shows them: what you see is what runs).
     Without the tick, or for "custom", the form's values apply to the settings in effect. The model is
-    the form's either way."""
+    the form's either way, except that a preset's own model (one the preset names, e.g. hybrid-window's)
+    left as it was in the form does not follow to another preset, which runs on its own model."""
     shown = form_values(current, chosen.get("semantics", current.semantics))
     changed = _settings_fields({k: v for k, v in chosen.items() if k in shown and v != shown[k]})
     model = str(chosen.get("model", current.model)).strip()
     changed.pop("model", None)
+    if preset not in ("custom", current.preset) and model == current.model and current.preset != "custom":
+        from engine.scenarios.presets import get_scenario
+
+        if get_scenario(current.preset).model == model:  # the last preset's own model (hybrid-window's) was no
+            model = EMBEDDED_MODEL  # choice: the new preset runs on its own (``RunSpec.from_preset``)
     if preset == "custom" or not use_preset:
         return dataclasses.replace(current, preset=preset, model=model, **changed)
     pure = preset_settings(preset, model)

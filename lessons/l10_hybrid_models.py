@@ -27,17 +27,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
-from pathlib import Path
 
-from engine import EMBEDDED_MODEL, EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.block_pool import prefix_hashes
-from engine.metrics import blocks_for, blocks_left_window, hybrid_blocks_saved
-from engine.scenarios.presets import LIFE_TEXT, PRESSURE_LONG_TEXT, PRESSURE_TEXTS, exact_prompt
+from engine.metrics import blocks_for, blocks_left_window, hybrid_blocks_saved, hybrid_saving
+from engine.scenarios.presets import HYBRID_MODEL, LIFE_TEXT, PRESSURE_LONG_TEXT, PRESSURE_TEXTS, exact_prompt
 from engine.single_type_kv_cache_manager import NULL_BLOCK
 from lessons import kv_math
 from lessons.exercise import Exercise, Slip
 
-HYBRID_MODEL = str(Path(EMBEDDED_MODEL).resolve().parent / "tiny_hybrid_model")
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64
 PROMPT_LEN, MAX_TOKENS, BUDGET = 150, 24, 64  # the window run: prefilled in chunks of BUDGET tokens
@@ -101,9 +99,10 @@ def _tokenize(loaded):
 
 @dataclass
 class StepView:
-    """One step of the window run, for the request: tokens computed before the step (what the window frees
-    by), tokens held after it, every group's table after it (``NULL_BLOCK`` where a block left the window),
-    and the blocks each sliding group gave back in this step (``leave_window`` events)."""
+    """One step of the window run, read from its step record: tokens computed before the step (what the
+    window frees by), tokens held after it, every group's table after it (``SequenceState.group_block_tables``,
+    ``NULL_BLOCK`` where a block left the window), the blocks each sliding group gave back in this step
+    (``leave_window`` events) and the step's ``engine.metrics.hybrid_saving`` (blocks saved, held, twin)."""
 
     step: int
     computed_before: int
@@ -111,6 +110,7 @@ class StepView:
     tables: list[list[int]]
     left_window: dict[int, list[int]]
     words: list[str]
+    saving: dict
 
     @property
     def held(self) -> int:
@@ -132,35 +132,28 @@ class WindowRun:
         return hybrid_blocks_saved(view.computed_before, BLOCK_SIZE, self.windows)
 
 
-def _group_tables(engine, record, seq_id: str) -> list[list[int]]:
-    """The sequence's table in every group: the step record's ``SequenceState.group_block_tables`` when the
-    record carries it, else the engine's KV cache manager's (the same tables)."""
-    state = next((s for s in record.snapshot.sequences if s.seq_id == seq_id), None)
-    tables = getattr(state, "group_block_tables", None) if state is not None else None
-    if tables:
-        return [list(t) for t in tables]
-    return [list(t) for t in engine.block_manager.group_block_tables(seq_id)]
-
-
 @lru_cache(maxsize=1)  # deterministic: the same run for every caller (the app's memo keeps it across sessions too)
 def window_run() -> WindowRun:
     """The hybrid model on one request decoding past its window (see the module docstring)."""
     loaded = hybrid_loaded()
     prompt = exact_prompt(_tokenize(loaded), PRESSURE_LONG_TEXT * 8, PROMPT_LEN)
     e = _engine(loaded, max_num_batched_tokens=BUDGET, enable_prefix_caching=True)
-    managers = e.block_manager.managers
-    run = WindowRun([m.sliding_window for m in managers], [g.layer_ids for g in e.kv_cache_groups], len(prompt))
     rid = e.add_request(prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
-    seq = e.requests[rid].seqs[0]
+    run = None
     while e.has_unfinished():
-        before = seq.num_computed_tokens
         rec = e.step()
-        if seq.seq_id not in e.block_manager.num_tokens:  # finished: its blocks are back in the pool
+        snap = rec.snapshot
+        if run is None:
+            groups = snap.kv_cache_groups
+            run = WindowRun([g["sliding_window"] for g in groups], [tuple(g["layers"]) for g in groups], len(prompt))
+        state = next((s for s in snap.sequences if s.request_id == rid and s.status == "running"), None)
+        if state is None:  # finished: its blocks are back in the pool
             break
+        before = next(x.start_pos for x in rec.scheduled if x.seq_id == state.seq_id)  # computed before the step
         left = {ev.data["group"]: list(ev.blocks) for ev in rec.events if ev.kind == "leave_window"}
         words = [ev.message for ev in rec.events if ev.kind == "leave_window"]
-        run.steps.append(StepView(rec.step, before, e.block_manager.num_tokens[seq.seq_id],
-                                  _group_tables(e, rec, seq.seq_id), left, words))
+        run.steps.append(StepView(rec.step, before, state.num_tokens, [list(t) for t in state.group_block_tables],
+                                  left, words, hybrid_saving(snap)))
     return run
 
 
@@ -285,6 +278,13 @@ def _free_step(run: WindowRun) -> int:
 def _saved_step(run: WindowRun) -> int:
     """Index of the question's decode step: the last step while the request still runs."""
     return len(run.steps) - 1
+
+
+def _reused(view: StepView, group: int) -> int | None:
+    """A block of ``group``'s table at ``view`` that the same group gave back at that step (the pool handed it
+    out again at once), if any."""
+    again = [b for b in view.left_window.get(group, []) if b in view.tables[group]]
+    return again[0] if again else None
 
 
 def _table_text(table: list[int]) -> str:
@@ -423,7 +423,9 @@ def exercises(ctx) -> dict[str, Exercise]:
         "a_free",
         f"You are the sliding group's manager. After step {prev.step} the request has computed "
         f"{at.computed_before} tokens; its table in the sliding group is `{_table_text(table)}` and in the "
-        f"full group `{_table_text(prev.tables[f])}` (physical block ids, logical block 0 first). Step "
+        f"full group `{_table_text(prev.tables[f])}` (physical block ids, logical block 0 first"
+        + (f"; block {_reused(prev, s)} went back at an earlier step and the pool handed it "
+           "out again" if _reused(prev, s) is not None else "") + f"). Step "
         f"{at.step} schedules its next {at.num_tokens - at.computed_before} prompt tokens. Before taking new "
         "blocks, you give back what the window has left. **Which physical blocks do you give back?**",
         "set", freed, tags={"allocator"},
@@ -599,8 +601,8 @@ def _lookup_rows(pr: PrefixRun, name: str) -> list[dict]:
 def reveal_t_gemma(ctx) -> None:
     import streamlit as st
 
-    _df(group_rows(TRANSFER))
-    _df(fit_rows(TRANSFER))
+    st.markdown(_md_table(group_rows(TRANSFER)))  # Markdown tables wrap at 1280 px; a dataframe cut a column
+    st.markdown(_md_table(fit_rows(TRANSFER)))
     st.caption(f"{GPU_GB} × 10^9 bytes × {kv_math.VLLM_GPU_MEMORY_UTILIZATION:g} − weights, in blocks of "
                f"{BLOCK_SIZE} tokens; each request holding that many tokens, all computed.")
 
@@ -614,8 +616,8 @@ def widget_run(ctx) -> None:
         i = st.slider("Step", 1, n, value=min(n, _free_step(run) + 1), key="keep_l10_step") - 1
         v = run.steps[i]
         st.caption(f"step {v.step}: {v.computed_before} tokens computed before it, {v.num_tokens} held after · "
-                   f"{v.held} blocks held, the twin {run.twin(v)}, saved {run.saved(v)} "
-                   "(engine.metrics.hybrid_blocks_saved)")
+                   f"{v.saving['held']} blocks held, the all-full twin {v.saving['twin']}, saved "
+                   f"{v.saving['blocks']} (engine.metrics.hybrid_saving, as the Playground shows it)")
         _df(_tables_rows(run, v))
         for w in v.words:
             st.markdown(f"- {w}")

@@ -142,6 +142,8 @@ def test_p_saved_is_the_twin_minus_what_the_recorded_tables_hold(l10, exs, run):
     # at every step the metric is what the tables say
     for s in run.steps:
         assert len(s.tables) * -(-s.num_tokens // B) - s.held == run.saved(s), s.step
+        # and it is the figure the Playground and the CLI show (engine.metrics.hybrid_saving of the record)
+        assert (s.saving["blocks"], s.saving["held"], s.saving["twin"]) == (run.saved(s), s.held, run.twin(s))
 
 
 def test_a_free_is_what_the_sliding_group_gave_back_at_that_step(exs, run):

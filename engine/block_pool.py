@@ -29,8 +29,11 @@ it out again (least recently freed first); that eviction drops the hash ("BlockR
 KV cache events in vLLM's schema (``vllm/distributed/kv_events.py``) are queued in ``kv_events`` and
 drained once per engine step: {"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids",
 "block_size", "lora_id", "medium", "lora_name"}, {"type": "BlockRemoved", "block_hashes", "medium"},
-{"type": "AllBlocksCleared"}; an event of a group other than 0 also carries "group_idx" (vLLM's
-``BlockStored.group_idx``, which its consumers read as 0 when absent). Typed lab events
+{"type": "AllBlocksCleared"}; BlockStored and BlockRemoved carry their KV cache group's "group_idx" (0
+included, vLLM's ``BlockPool`` sets it on every event: vllm/v1/core/block_pool.py:372, 559, 622), and a
+BlockStored, once drained through ``KVCacheManager.drain_kv_events``, its group's "kv_cache_spec_kind" and
+"kv_cache_spec_sliding_window" (vLLM's ``KVCacheManager.take_events``, vllm/v1/core/kv_cache_manager.py:
+696-721). Typed lab events
 (``engine.records.EventKind``: EVICT, RESET_PREFIX_CACHE) go to the event log; their sentences are
 written in ``engine.narration``.
 
@@ -137,8 +140,7 @@ class BlockPool:
             del cache[old]
         self.block_hashes[b] = None
         self.stats["evictions"] += 1
-        self.kv_events.append({"type": "BlockRemoved", "block_hashes": [old], "medium": "GPU",
-                               **({"group_idx": group} if group else {})})
+        self.kv_events.append({"type": "BlockRemoved", "block_hashes": [old], "medium": "GPU", "group_idx": group})
         self.log.emit(EventKind.EVICT, None, [b], hash=old, still_cached=len(copies))
 
     def touch(self, blocks: list[int]) -> None:
@@ -226,11 +228,13 @@ class BlockPool:
             self.block_groups[b] = group
 
     def _stored_event(self, hashes: list[str], parent: str | None, tokens, group: int) -> dict:
-        """vLLM's "BlockStored" KV event (its schema, ``engine/kv_events.py``); ``group_idx`` only for groups
-        after the first."""
+        """vLLM's "BlockStored" KV event (its schema, ``engine/kv_events.py``), with its KV cache group's
+        ``group_idx`` (0 included, as vLLM 0.32's ``BlockPool._build_block_stored_event`` sets it,
+        vllm/v1/core/block_pool.py:363-374); the group's spec kind and window are added when the KV cache
+        manager drains the events (``KVCacheManager.drain_kv_events``), as vLLM's ``take_events`` does."""
         return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
                 "token_ids": list(tokens), "block_size": self.block_size, "lora_id": None, "medium": "GPU",
-                "lora_name": None, **({"group_idx": group} if group else {})}
+                "lora_name": None, "group_idx": group}
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash, as vLLM's ``BlockPool.reset_prefix_cache``: refused (returns False,

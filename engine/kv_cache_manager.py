@@ -567,8 +567,16 @@ class KVCacheManager:
         return self.log.drain()
 
     def drain_kv_events(self) -> list[dict]:
-        """vLLM-schema KV cache events since the last drain, in order (one engine step's batch)."""
-        return self.pool.drain_kv_events()
+        """vLLM-schema KV cache events since the last drain, in order (one engine step's batch). Each
+        BlockStored gets its group's ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window`` (None for
+        full attention), as vLLM 0.32's ``KVCacheManager.take_events`` annotates the block pool's events
+        from each group's spec (vllm/v1/core/kv_cache_manager.py:209-215, 696-721)."""
+        events = self.pool.drain_kv_events()
+        for e in events:
+            if e["type"] == "BlockStored":
+                m = self.managers[e["group_idx"]]
+                e["kv_cache_spec_kind"], e["kv_cache_spec_sliding_window"] = m.kind, m.sliding_window
+        return events
 
     def drain_ops(self) -> list[tuple[str, int, int]]:
         """Data movement queued since the last drain, in order: ("copy"|"swap_out"|"swap_in", src, dst)."""

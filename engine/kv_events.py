@@ -7,9 +7,23 @@ kv_events.py``, 0.32):
     KVEventBatch = [ts, events, data_parallel_rank]          (msgspec ``array_like``: a msgpack array)
     BlockStored  = {"type": "BlockStored", "block_hashes": [h, ...], "parent_block_hash": h | None,
                     "token_ids": [int, ...]  (every stored block's tokens, concatenated),
-                    "block_size": int, "lora_id": int | None, "medium": "GPU" | "CPU" | ..., "lora_name": ...}
-    BlockRemoved = {"type": "BlockRemoved", "block_hashes": [h, ...], "medium": ...}
+                    "block_size": int, "lora_id": int | None, "medium": "GPU" | "CPU" | ..., "lora_name": ...,
+                    "extra_keys": ..., "group_idx": int, "kv_cache_spec_kind": "full_attention" | "sliding_window"
+                    | ..., "kv_cache_spec_sliding_window": int | None}
+    BlockRemoved = {"type": "BlockRemoved", "block_hashes": [h, ...], "medium": ..., "group_idx": int}
     AllBlocksCleared = {"type": "AllBlocksCleared"}
+
+KV cache groups (a hybrid model: vLLM's hybrid KV cache manager): every BlockStored and BlockRemoved
+carries its group's ``group_idx`` (0 included; vllm/v1/core/block_pool.py:372, 559, 622) and every
+BlockStored its group's ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window``
+(``KVCacheManager.take_events``, vllm/v1/core/kv_cache_manager.py:696-721); a field left None is not
+sent (``omit_defaults``). A block hash is the request's, whatever the group (the group is added only
+inside the pool's map), so two groups store the same hashes. A group that caches only some blocks of the
+range its call covered sends fewer hashes than blocks, possibly none, with the whole range's token ids
+and the parent of its first block: a sliding window caches the blocks a later hit can use
+(``SlidingWindowManager.cache_blocks`` with ``reachable_block_mask``) and never the null blocks out of
+its window (``BlockPool.cache_full_blocks``, block_pool.py:268-280). Such an event does not say which
+blocks its hashes are.
 
 sent over a ZMQ PUB socket as three frames: (topic, 8-byte big-endian sequence number, payload). A block
 hash ``h`` is an int (vLLM's default, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``: the low 64 bits of the
@@ -59,11 +73,16 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[int | bytes]
     medium: str | None
+    group_idx: int | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -135,10 +154,12 @@ def to_struct(event: dict) -> KVCacheEvent:
                            parent_block_hash=None if parent is None else external_hash(parent),
                            token_ids=[int(t) for t in event["token_ids"]], block_size=int(event["block_size"]),
                            lora_id=event.get("lora_id"), medium=event.get("medium", "GPU"),
-                           lora_name=event.get("lora_name"))
+                           lora_name=event.get("lora_name"), group_idx=event.get("group_idx"),
+                           kv_cache_spec_kind=event.get("kv_cache_spec_kind"),
+                           kv_cache_spec_sliding_window=event.get("kv_cache_spec_sliding_window"))
     if kind == "BlockRemoved":
         return BlockRemoved(block_hashes=[external_hash(h) for h in event["block_hashes"]],
-                            medium=event.get("medium", "GPU"))
+                            medium=event.get("medium", "GPU"), group_idx=event.get("group_idx"))
     if kind == "AllBlocksCleared":
         return AllBlocksCleared()
     raise ValueError(f"KV event type {kind!r} is not one of {', '.join(EVENT_TYPES)}")
@@ -226,8 +247,9 @@ def _decode_event(i: int, e: Any) -> dict:
         raise MalformedBatch(f"event {i} ({kind}) has no block_hashes array")
     hashes = [hash_key(h) for h in fields["block_hashes"]]
     medium = fields.get("medium")
+    group = _group_fields(i, kind, fields)
     if kind == "BlockRemoved":
-        return {"type": kind, "block_hashes": hashes, "medium": medium}
+        return {"type": kind, "block_hashes": hashes, "medium": medium, **group}
     tokens, size = fields.get("token_ids"), fields.get("block_size")
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise MalformedBatch(f"event {i} (BlockStored) has block_size {_short(size)}, expected a positive int")
@@ -236,7 +258,12 @@ def _decode_event(i: int, e: Any) -> dict:
                              f"tokens per block this reader takes (vLLM's blocks hold at most a few hundred)")
     if not isinstance(tokens, list):
         raise MalformedBatch(f"event {i} (BlockStored) has no token_ids array of ints")
-    if len(tokens) != size * len(hashes):
+    masked = group.get("kv_cache_spec_kind") not in (None, *WHOLE_RANGE_KINDS)
+    if masked and (len(tokens) % size or len(tokens) < size * len(hashes) or not tokens):
+        raise MalformedBatch(f"event {i} (BlockStored, a {group['kv_cache_spec_kind']} group): {len(tokens):,} token "
+                             f"ids for {len(hashes)} block hashes of {size}, expected whole blocks, at least one and "
+                             f"at least {size * len(hashes):,} tokens")
+    if not masked and len(tokens) != size * len(hashes):
         raise MalformedBatch(f"event {i} (BlockStored): {len(tokens):,} token ids for {len(hashes)} blocks "
                              f"of {size}, expected {size * len(hashes):,}")
     if not all(isinstance(t, int) for t in tokens):
@@ -244,7 +271,30 @@ def _decode_event(i: int, e: Any) -> dict:
     parent = fields.get("parent_block_hash")
     return {"type": kind, "block_hashes": hashes, "parent_block_hash": None if parent is None else hash_key(parent),
             "token_ids": tokens, "block_size": size, "lora_id": fields.get("lora_id"), "medium": medium,
-            "lora_name": fields.get("lora_name")}
+            "lora_name": fields.get("lora_name"), **group}
+
+
+# KV cache spec kinds whose group caches every block of the range a BlockStored covers (one hash per
+# block); any other kind (a sliding window, chunked local attention, Mamba) may skip blocks
+WHOLE_RANGE_KINDS = ("full_attention", "mla_attention", "sink_full_attention")
+_GROUP_FIELDS = {"group_idx": int, "kv_cache_spec_kind": str, "kv_cache_spec_sliding_window": int}
+
+
+def _group_fields(i: int, kind: str, fields: dict) -> dict:
+    """The KV cache group fields an event carries (absent or None: not in the result), checked: group_idx
+    and the window non-negative ints, the kind a string. A BlockRemoved carries group_idx only."""
+    out = {}
+    names = ("group_idx",) if kind == "BlockRemoved" else tuple(_GROUP_FIELDS)
+    for name in names:
+        value = fields.get(name)
+        if value is None:
+            continue
+        want = _GROUP_FIELDS[name]
+        if not isinstance(value, want) or isinstance(value, bool) or (want is int and value < 0):
+            raise MalformedBatch(f"event {i} ({kind}) has {name} {_short(value)}, expected "
+                                 f"{'a non-negative int' if want is int else 'a string'}")
+        out[name] = value
+    return out
 
 
 def _short(x: Any) -> str:

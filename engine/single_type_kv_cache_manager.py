@@ -44,9 +44,12 @@ class SingleTypeKVCacheManager(ABC):
 
     ``max_admission_blocks``: the most blocks an admission counts for one request in this group (vLLM's
     ``max_admission_blocks_per_request``; None: no cap, full attention holds every block to the end).
-    ``sliding_window``: the tokens a layer of this group attends to (None: every earlier token)."""
+    ``sliding_window``: the tokens a layer of this group attends to (None: every earlier token).
+    ``kind``: the group's ``KVCacheSpecKind`` value as vLLM's KV events carry it (``kv_cache_spec_kind``,
+    vllm/v1/kv_cache_interface.py:146-156)."""
 
     sliding_window: int | None = None
+    kind: str = "full_attention"
 
     def __init__(self, pool: BlockPool, enable_caching: bool = False, group_id: int = 0) -> None:
         self.pool = pool
@@ -178,6 +181,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
       (``_contiguous_blocks_for_hit``); searched from the right, the first such run wins. Without such a
       run, the cached blocks from the start are the hit (a prefix shorter than the window needs them all).
     """
+
+    kind = "sliding_window"  # KVCacheSpecKind.SLIDING_WINDOW
 
     def __init__(self, pool: BlockPool, enable_caching: bool = False, group_id: int = 0,
                  sliding_window: int = 1) -> None:

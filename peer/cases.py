@@ -12,6 +12,7 @@ Each case names what it checks and, where vLLM and the lab differ on purpose, wh
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 # Public-domain text (Hamlet, III.1; Julius Caesar, III.2) cut into prompts of exact token lengths.
 TEXT = (
@@ -62,6 +63,7 @@ class Case:
     seed: int = 0
     watermark: float = 0.0  # vLLM's SchedulerConfig.watermark; the lab's EngineConfig.watermark (V1: 0)
     known_difference: str = ""
+    model: str = ""  # "": the embedded model (engine.EMBEDDED_MODEL); "hybrid": assets/tiny_hybrid_model
 
     @property
     def lab_num_blocks(self) -> int:
@@ -70,7 +72,7 @@ class Case:
     def spec(self) -> dict:
         """The case as ``peer/vllm_driver.py`` reads it."""
         d = asdict(self)
-        for key in ("what", "known_difference"):
+        for key in ("what", "known_difference", "model"):
             d.pop(key)
         return d
 
@@ -165,3 +167,87 @@ def _cases_at(B: int, ids: list[int], vocab_size: int) -> list[Case]:
             B, 9, [CaseRequest(f"p{i}", ids[40 * i: 40 * i + B + 5], max_tokens=2 * B) for i in range(4)],
             max_model_len=4 * B, watermark=0.2))
     return cases
+
+
+# ---- the hybrid model (issue 25): sliding-window and full-attention layers in two KV cache groups ----------
+
+HYBRID_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny_hybrid_model")
+HYBRID_WINDOW = 48  # its config.json "sliding_window": layers 0 and 2 attend to the last 48 tokens
+
+
+def min_num_gpu_blocks(block_size: int, max_model_len: int, max_num_batched_tokens: int,
+                       sliding_window: int | None = None) -> int:
+    """The smallest ``num_gpu_blocks_override`` vLLM 0.32 accepts: its pool (null block included) must hold
+    one ``max_model_len`` request in every KV cache group at once, all groups drawing from the one pool.
+
+    vLLM's ``get_kv_cache_configs`` (vllm/v1/core/kv_cache_utils.py:2611-2640) turns the override into
+    ``override x bytes_per_block`` of memory, keeps one block back for the null block, and
+    ``_check_enough_kv_cache_memory`` needs ``_max_memory_usage_bytes_from_groups`` (lines 2337-2366):
+    ``bytes_per_block x`` the sum over groups of each group's blocks. ``bytes_per_block`` is the page of the
+    largest group (``_get_kv_cache_bytes_per_block``, line 1520: both groups of the hybrid model have two
+    layers, so one page spans one block of every layer of a group, and block id b names block b in each
+    group's own tensors). A full-attention group takes ``ceil(max_model_len / B)`` blocks
+    (``AttentionSpec.max_memory_usage_bytes``, vllm/v1/kv_cache_interface.py:602-607); a sliding-window
+    group ``ceil(min(window - 1 + max_in_flight_tokens, max_model_len) / B) + 1``
+    (``SlidingWindowSpec.max_admission_blocks_per_request``, lines 859-885), where
+    ``max_in_flight_tokens`` is ``max_num_batched_tokens`` with synchronous scheduling
+    (``VllmConfig.max_in_flight_tokens``, vllm/config/vllm.py:590-597). So a block of
+    ``num_gpu_blocks`` is one block of the shared pool that either group may take, not a block per group;
+    the lab's pool (``num_gpu_blocks - 1`` blocks, ``EngineConfig.num_blocks``) is the same shared pool.
+    """
+    full = -(-max_model_len // block_size)
+    if sliding_window is None:
+        return full + 1
+    sliding = -(-min(sliding_window - 1 + max_num_batched_tokens, max_model_len) // block_size) + 1
+    return full + sliding + 1
+
+
+def _hybrid(name: str, what: str, B: int, num_gpu_blocks: int, requests: list[CaseRequest], **kw) -> Case:
+    case = Case(name, what, B, num_gpu_blocks, requests, model="hybrid", **kw)
+    need = min_num_gpu_blocks(B, case.max_model_len, case.max_num_batched_tokens, HYBRID_WINDOW)
+    if num_gpu_blocks < need:
+        raise ValueError(f"hybrid case {name}: num_gpu_blocks {num_gpu_blocks} is below the {need} vLLM needs for "
+                         f"max_model_len {case.max_model_len} in both KV cache groups (min_num_gpu_blocks)")
+    return case
+
+
+def build_hybrid_cases(tokenize) -> list[Case]:
+    """The cases on the hybrid model (``HYBRID_MODEL``: layers 0 and 2 a 48-token sliding window, 1 and 3
+    full attention), at block size 32 (the smallest vLLM's CPU attention takes), so the window is 1.5
+    blocks and a sliding layer's prefix hit needs the ``ceil((48 - 1) / 32) = 2`` blocks before the hit
+    point. ``tokenize(text) -> list[int]`` is the model's tokenizer (the embedded model's)."""
+    ids = tokenize(TEXT)
+    assert len(ids) >= 480, f"the case text encodes to {len(ids)} tokens, fewer than the 480 the cases cut"
+    B = 32
+    s = f"B{B}"
+    prompt = ids[:150]  # 4 full blocks + 22 tokens: about 3 windows
+    fork = ids[:100] + ids[300:340]  # shares 3 full blocks (96 tokens) with prompt, then differs
+    return [
+        _hybrid(f"hybrid-long-prompts-{s}",
+                "two prompts of 4 and 5 windows decoding past them: the sliding group frees each block that "
+                "leaves the window (its table gets the null block) while the full group keeps every block",
+                B, 40, [CaseRequest("four", ids[:192], max_tokens=24),
+                        CaseRequest("five", ids[250:490], max_tokens=24)], max_model_len=320),
+        _hybrid(f"hybrid-repeated-prompt-{s}",
+                "a 150-token prompt sent again after it finished (the sliding group keeps the 2 blocks before "
+                "the hit point: 128 tokens hit) and a prompt sharing its first 100 tokens (3 full blocks the "
+                "full group holds, but the sliding group cached no 2 blocks ending there)",
+                B, 24, [CaseRequest("first", prompt, max_tokens=4),
+                        CaseRequest("again", prompt, max_tokens=4, arrival_step=6),
+                        CaseRequest("fork", fork, max_tokens=4, arrival_step=12)], max_model_len=192),
+        _hybrid(f"hybrid-evict-sliding-{s}",
+                "a small pool: the first request's cached sliding-window blocks, freed as the window passed, "
+                "are evicted first (least recently freed) by a second prompt; the first prompt again then "
+                "finds the full group's blocks but not the sliding ones it needs",
+                B, 18, [CaseRequest("first", prompt, max_tokens=40),
+                        CaseRequest("filler", ids[200:376], max_tokens=4, arrival_step=42),
+                        CaseRequest("again", prompt, max_tokens=4, arrival_step=48)], max_model_len=192),
+        _hybrid(f"hybrid-chunked-window-edge-{s}",
+                "chunked prefill with a 40-token budget (chunks end at 39, 78, ... tokens, across the window's "
+                "48-token edge and inside blocks) mixed with a decoding request, then a prompt sharing the "
+                "long one's first 140 tokens (its 4 full blocks; the sliding group kept the 2 before them)",
+                B, 24, [CaseRequest("short", ids[450:470], max_tokens=12),
+                        CaseRequest("long", prompt, max_tokens=6, arrival_step=1),
+                        CaseRequest("long2", ids[:140] + ids[400:420], max_tokens=4, arrival_step=9)],
+                max_model_len=192, max_num_batched_tokens=40),
+    ]

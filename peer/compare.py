@@ -19,28 +19,64 @@ class Check:
     detail: str = ""
 
 
-def prefix_events(steps: list[dict]) -> list[list[tuple]]:
-    """Per step, its KV events by content, in order: ("stored", (prefix token ids of each block)),
-    ("removed", (prefix token ids of each block)) or ("cleared",). One event per vLLM event, so how blocks
-    are grouped into events is compared too. A hash never seen stored reads as its hash."""
+def _hash_prefixes(steps: list[dict]) -> dict[str, tuple[int, ...]]:
+    """Every stored block hash -> the token ids of the whole prefix its block ends. A BlockStored that names
+    a hash per block of its tokens gives each hash its prefix from the parent's; one that names fewer (a
+    sliding-window group caches only the blocks a later hit can use, vLLM's ``reachable_block_mask``, and
+    skips null blocks) cannot say which hash is which block, but the block hashes are the request's own,
+    whatever the group (vLLM's ``BlockHashWithGroupId`` adds the group only inside the pool), so another
+    group's event of the same blocks names them. Passes until nothing new is learned: a group's event can
+    come before the one that names its parent."""
     prefix: dict[str, tuple[int, ...]] = {}
+    events = [e for step in steps for e in step["kv_events"] if e["type"] == "BlockStored"
+              and len(e["token_ids"]) == len(e["block_hashes"]) * e["block_size"]]
+    while True:
+        learned = False
+        for e in events:
+            parent = e.get("parent_block_hash")
+            if parent is not None and str(parent) not in prefix:
+                continue
+            head = prefix[str(parent)] if parent is not None else ()
+            size = e["block_size"]
+            for i, h in enumerate(e["block_hashes"]):
+                head = head + tuple(e["token_ids"][i * size:(i + 1) * size])
+                if str(h) not in prefix:
+                    prefix[str(h)] = head
+                    learned = True
+        if not learned:
+            return prefix
+
+
+def _group(e: dict, stored: bool) -> tuple:
+    """An event's KV cache group as vLLM 0.32 writes it: ``group_idx`` (both kinds), and on a BlockStored
+    ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window``. Absent reads as None, so an event without
+    them differs from one with them."""
+    if stored:
+        return (e.get("group_idx"), e.get("kv_cache_spec_kind"), e.get("kv_cache_spec_sliding_window"))
+    return (e.get("group_idx"),)
+
+
+def prefix_events(steps: list[dict]) -> list[list[tuple]]:
+    """Per step, its KV events by content, in order: ("stored", group, (prefix token ids of each block),
+    (first token, tokens covered)), ("removed", group, (prefix token ids of each block)) or ("cleared",),
+    where group is ``_group``'s. One event per vLLM event, so how blocks are grouped into events is compared
+    too. A hash whose block no event names reads as ("unknown hash", hash)."""
+    prefix = _hash_prefixes(steps)
+
+    def named(h) -> tuple:
+        return prefix.get(str(h), ("unknown hash", str(h)))
+
     out = []
     for step in steps:
         events = []
         for e in step["kv_events"]:
             if e["type"] == "BlockStored":
                 parent = e.get("parent_block_hash")
-                head = prefix.get(str(parent), ()) if parent is not None else ()
-                size = e["block_size"]
-                blocks = []
-                for i, h in enumerate(e["block_hashes"]):
-                    head = head + tuple(e["token_ids"][i * size:(i + 1) * size])
-                    prefix[str(h)] = head
-                    blocks.append(head)
-                events.append(("stored", tuple(blocks)))  # one event per allocation, as vLLM groups them
+                start = len(named(parent)) if parent is not None else 0
+                span = (start, len(e["token_ids"]))  # the range the call covered, the blocks it skipped included
+                events.append(("stored", _group(e, True), tuple(named(h) for h in e["block_hashes"]), span))
             elif e["type"] == "BlockRemoved":
-                events.append(("removed", tuple(prefix.get(str(h), ("unknown hash", str(h)))
-                                                for h in e["block_hashes"])))
+                events.append(("removed", _group(e, False), tuple(named(h) for h in e["block_hashes"])))
             else:
                 events.append(("cleared",))
         out.append(events)
@@ -95,8 +131,9 @@ def _short(value, limit: int = 400) -> str:
 
 
 def _describe_events(events: list[tuple]) -> list[tuple]:
-    """Shorter form for messages: kind and each block's prefix length in tokens (with its last token id)."""
-    return [(e[0], tuple((len(b), b[-1:]) for b in e[1])) if len(e) > 1 else e for e in events]
+    """Shorter form for messages: kind, group and each block's prefix length in tokens (with its last
+    token id), and a BlockStored's span."""
+    return [(e[0], e[1], tuple((len(b), b[-1:]) for b in e[2]), *e[3:]) if len(e) > 1 else e for e in events]
 
 
 def _cached(result: dict) -> dict[str, int]:

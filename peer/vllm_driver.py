@@ -40,7 +40,8 @@ OUT.json
           num_free_blocks_at_start, max_num_batched_tokens, max_num_scheduled_tokens, max_num_seqs,
           max_model_len, policy, long_prefill_token_threshold, watermark, watermark_blocks,
           scheduler_reserve_full_isl, enable_chunked_prefill, enable_prefix_caching,
-          prefix_caching_hash_algo, async_scheduling, use_v2_model_runner, dtype, seed, ...
+          prefix_caching_hash_algo, async_scheduling, use_v2_model_runner, dtype, seed,
+          kv_cache_groups ([{kind, sliding_window, layer_names, manager}] by group_idx), coordinator, ...
       "requests": {request_id (as given in SPEC): {
           "outputs": [[token ids of completion 0], ...]           (n lists, by CompletionOutput.index)
           "finish_reasons": ["length" | "stop", ...],
@@ -60,8 +61,11 @@ OUT.json
           "finished": [internal ids], "finish_reasons": {id: "stop" | "length"},
           "stop_reasons": {id: stop token id or null (EOS, length)}   (EngineCoreOutput.stop_reason)
           "kv_events": [{"type": "BlockStored", "block_hashes": [str], "parent_block_hash": str|null,
-                         "token_ids": [...], "block_size": int, "prefix_token_ids": [[...] per block]}
-                        | {"type": "BlockRemoved", "block_hashes": [...], "prefix_token_ids": [...]}
+                         "token_ids": [...], "block_size": int, "group_idx": int,
+                         "kv_cache_spec_kind": str, "kv_cache_spec_sliding_window": int|null,
+                         "prefix_token_ids": [[...] per block]}
+                        | {"type": "BlockRemoved", "block_hashes": [...], "group_idx": int,
+                           "prefix_token_ids": [...]}
                         | {"type": "AllBlocksCleared"}],
           "num_free_blocks": int (end of step), "num_free_blocks_after_schedule": int,
           "kv_cache_usage": float (end of step; = 1 - free / usable, vLLM's own formula),
@@ -253,6 +257,10 @@ class _PrefixMap:
         else:
             base = self.map.get(parent)
         out: list[list[int] | None] = []
+        if len(token_ids) != len(hashes) * block_size:
+            # a KV cache group that caches some blocks of the range only (a sliding window's
+            # reachable_block_mask, or null blocks): which ones is not in the event
+            return [self.map.get(h) for h in hashes]
         for i, h in enumerate(hashes):
             if base is None:
                 out.append(None)
@@ -264,6 +272,18 @@ class _PrefixMap:
 
     def lookup(self, hashes: list[str]):
         return [self.map.get(h) for h in hashes]
+
+
+def _group_fields(ev, d: dict, stored: bool) -> None:
+    """The KV cache group fields vLLM 0.32 puts on an event (vllm/distributed/kv_events.py): ``group_idx``
+    on both kinds (BlockPool sets it on every event, 0 included), and on a BlockStored the group's
+    ``kv_cache_spec_kind`` ("full_attention", "sliding_window", ...) and ``kv_cache_spec_sliding_window``
+    (None but for a sliding window), which ``KVCacheManager.take_events`` adds. Copied as given; a field
+    vLLM left None is written as null."""
+    d["group_idx"] = getattr(ev, "group_idx", None)
+    if stored:
+        d["kv_cache_spec_kind"] = getattr(ev, "kv_cache_spec_kind", None)
+        d["kv_cache_spec_sliding_window"] = getattr(ev, "kv_cache_spec_sliding_window", None)
 
 
 def _event_to_json(ev, pmap: _PrefixMap) -> dict:
@@ -279,15 +299,13 @@ def _event_to_json(ev, pmap: _PrefixMap) -> dict:
             "token_ids": token_ids,
             "block_size": int(ev.block_size),
         }
-        if getattr(ev, "group_idx", None) not in (None, 0):
-            d["group_idx"] = ev.group_idx
+        _group_fields(ev, d, stored=True)
         d["prefix_token_ids"] = pmap.stored(hashes, parent, token_ids, int(ev.block_size))
         return d
     if name == "BlockRemoved":
         hashes = [_hash_str(h) for h in ev.block_hashes]
         d = {"type": "BlockRemoved", "block_hashes": hashes}
-        if getattr(ev, "group_idx", None) not in (None, 0):
-            d["group_idx"] = ev.group_idx
+        _group_fields(ev, d, stored=False)
         d["prefix_token_ids"] = pmap.lookup(hashes)
         return d
     if name == "AllBlocksCleared":
@@ -632,6 +650,14 @@ def _drive(case, engine, sub, endpoint) -> dict:
         "compilation_mode": str(vcfg.compilation_config.mode),
         "max_in_flight_tokens": getattr(vcfg, "max_in_flight_tokens", None),
         "kv_events_publisher": type(publisher).__name__,
+        # the KV cache groups vLLM built (one for a model whose layers all attend to everything; one per
+        # kind of layer for a hybrid model), in group_idx order, with each manager's class
+        "kv_cache_groups": [
+            {"kind": kvm.kv_cache_event_metadata[g][0], "sliding_window": kvm.kv_cache_event_metadata[g][1],
+             "layer_names": list(group.layer_names),
+             "manager": type(kvm.coordinator.single_type_managers[g]).__name__}
+            for g, group in enumerate(kvm.kv_cache_config.kv_cache_groups)],
+        "coordinator": type(kvm.coordinator).__name__,
         "eos_token_id": engine.renderer.get_eos_token_id() if engine.renderer is not None else None,
     }
 

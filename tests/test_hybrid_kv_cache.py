@@ -183,13 +183,15 @@ def test_kv_events_name_the_group_as_vllm_does():
     km.allocate_slots("a", ids(9), 9)
     stored = km.drain_kv_events()
     assert [e["type"] for e in stored] == ["BlockStored", "BlockStored"]  # one per group per allocation
-    assert "group_idx" not in stored[0] and stored[1]["group_idx"] == 1  # vLLM's driver writes 0 as absent
+    # vLLM's BlockPool sets group_idx on every event, 0 included; take_events adds the group's kind and window
+    assert [(e["group_idx"], e["kv_cache_spec_kind"], e["kv_cache_spec_sliding_window"]) for e in stored] == [
+        (0, "sliding_window", km.managers[0].sliding_window), (1, "full_attention", None)]
     assert stored[0]["block_hashes"] == stored[1]["block_hashes"]  # same tokens, same hash, two entries
     km.free("a")
     for i in range(16):  # 16 one-token requests take a block in each group: the whole pool
         km.allocate_slots(f"f{i}", [i], 1)
     removed = [e for e in km.drain_kv_events() if e["type"] == "BlockRemoved"]
-    assert [e.get("group_idx", 0) for e in removed] == [0, 0, 1, 1]
+    assert [e["group_idx"] for e in removed] == [0, 0, 1, 1]
 
 
 def test_admission_counts_a_sliding_group_at_most_its_cap():

@@ -243,3 +243,22 @@ def test_cli_json_carries_the_groups_and_the_same_saving(loaded, monkeypatch, ca
     assert main(["run", "--scenario", "hybrid-window"]) == 0
     text = capsys.readouterr().out
     assert "sliding windows gave back up to 2 blocks" in text and "left the 48-token sliding window" in text
+
+
+@pytest.mark.slow
+def test_playground_on_the_hybrid_preset_shows_the_groups_and_the_saving():
+    """The Playground opened on the preset at the step a block left the window (AppTest, a scenario link): the
+    saving in the metrics row and its line read ``engine.metrics.hybrid_saving`` of that step."""
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=180)
+    at.query_params["scenario"] = "hybrid-window"
+    at.query_params["step"] = "3"
+    at.run()
+    assert not at.exception
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["blocks saved"] == "1" and metrics["held / all full"] == "11 / 12"
+    captions = " ".join(c.value for c in at.caption)
+    assert "**Hybrid model.** KV cache groups: window 48 (layers 0, 2), full (layers 1, 3), one pool. The sliding " \
+           "windows gave back 1 block (16,384 bytes)" in captions
+    assert "bytes saved" in captions and "No contiguous baseline" in " ".join(i.value for i in at.info)

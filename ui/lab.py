@@ -345,7 +345,12 @@ class Lab:
         try:
             contiguous = LLMEngine(settings.engine_config("contiguous"), (paged.model, paged.tokenizer))
         except ValueError as exc:
-            notes.append(f"contiguous baseline not available with these settings: {exc}")
+            if paged.block_manager.hybrid:  # a sliding-window model: said short, it shows on a projector
+                notes.append("No contiguous baseline: it runs the paper's scheduler, one block table for every "
+                             "layer, which cannot give back what a sliding window left; vLLM V1's KV cache groups "
+                             "(a table per kind of layer) can.")
+            else:
+                notes.append(f"contiguous baseline not available with these settings: {exc}")
         lab = cls(settings, paged, contiguous, notes=notes, semantics_note=semantics_note)
         if settings.preset != "custom" or settings.scenario is not None:
             tokenize = lambda t: paged.tokenizer(t, add_special_tokens=False)["input_ids"]  # noqa: E731

@@ -262,3 +262,21 @@ def test_playground_on_the_hybrid_preset_shows_the_groups_and_the_saving():
     assert "**Hybrid model.** KV cache groups: window 48 (layers 0, 2), full (layers 1, 3), one pool. The sliding " \
            "windows gave back 1 block (16,384 bytes)" in captions
     assert "bytes saved" in captions and "No contiguous baseline" in " ".join(i.value for i in at.info)
+
+
+def test_an_empty_block_stored_is_a_sliding_groups_only(hybrid_records, make_engine):
+    """A sliding group's BlockStored may cache none of its range (vLLM's block mask): read back in a hybrid
+    trace, refused in a model of one full-attention group; token ids of part of a block refused in both."""
+    empty = {"type": "BlockStored", "block_hashes": [], "parent_block_hash": None, "token_ids": list(range(B)),
+             "block_size": B, "lora_id": None, "medium": "GPU", "lora_name": None}
+    hybrid = hybrid_records[0].to_dict()
+    hybrid["kv_events"] = [empty]
+    assert StepRecord.from_dict(hybrid).kv_events == [empty]
+    with pytest.raises(ValueError, match="kv_events.0"):
+        StepRecord.from_dict({**hybrid, "kv_events": [{**empty, "token_ids": list(range(B - 1))}]})
+    engine = make_engine(num_blocks=16)
+    engine.add_request("Hello there", SamplingParams(max_tokens=2, temperature=0.0))
+    single = engine.step().to_dict()
+    single["kv_events"] = [empty]
+    with pytest.raises(ValueError, match=r"kv_events\.0\.block_hashes"):
+        StepRecord.from_dict(single)

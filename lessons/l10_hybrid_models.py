@@ -491,7 +491,7 @@ def exercises(ctx) -> dict[str, Exercise]:
     kib = g0.bytes_per_token / 1024
     r_bytes = Exercise(
         "r_bytes",
-        f"**{worked.name}** ([config.json]({worked.source})): {wc.num_hidden_layers} layers, half of them "
+        f"**{worked.name}** (its config.json fields are in the table above): {wc.num_hidden_layers} layers, half of them "
         f"sliding-window layers ({wc.sliding_window} tokens), {wc.num_key_value_heads} KV heads of head_dim "
         f"{wc.head_dim}, the KV cache in {worked.dtype}. vLLM puts the sliding layers in one group and the full "
         "ones in another. **How many KiB does one token take in the sliding group?**",
@@ -513,7 +513,7 @@ def exercises(ctx) -> dict[str, Exercise]:
     no_weights = fits(TRANSFER, weights=0)[TRANSFER_CONTEXT].requests
     t_gemma = Exercise(
         "t_gemma",
-        f"**{t.name}** ([config.json]({t.source}); the fields are in the table above). Same GPU, same "
+        f"**{t.name}** (its config.json fields are in the table above). Same GPU, same "
         f"convention (80 × 10^9 bytes × {kv_math.VLLM_GPU_MEMORY_UTILIZATION:g}, minus "
         f"{kv_math.weight_bytes(t) / kv_math.GIB:.1f} GiB of {t.dtype} weights), blocks of {B}. **How many "
         f"requests of {TRANSFER_CONTEXT:,} tokens fit at once?**",

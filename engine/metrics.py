@@ -59,30 +59,78 @@ def hybrid_blocks_saved(num_computed_tokens: int, block_size: int, group_windows
 
 def hybrid_saving(snap, bytes_per_block: int | None = None) -> dict | None:
     """What a hybrid model's pool holds fewer than its all-full-attention twin after a step, read from the
-    snapshot's tables (None without KV cache groups, ``Snapshot.kv_cache_groups``): per running sequence,
-    the null entries of its sliding-window groups' tables (``SequenceState.group_block_tables``), which are
-    ``hybrid_blocks_saved(c, block_size, windows)`` for ``c`` the tokens it had computed when its step was
-    scheduled (its windows were applied then: a request decoding past the window gives a block back at the
-    step that computes position ``W - 1 + k * B``, its "leave_window" event). A prefix two requests share
-    counts for each.
+    snapshot's tables (None without KV cache groups, ``Snapshot.kv_cache_groups``).
 
-    Returns ``{"blocks": total, "bytes": total x bytes_per_block (None without it), "by_sequence":
-    {seq_id: blocks}, "held": blocks the running sequences' tables hold now, all groups (each block once),
-    "twin": held + blocks (what the all-full-attention twin would hold)}``. ``bytes_per_block``: one block
-    of the pool (``engine.kv_cache.page_bytes``)."""
+    ``blocks`` (the number the Playground, the presenter and the CLI show) is a pool count: ``twin - held``.
+    ``held``: the distinct physical blocks the running sequences' tables hold now, every group, the null
+    block (-1) left out, a block two tables share counted once, as the pool counts it (its blocks with a
+    reference). ``twin``: what the same run would hold with every layer full, every group's tables shaped as
+    the full-attention group's: the distinct blocks of the running sequences' full-attention tables
+    (``SequenceState.block_table``), once per group. The screen shows this and not the sum of the requests'
+    savings because a prefix two requests share (prefix caching, V1's n > 1 samples) is one block per group
+    in the twin as in the pool: a request that hits a cached prefix finds its early sliding entries null
+    (vLLM's sliding hit rule asks only for the last blocks before the hit point), yet the twin would not
+    have held those blocks twice, so summing the requests' null entries counts the prefix once per request
+    and overstates what the pool gains.
+
+    ``by_sequence``: per running sequence, the null entries of its sliding-window tables: the arithmetic
+    for one request, ``hybrid_blocks_saved(c, block_size, windows)`` for ``c`` the tokens it had computed
+    when its step was scheduled (a request decoding past the window gives a block back at the step that
+    computes position ``W - 1 + k * B``, its "leave_window" event). Its sum equals ``blocks`` when no
+    block is shared and exceeds it when a shared prefix has left a window.
+
+    A model with no full-attention group (a uniform sliding window) has no table that keeps the whole
+    prefix; its twin is read from the sliding tables: two sequences hold one twin block at logical block
+    ``i`` when some group's tables share a physical block at a position ``j >= i`` (a block's hash chains
+    from its whole prefix, so sharing block ``j`` means sharing every block before it); a prefix that left
+    every window in both is then counted once per sequence (a lower bound on the saving).
+
+    Returns ``{"blocks": twin - held, "bytes": blocks x bytes_per_block (None without it), "by_sequence":
+    {seq_id: blocks}, "held": blocks, "twin": blocks}``. ``bytes_per_block``: one block of the pool
+    (``engine.kv_cache.page_bytes``)."""
     groups = getattr(snap, "kv_cache_groups", None)
     if not groups:
         return None
     sliding = [g for g, d in enumerate(groups) if d["kind"] == "sliding_window"]
+    full = [g for g, d in enumerate(groups) if d["kind"] != "sliding_window"]
+    live = [s for s in snap.sequences if s.status == "running" and s.group_block_tables]
     by_seq, held = {}, set()
-    for s in snap.sequences:
-        if s.status != "running" or not s.group_block_tables:
-            continue
+    for s in live:
         by_seq[s.seq_id] = sum(s.group_block_tables[g].count(-1) for g in sliding)
         held.update(b for t in s.group_block_tables for b in t if b >= 0)
-    blocks = sum(by_seq.values())
+    if full:
+        per_group = len({b for s in live for b in s.group_block_tables[full[0]] if b >= 0})
+    else:
+        per_group = _twin_blocks_from_windows(live)
+    twin = per_group * len(groups)
+    blocks = twin - len(held)
     return {"blocks": blocks, "bytes": None if bytes_per_block is None else blocks * bytes_per_block,
-            "by_sequence": by_seq, "held": len(held), "twin": len(held) + blocks}
+            "by_sequence": by_seq, "held": len(held), "twin": twin}
+
+
+def _twin_blocks_from_windows(seqs) -> int:
+    """Blocks one group of the all-full twin holds for ``seqs`` when no group keeps the whole prefix: per
+    logical block ``i``, one block per class of sequences that share a physical block at some ``j >= i``."""
+    n = max((len(t) for s in seqs for t in s.group_block_tables), default=0)
+    total = 0
+    for i in range(n):
+        parent = {s.seq_id: s.seq_id for s in seqs if len(s.group_block_tables[0]) > i}
+
+        def find(x):
+            while parent[x] != x:
+                x = parent[x]
+            return x
+        first: dict[tuple[int, int, int], str] = {}
+        for s in seqs:
+            if s.seq_id not in parent:
+                continue
+            for g, t in enumerate(s.group_block_tables):
+                for j in range(i, len(t)):
+                    if t[j] >= 0:
+                        other = first.setdefault((g, j, t[j]), s.seq_id)
+                        parent[find(s.seq_id)] = find(other)
+        total += len({find(x) for x in parent})
+    return total
 
 
 # ------------------------------------------------------------------------------------------ one snapshot

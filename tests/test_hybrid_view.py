@@ -280,3 +280,60 @@ def test_an_empty_block_stored_is_a_sliding_groups_only(hybrid_records, make_eng
     single["kv_events"] = [empty]
     with pytest.raises(ValueError, match=r"kv_events\.0\.block_hashes"):
         StepRecord.from_dict(single)
+
+
+# ------------------------------------------------------------------ the saving of a shared prefix (pool)
+@pytest.fixture(scope="module")
+def shared_prefix_records(loaded) -> list[StepRecord]:
+    """Prefix caching on: R1 (70 prompt tokens) runs alone for a step, then R2 (R1's first 64 tokens and 6
+    of its own) hits R1's 4 full blocks. The full group shares them; R2's sliding table needs only the last
+    3 before the hit (vLLM's rule), so its block 0 is the null block, as R1's is once R1 passes the window."""
+    ids = loaded[1](TEXT, add_special_tokens=False)["input_ids"]
+    engine = LLMEngine(EngineConfig(model=HYBRID, device="cpu", dtype="float32", semantics="v1", block_size=B,
+                                    num_blocks=40, enable_prefix_caching=True), loaded=loaded)
+    engine.add_request(ids[:70], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    records = [engine.step()]
+    engine.add_request(ids[:64] + ids[100:106], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished():
+        records.append(engine.step())
+    return records
+
+
+def test_a_shared_prefix_past_the_window_is_saved_once(shared_prefix_records):
+    """The pool-level saving equals an independent count: the twin holds, in each of the 2 groups, the
+    distinct blocks of the full-attention tables (the shared prefix once); the hybrid run holds the pool's
+    blocks with a reference. The per-request sum counts the shared block 0 twice."""
+    from engine.metrics import hybrid_saving
+
+    shared_and_left = 0
+    for rec in shared_prefix_records:
+        snap = rec.snapshot
+        live = [s for s in snap.sequences if s.status == "running"]
+        twin = 2 * len({b for s in live for b in s.group_block_tables[1]})
+        held = sum(c > 0 for c in snap.ref_counts)
+        saving = hybrid_saving(snap)
+        assert (saving["twin"], saving["held"], saving["blocks"]) == (twin, held, twin - held), rec.step
+        if len(live) == 2 and all(s.group_block_tables[0][0] == -1 for s in live):
+            r1, r2 = live
+            assert r1.group_block_tables[1][:4] == r2.group_block_tables[1][:4]  # the prefix is shared
+            assert sum(saving["by_sequence"].values()) > saving["blocks"]
+            shared_and_left += 1
+    assert shared_and_left, "no step where both requests ran with the shared block 0 out of their windows"
+
+
+def test_the_twin_of_a_uniform_sliding_model_is_read_from_the_shared_blocks():
+    """No full-attention group: two sequences sharing physical block 7 at logical block 2 share logical blocks
+    0-2 in the twin (a block's hash chains from its prefix); a third shares nothing."""
+    from types import SimpleNamespace as NS
+
+    from engine.metrics import hybrid_saving
+
+    seqs = [NS(seq_id="A", status="running", group_block_tables=[[-1, -1, 7, 8]]),
+            NS(seq_id="B", status="running", group_block_tables=[[-1, -1, 7, 9]]),
+            NS(seq_id="C", status="running", group_block_tables=[[-1, 3, 4]]),
+            NS(seq_id="D", status="finished", group_block_tables=[[-1, 5]])]
+    snap = NS(kv_cache_groups=[{"kind": "sliding_window", "sliding_window": 32, "layers": [0]}], sequences=seqs)
+    saving = hybrid_saving(snap)
+    # twin: blocks 0-2 once for A+B, 3 for A, 3 for B, 0-2 for C -> 3 + 2 + 3 = 8; held: 7, 8, 9, 3, 4
+    assert (saving["twin"], saving["held"], saving["blocks"]) == (8, 5, 3)
+    assert saving["by_sequence"] == {"A": 2, "B": 2, "C": 1}

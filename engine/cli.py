@@ -124,15 +124,66 @@ def engine_config(args, scenario, allocator: str = "paged") -> EngineConfig:
 
 def paged_summary(engine, records: list[StepRecord], outputs) -> dict:
     """Paged accounting per completion at its final length L (``metrics.paged_accounting``), the pool's
-    peak, the prefix cache (hit rate of first admissions; re-admissions apart), preemptions, run stats."""
-    return {
+    peak, the prefix cache (hit rate of first admissions; re-admissions apart), preemptions, run stats.
+
+    ``blocks_allocated`` / ``slots_*`` / ``waste_pct`` count ONE block table per sequence: with KV cache
+    groups (a hybrid model) that is the first full-attention group's. ``groups`` (None for a model of one
+    full-attention group) accounts for every group's tables (``group_accounting``), ``all_groups`` sums them."""
+    out = {
         "peak_blocks_used": engine.block_manager.peak_used_blocks,
         **metrics.paged_accounting(outputs, engine.block_size, metrics.first_admission_hits(records, engine.parents),
                                    {rid for rid, r in engine.requests.items() if r.is_beam_search}),
         "prefix_cache": metrics.prefix_cache_stats(engine.block_manager.stats),
         "preemption": metrics.preemption_counts(records),
         **metrics.run_stats(records, outputs),
+        "groups": None, "all_groups": None,
     }
+    if records and records[0].snapshot.kv_cache_groups:
+        out["groups"] = group_accounting(records)
+        blocks = sum(g["blocks_allocated"] for g in out["groups"])
+        slots, used = blocks * engine.block_size, sum(g["slots_used"] for g in out["groups"])
+        out["all_groups"] = {"blocks_allocated": blocks, "slots_allocated": slots, "slots_used": used,
+                             "waste_pct": round(metrics.pct(slots - used, slots), 2)}
+    return out
+
+
+def group_accounting(records: list[StepRecord]) -> list[dict]:
+    """Every KV cache group's tables at the sequences' final lengths, one dict per group in group order:
+    ``{kind, sliding_window, layers, blocks_allocated, slots_allocated, slots_used, given_back}``.
+
+    Read from each sequence's last group tables in the records (``SequenceState.group_block_tables``; a
+    finished sequence keeps them) and its final length L (``token_ids``): a group's blocks are the entries
+    that are not the null block (-1), from the sequence's first-admission prefix hit on (the hit's blocks
+    are counted for the sequence that computed them, as ``metrics.paged_accounting`` does); a block's used
+    slots are the tokens of ``[0, L)`` it covers (up to the block size). ``given_back``: the null entries
+    past the hit, blocks a sliding window freed. The full-attention group's blocks equal
+    ``paged_accounting``'s (one table per sequence)."""
+    snap0 = records[0].snapshot
+    B = snap0.block_size
+    last: dict[str, object] = {}
+    for r in records:
+        for s in r.snapshot.sequences:
+            if s.group_block_tables:
+                last[s.seq_id] = s
+    hits: dict[str, int] = {}
+    for r in records:
+        for e in r.events:
+            if e.kind == "prefix_hit" and not e.data.get("readmission"):
+                hits[e.request_id] = hits.get(e.request_id, 0) + e.data["num_tokens"]
+    out = []
+    for g, group in enumerate(snap0.kv_cache_groups):
+        blocks = used = given_back = 0
+        for sid, s in last.items():
+            L, first = len(s.token_ids), hits.get(sid, 0) // B
+            for i, b in enumerate(s.group_block_tables[g][first:], start=first):
+                if b < 0:
+                    given_back += 1
+                else:
+                    blocks += 1
+                    used += max(0, min(B, L - i * B))
+        out.append({**group, "blocks_allocated": blocks, "slots_allocated": blocks * B, "slots_used": used,
+                    "given_back": given_back})
+    return out
 
 
 def contiguous_summary(engine, records: list[StepRecord], outputs) -> dict:
@@ -292,9 +343,22 @@ def print_text(summary: dict, records: list[StepRecord], out) -> None:
     w(f"\n{summary['steps']} steps, {summary['generated_tokens']} tokens generated, {summary['tokens_per_s']} tokens/s\n")
     if "paged" in summary:
         p = summary["paged"]
-        w(f"paged: {p['blocks_allocated']} blocks = {p['slots_allocated']:,} slots for {p['slots_used']:,} tokens "
-          f"at their final lengths ({p['waste_pct']}% waste); peak {p['peak_blocks_used']} blocks in use, "
-          f"peak concurrency {p['peak_concurrency']}, KV utilisation {p['kv_utilization']}%\n")
+        if p["groups"] is None:
+            w(f"paged: {p['blocks_allocated']} blocks = {p['slots_allocated']:,} slots for {p['slots_used']:,} tokens "
+              f"at their final lengths ({p['waste_pct']}% waste); peak {p['peak_blocks_used']} blocks in use, "
+              f"peak concurrency {p['peak_concurrency']}, KV utilisation {p['kv_utilization']}%\n")
+        else:
+            a = p["all_groups"]
+            w(f"paged, every KV cache group's tables at the final lengths: {a['blocks_allocated']} blocks = "
+              f"{a['slots_allocated']:,} slots for {a['slots_used']:,} token slots ({a['waste_pct']}% waste); peak "
+              f"{p['peak_blocks_used']} blocks in use (all groups, one pool), peak concurrency {p['peak_concurrency']}, "
+              f"KV utilisation {p['kv_utilization']}%\n")
+            for g in p["groups"]:
+                name = ("full" if g["kind"] == "full_attention" else f"window {g['sliding_window']}") + \
+                    f" (layers {', '.join(map(str, g['layers']))})"
+                back = f", {g['given_back']} given back by the window" if g["kind"] == "sliding_window" else ""
+                w(f"   {name}: {g['blocks_allocated']} blocks = {g['slots_allocated']:,} slots for "
+                  f"{g['slots_used']:,} tokens{back}\n")
     if "contiguous" in summary:
         c = summary["contiguous"]
         each = (f"{c['reservation']:,} per request" if c["reservation"] is not None

@@ -337,3 +337,44 @@ def test_the_twin_of_a_uniform_sliding_model_is_read_from_the_shared_blocks():
     # twin: blocks 0-2 once for A+B, 3 for A, 3 for B, 0-2 for C -> 3 + 2 + 3 = 8; held: 7, 8, 9, 3, 4
     assert (saving["twin"], saving["held"], saving["blocks"]) == (8, 5, 3)
     assert saving["by_sequence"] == {"A": 2, "B": 2, "C": 1}
+
+
+def test_cli_paged_line_accounts_for_every_group(loaded, monkeypatch, capsys):
+    """The CLI's paged accounting on hybrid-window: each group's blocks at the final lengths (R1 62 + 20 = 82
+    tokens, R2 20 + 8 = 28), the sliding group fewer by the blocks its window gave back (the arithmetic at
+    each request's last scheduled step), and the line names them all."""
+    import json
+
+    import engine.llm_engine as llm_engine
+    from engine.cli import main
+    from engine.metrics import blocks_for
+
+    real = llm_engine.LLMEngine
+    monkeypatch.setattr(llm_engine, "LLMEngine", lambda config, given=None: real(config, loaded=given or loaded))
+    assert main(["run", "--scenario", "hybrid-window", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)["paged"]
+    window, full = p["groups"]
+    lengths = {"R1": 82, "R2": 28}
+    assert full["kind"] == "full_attention" and full["blocks_allocated"] == p["blocks_allocated"] == \
+        sum(blocks_for(n, B) for n in lengths.values()) == 8
+    assert full["slots_used"] == p["slots_used"] == 110
+    # R1's last step computed from position 80: (80 - 48 + 1) // 16 = 2 blocks left its window; R2 never passed it
+    given = hybrid_blocks_saved(80, B, [48]) + hybrid_blocks_saved(26, B, [48])
+    assert window["given_back"] == given == 2 and window["blocks_allocated"] == 8 - given
+    assert window["slots_used"] == 110 - 2 * B
+    assert p["all_groups"]["blocks_allocated"] == 14 and p["all_groups"]["slots_used"] == 110 + 78
+    assert main(["run", "--scenario", "hybrid-window"]) == 0
+    text = capsys.readouterr().out
+    assert "paged, every KV cache group's tables at the final lengths: 14 blocks = 224 slots for 188 token slots" in text
+    assert "window 48 (layers 0, 2): 6 blocks = 96 slots for 78 tokens, 2 given back by the window" in text
+    assert "full (layers 1, 3): 8 blocks = 128 slots for 110 tokens" in text
+
+
+def test_group_accounting_counts_a_shared_prefix_once(shared_prefix_records):
+    """R1 and R2 (76 tokens each) share R1's first 4 full blocks: the full group holds 5 + 5 - 4 blocks."""
+    from engine.cli import group_accounting
+    from engine.metrics import blocks_for
+
+    window, full = group_accounting(shared_prefix_records)
+    assert full["blocks_allocated"] == 2 * blocks_for(76, B) - 4 == 6
+    assert window["blocks_allocated"] + window["given_back"] == full["blocks_allocated"]  # R2's nulls are hit blocks

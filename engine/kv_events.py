@@ -154,7 +154,10 @@ def to_struct(event: dict) -> KVCacheEvent:
                            parent_block_hash=None if parent is None else external_hash(parent),
                            token_ids=[int(t) for t in event["token_ids"]], block_size=int(event["block_size"]),
                            lora_id=event.get("lora_id"), medium=event.get("medium", "GPU"),
-                           lora_name=event.get("lora_name"), group_idx=event.get("group_idx"),
+                           lora_name=event.get("lora_name"),
+                           # vLLM's to_event_extra_keys for blocks without extra keys: one None per hash, None
+                           # for an event with no hash (vllm/v1/core/kv_cache_utils.py:666-691)
+                           extra_keys=[None] * len(event["block_hashes"]) or None, group_idx=event.get("group_idx"),
                            kv_cache_spec_kind=event.get("kv_cache_spec_kind"),
                            kv_cache_spec_sliding_window=event.get("kv_cache_spec_sliding_window"))
     if kind == "BlockRemoved":

@@ -258,15 +258,18 @@ _HYBRID_NOTES = [
     "**The pool.** vLLM's `num_gpu_blocks_override` is the number of blocks of the one pool both groups draw "
     "from, not a number per group: `get_kv_cache_configs` turns it into `override x bytes_per_block` "
     "(`vllm/v1/core/kv_cache_utils.py:2611-2629`), where one block's bytes are one page of every layer of "
-    "the largest group (`_get_kv_cache_bytes_per_block`, line 1520; both groups here have 2 layers, and "
-    "block id b is block b in each group's own tensors). It keeps the null block back and refuses a pool "
+    "the largest group (`_get_kv_cache_bytes_per_block`, line 1520; both groups here have 2 layers) and the "
+    "groups' tensors alias one buffer (lines 1631-1642), so block b holds one group's layers at a time. It keeps the null block back and refuses a pool "
     "that cannot hold one `max_model_len` request in every group at once (`_check_enough_kv_cache_memory` "
     "with `_max_memory_usage_bytes_from_groups`, lines 2337-2366): `ceil(max_model_len / B)` blocks for the "
     "full group plus `ceil(min(window - 1 + max_num_batched_tokens, max_model_len) / B) + 1` for the "
     "sliding one (`SlidingWindowSpec.max_admission_blocks_per_request`, `vllm/v1/kv_cache_interface.py:"
-    "859-885`), plus the null block. The first five hybrid cases tried were refused for that: sized as "
-    "if the full group alone needed the pool. `peer.cases.min_num_gpu_blocks` is that formula; every "
-    "hybrid case is checked against it when built, and the lab gets the same pool less the null block.",
+    "859-885`), plus the null block. Cases sized for the full group alone are refused (\"To serve at least "
+    "one request with the model's max seq len (192), ... KV cache is needed, which is larger than the "
+    "available KV cache memory\"). `peer.cases.min_num_gpu_blocks` is that formula, and it is the exact edge: "
+    "with `max_model_len` 192 and the default budget of 2,048 tokens it gives 6 + 7 + 1 = 14 blocks; vLLM "
+    "ran a case at 14 and refused it at 13 (seen on this machine). Every hybrid case is checked against it "
+    "when built, and the lab gets the same pool less the null block.",
     "",
     "Not compared here: the block ids in each group's table (they are the pool's own numbering; the "
     "per-step free counts and usage are compared), and seeded sampling (as above). vLLM's CPU build runs "

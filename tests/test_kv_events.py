@@ -50,7 +50,7 @@ def test_encode_is_vllm_032_layout_and_decodes_back():
     assert raw[0] == 12.5 and raw[2] == 3
     assert raw[1][0]["type"] == "BlockStored" and raw[1][0]["block_hashes"] == [external_hash(h) for h in hashes]
     assert list(raw[1][0]) == ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                               "medium", "lora_name"]
+                               "medium", "lora_name", "extra_keys"]  # one None per hash, as vLLM sends
     assert raw[1][2] == {"type": "AllBlocksCleared"}
     batch = decode_batch(payload)
     assert batch.ts == 12.5 and batch.data_parallel_rank == 3

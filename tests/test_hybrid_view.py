@@ -378,3 +378,30 @@ def test_group_accounting_counts_a_shared_prefix_once(shared_prefix_records):
     window, full = group_accounting(shared_prefix_records)
     assert full["blocks_allocated"] == 2 * blocks_for(76, B) - 4 == 6
     assert window["blocks_allocated"] + window["given_back"] == full["blocks_allocated"]  # R2's nulls are hit blocks
+
+
+def test_pool_hatches_the_sliding_groups_blocks_with_a_key(left):
+    """Without hover: the sliding group's cells carry a hatch pattern (one filled outline per block), the
+    full group's stay plain, and the legend names both; a single-group pool has neither."""
+    from viz.pool import block_pool_figure
+
+    fig = block_pool_figure(left.snapshot, ORDER).to_dict()
+    keys = [t for t in fig["data"] if t.get("meta", {}).get("role") == "kv_group"]
+    assert [k["name"] for k in keys] == ["\u25a8 hatched: window 48 (layers 0, 2)",
+                                         "\u25a0 plain: full attention (layers 1, 3)"]
+    assert fig["layout"]["showlegend"] is True and keys[0]["fillpattern"]["shape"] == "/"
+    held = [b for b in left.snapshot.sequences[0].group_block_tables[0] if b >= 0]
+    assert keys[0]["x"].count(None) == len(held) == 3 and keys[1]["x"] == [None]
+
+
+def test_presenter_gives_a_hybrid_run_the_lower_row_for_its_numbers():
+    """With no contiguous strip the pool row takes what the numbers leave: room for the hybrid preset's four
+    table rows at 1280x720 (the strip-sized row showed one request of two); the default is unchanged."""
+    from viz.presenter import presenter_sizes
+
+    words = ["decode step: 2 decode tokens (R1, R2)", "R1: 1 block [0] left the 48-token sliding window " * 3]
+    nums = ["step 3 of 3", "**Paged**: 11/24 blocks in use", "**Hybrid**: windows gave back 1 block", "a note " * 25]
+    before = presenter_sizes(720, 1280, words, nums)
+    wide = presenter_sizes(720, 1280, words, nums, numbers_full_width=True)
+    assert wide["pool"] >= 250 > before["pool"] and wide["strip"] < before["strip"]
+    assert wide["chrome"] + wide["pool"] + wide["strip"] <= 720

@@ -171,7 +171,11 @@ def projector_pool(step: StageStep, size: dict, width: float):
     fig = projector_style(step.pool_figure(title="paged pool{label}: {used}/{blocks} blocks in use"),
                           height=size["pool"], min_font=size["font"])
     rows, cols = max(1, len(fig.data[0].z)), max(1, len(fig.data[0].z[0]))
-    one_line_cells(fig, (size["pool"] - fig.layout.margin.t - 10) / rows, size["font"], col_px=width / cols)
+    below = 10
+    if fig.layout.showlegend:  # a hybrid model's key to the groups' patterns: two lines of it under the cells
+        below = 2 * (size["font"] + 12)
+        fig.update_layout(margin_b=below, legend_y=-8 / max(1, size["pool"] - fig.layout.margin.t - below))
+    one_line_cells(fig, (size["pool"] - fig.layout.margin.t - below) / rows, size["font"], col_px=width / cols)
     return fig
 
 
@@ -271,7 +275,10 @@ def views(lab, history: list, index: int, has_work: bool, decode) -> None:
     sentences = few_sentences(step)
     column = column_lines(lab, paged, contiguous, moment, history[-1][0].step, has_work)
     vp = viewport() or {}
-    size = presenter_sizes(vp.get("h"), vp.get("w"), sentences, sized_column(lab, paged, column))
+    # a hybrid model's run has no contiguous baseline: the numbers take the lower row, the pool row the rest
+    wide_numbers = contiguous is None and bool(paged.snapshot.kv_cache_groups)
+    size = presenter_sizes(vp.get("h"), vp.get("w"), sentences, sized_column(lab, paged, column),
+                           numbers_full_width=wide_numbers)
     with st.container(key="present_words"):
         st.markdown(words_markdown(sentences))
     left, right = st.columns([1, 1])
@@ -282,16 +289,19 @@ def views(lab, history: list, index: int, has_work: bool, decode) -> None:
         tables_width = vp.get("w", 1280) // 2 - 40  # the picture's column: half the window, less padding
         steady_chart(projector_tables(step, size, tables_width), "present_tables_fig",
                      config={"displayModeBar": False})
-    low_left, low_right = st.columns([3, 2])
-    with low_left, st.container(key="present_contiguous"):
-        if contiguous is not None:
-            fig = step.region_figure()
-            fig.update_layout(title_text=f"contiguous baseline: {layout_line(contiguous.snapshot)}",
-                              margin={"t": 36, "b": 36})
-            steady_chart(projector_style(fig, height=size["strip"], min_font=size["font"], scale=1.0),
-                         "present_region_fig", config={"displayModeBar": False})
-        else:
-            st.info(" ".join(lab.run.notes) or "No contiguous baseline for these settings.")
+    if wide_numbers:  # the numbers below say why there is no baseline (the run's notes)
+        low_right = st.container()
+    else:
+        low_left, low_right = st.columns([3, 2])
+        with low_left, st.container(key="present_contiguous"):
+            if contiguous is not None:
+                fig = step.region_figure()
+                fig.update_layout(title_text=f"contiguous baseline: {layout_line(contiguous.snapshot)}",
+                                  margin={"t": 36, "b": 36})
+                steady_chart(projector_style(fig, height=size["strip"], min_font=size["font"], scale=1.0),
+                             "present_region_fig", config={"displayModeBar": False})
+            else:
+                st.info(" ".join(lab.run.notes) or "No contiguous baseline for these settings.")
     with low_right, st.container(key="present_numbers"):
         numbers_now = [text for kind, text in column if kind == "numbers"]
         for kind, text in column:

@@ -179,6 +179,7 @@ def block_pool_figure(snapshot, request_order: list[str], decode: Callable[[list
             x0, x1 = (-0.5, B - 0.5) if slot_mode else (col - 0.5, col + 0.5)
             shapes.append({"type": "rect", "x0": x0, "x1": x1, "y0": row - 0.5, "y1": row + 0.5,
                            "line": {"color": color, "width": 3}})
+    legend = _group_key(data, cells, pos, getattr(snapshot, "kv_cache_groups", None) or [], slot_mode, B)
     yaxis = {"visible": False, "autorange": "reversed"}
     if slot_mode:  # one row per block: name each row after its block, owners and reference count
         yaxis = {"autorange": "reversed", "tickmode": "array", "tickvals": list(range(nrows)), "showgrid": False,
@@ -192,7 +193,51 @@ def block_pool_figure(snapshot, request_order: list[str], decode: Callable[[list
     }
     if shapes:  # only when framed: an empty list would still be sent to the browser with every step
         layout["shapes"] = shapes
+    if legend:  # a hybrid model: the key to the groups' patterns, under the cells
+        layout.update(showlegend=True, legend={"orientation": "h", "x": 0, "xanchor": "left", "y": -0.02,
+                                               "yanchor": "top", "font": {"size": 12}})
+        layout["margin"]["b"] = 34
     return figure(data, layout)
+
+
+# A KV cache group's pattern over its blocks' cells (the request's colour stays beneath): plain for full
+# attention, hatching for a sliding window (one hatch per sliding group, in group order). Readable without
+# hover, in greyscale and on a projector; the key names each group.
+GROUP_HATCHES = ["/", "x", "\\", "."]
+
+
+def _group_key(data: list, cells: list[dict], pos: dict, groups: list[dict], slot_mode: bool, B: int) -> bool:
+    """With KV cache groups, append to ``data`` one trace per group: a sliding group's cells hatched (a
+    filled outline per cell, ``fillpattern``; no hover, the heatmap's answers), a full group's an empty
+    legend entry ("plain"), each named for the key ("hatched: window 48 (layers 0, 2)"). Returns whether any was added."""
+    if not groups:
+        return False
+    sliding = 0
+    for g, group in enumerate(groups):
+        layers = ", ".join(map(str, group["layers"]))
+        name = (f"window {group['sliding_window']} (layers {layers})" if group["kind"] == "sliding_window"
+                else f"full attention (layers {layers})")
+        trace = {"type": "scatter", "mode": "lines", "hoverinfo": "skip", "showlegend": True, "fill": "toself",
+                 "line": {"width": 0.5, "color": "#333333"}, "meta": {"role": "kv_group", "group": g}}
+        if group["kind"] != "sliding_window":
+            data.append({**trace, "x": [None], "y": [None], "name": f"\u25a0 plain: {name}",
+                         "fillcolor": "rgba(0,0,0,0)"})
+            continue
+        hatch = GROUP_HATCHES[sliding % len(GROUP_HATCHES)]
+        sliding += 1
+        xs, ys = [], []
+        for c in cells:
+            if c["group"] != g or c["block"] not in pos:
+                continue
+            row, col = pos[c["block"]]
+            x0, x1 = (-0.5, B - 0.5) if slot_mode else (col - 0.5, col + 0.5)
+            xs += [x0 + 0.04, x1 - 0.04, x1 - 0.04, x0 + 0.04, x0 + 0.04, None]
+            ys += [row - 0.42, row - 0.42, row + 0.42, row + 0.42, row - 0.42, None]
+        data.append({**trace, "x": xs or [None], "y": ys or [None], "name": f"\u25a8 hatched: {name}",
+                     "fillcolor": "rgba(0,0,0,0)",
+                     "fillpattern": {"shape": hatch, "fgcolor": "rgba(0,0,0,0.5)", "bgcolor": "rgba(0,0,0,0)",
+                                     "size": 12, "solidity": 0.12}})
+    return True
 
 
 def _owners_text(cell: dict) -> str:

@@ -116,7 +116,8 @@ def text_lines(texts, width_px: float, font_px: float, indent_px: float = 0.0) -
     return sum(max(1, len(textwrap.wrap(str(t).replace("**", ""), chars, break_on_hyphens=False))) for t in texts)
 
 
-def presenter_sizes(viewport_h: int | None, viewport_w: int | None = None, words=None, numbers=None) -> dict:
+def presenter_sizes(viewport_h: int | None, viewport_w: int | None = None, words=None, numbers=None,
+                    numbers_full_width: bool = False) -> dict:
     """Figure heights and the smallest font (px) for a window ``viewport_h`` CSS px high (None: 720).
 
     Without ``words``: at 720 px pool row 291, strip 151, type 18; at 1080 px: 514, 268, 27 (type grows with
@@ -127,7 +128,11 @@ def presenter_sizes(viewport_h: int | None, viewport_w: int | None = None, words
     strip at least as high as the numbers column, so its first line ("step N of M") and the rest stay in the
     window (issue 23: a four-line sentence during Play pushed it off a 1280x720 screen). Also returned:
     ``chrome`` (px above the pool row) and ``numbers_px`` (the numbers column's height). Windows under 720 px
-    get the 720 layout (scrolls); the figures never shrink below ``POOL_MIN_PX`` / ``STRIP_MIN_PX``."""
+    get the 720 layout (scrolls); the figures never shrink below ``POOL_MIN_PX`` / ``STRIP_MIN_PX``.
+
+    ``numbers_full_width``: no contiguous strip (a hybrid model's run, which has no baseline): the numbers
+    take the whole lower row, which is as high as they wrap to there, and the pool row takes the rest (the
+    hybrid preset's four block-table rows need it: at 1280x720 a strip-sized row showed one request of two)."""
     h = max(BASE_VIEWPORT_H, viewport_h or BASE_VIEWPORT_H)
     font = round(PROJECTOR_FONT * min(h / BASE_VIEWPORT_H, 2.0))
     if words is None:
@@ -140,9 +145,13 @@ def presenter_sizes(viewport_h: int | None, viewport_w: int | None = None, words
     chrome = PAGE_PAD_PX + _controls_px(font) + ROW_GAP_PX + words_px + LIST_MARGIN_PX + ROW_GAP_PX
     # the numbers column: two fifths of the main column; its lines at their font (1.65 lines apart, measured),
     # each caption a paragraph of its own
-    column = (w - SIDE_PAD_PX) * 2 / 5 - 8
+    column = (w - SIDE_PAD_PX) * (1 if numbers_full_width else 2 / 5) - 8
     numbers_px = text_lines(numbers or (), column, numbers_font) * numbers_font * 1.65
     room = h - chrome - ROW_GAP_PX - PAGE_PAD_PX  # the pool row and the lower row, with the gap between them
+    if numbers_full_width:
+        strip = int(numbers_px) + 4
+        pool = max(POOL_MIN_PX, int(room - strip))
+        return {"pool": pool, "strip": strip, "font": font, "chrome": round(chrome), "numbers_px": round(numbers_px)}
     strip = max(STRIP_MIN_PX, int(room * (1 - POOL_SHARE) * 0.85), int(numbers_px) + 4)
     pool = max(POOL_MIN_PX, min(int(room * POOL_SHARE), int(room - strip)))
     return {"pool": pool, "strip": strip, "font": font, "chrome": round(chrome), "numbers_px": round(numbers_px)}

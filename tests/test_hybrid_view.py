@@ -405,3 +405,17 @@ def test_presenter_gives_a_hybrid_run_the_lower_row_for_its_numbers():
     wide = presenter_sizes(720, 1280, words, nums, numbers_full_width=True)
     assert wide["pool"] >= 250 > before["pool"] and wide["strip"] < before["strip"]
     assert wide["chrome"] + wide["pool"] + wide["strip"] <= 720
+
+
+def test_the_hybrid_line_says_a_shared_block_is_given_back_once(shared_prefix_records):
+    from engine.metrics import hybrid_saving
+    from viz.stage import hybrid_line
+
+    rec = next(r for r in shared_prefix_records
+               if sum(hybrid_saving(r.snapshot)["by_sequence"].values()) > hybrid_saving(r.snapshot)["blocks"])
+    saving = hybrid_saving(rec.snapshot)
+    line = hybrid_line(rec.snapshot)
+    n = saving["blocks"]
+    assert f"gave back {n} block{'s' * (n != 1)} (per request R1: " in line
+    assert "a block they share is given back once in the pool" in line
+    assert f"{saving['held']} blocks held where every layer full would hold {saving['twin']}" in line

@@ -157,7 +157,8 @@ def stage_step(record, contiguous=None, previous=None, *, order, decode: Callabl
 def hybrid_line(snapshot, bytes_per_block: int | None = None) -> str | None:
     """One line for a hybrid model's snapshot (None without KV cache groups): its groups, then what the
     sliding windows gave back against the all-full-attention twin (``engine.metrics.hybrid_saving``: blocks,
-    and bytes with ``bytes_per_block``), e.g. "KV cache groups: window 48 (layers 0, 2), full (layers 1,
+    and bytes with ``bytes_per_block``; a pool count, a shared prefix once; with several sequences, each
+    one's own count beside it, said to differ where they share a block), e.g. "KV cache groups: window 48 (layers 0, 2), full (layers 1,
     3), one pool. The windows gave back 1 block (24,576 bytes): 8 blocks held where every layer full would
     hold 9." """
     saving = hybrid_saving(snapshot, bytes_per_block)
@@ -168,8 +169,12 @@ def hybrid_line(snapshot, bytes_per_block: int | None = None) -> str | None:
     n = saving["blocks"]
     size = f" ({saving['bytes']:,} bytes)" if saving["bytes"] is not None else ""
     who = ", ".join(f"{k}: {v}" for k, v in saving["by_sequence"].items() if v)
+    if who and sum(saving["by_sequence"].values()) != n:  # a shared prefix left the window: the pool gains it once
+        who = f" (per request {who}; a block they share is given back once in the pool)"
+    elif who:
+        who = f" ({who})"
     return (f"KV cache groups: {groups}, one pool. The sliding windows gave back {n} block{'s' * (n != 1)}{size}"
-            + (f" ({who})" if who and len(saving["by_sequence"]) > 1 else "")
+            + (who if len(saving["by_sequence"]) > 1 else "")
             + f": {saving['held']} blocks held where every layer full would hold {saving['twin']}.")
 
 

@@ -1,7 +1,7 @@
 """How long a learner waits for a lesson page's first visit and for a Compare run, as the app runs them: the
 ``app-first-visit`` section of docs/benchmarks.md.
 
-    .venv/bin/python -m bench.lessons_speed [--reps 3] [--only lessons|compare] [--write]
+    .venv/bin/python -m bench.lessons_speed [--reps 3] [--only lessons|compare] [--before DIR] [--write]
 
 Every measurement is a fresh process (no run kept by ``infra.runs``, no Streamlit cache, the engine cold)
 driving ``app.py`` under ``streamlit.testing.v1.AppTest``, as the pages are drawn for a browser (server
@@ -19,7 +19,11 @@ the lesson (timed):
 Compare, each ``compare=True`` scenario (seed 0, the paper's semantics): the model loaded first (untimed),
 "Run all" clicked (timed to the finished page); "paged" and "contiguous" are the engine runs inside it
 (``engine.scenarios.workloads.run_workload`` timed per call); "again" is another session clicking "Run all" with the
-same settings afterwards.
+same settings afterwards. ``--before DIR``: a copy of the tree before a change (``git archive <commit> | tar -x
+-C DIR``); each Compare measurement then alternates a process of that tree's app and one of this tree's, so a
+drift in the machine's load touches both alike, and the table gives both.
+
+With ``--only``, ``--write`` replaces only that part of the section (its "### " block), keeping the other.
 """
 
 from __future__ import annotations
@@ -137,8 +141,9 @@ def one_compare(name: str) -> dict:
     return {"total": total, "paged": first["paged"], "contiguous": first["contiguous"], "again": again}
 
 
-def _child(args: list[str]) -> dict:
-    out = subprocess.run([sys.executable, "-m", "bench.lessons_speed", "--one", *args], cwd=ROOT,
+def _child(args: list[str], root: Path = ROOT) -> dict:
+    """One measurement in a fresh process of the tree at ``root`` (its own app, engine and this bench's child)."""
+    out = subprocess.run([sys.executable, "-m", "bench.lessons_speed", "--one", *args], cwd=root,
                          capture_output=True, text=True)
     lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
     if out.returncode != 0 or not lines:
@@ -155,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3, help="fresh processes per measurement (median)")
     parser.add_argument("--only", choices=["lessons", "compare"])
     parser.add_argument("--write", action="store_true", help="write docs/benchmarks.md section app-first-visit")
+    parser.add_argument("--before", type=Path, help="a copy of the tree before a change: Compare alternates it "
+                                                    "with this tree")
     parser.add_argument("--one", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:  # a child: one measurement, one JSON line
@@ -184,35 +191,88 @@ def main(argv: list[str] | None = None) -> int:
             lesson_rows.append(row)
             print(f"lesson {row[0]}: first visit {row[1]:.2f} s (model not loaded), {row[2]:.2f} s (model "
                   f"loaded), repeat {row[3]:.2f} s", flush=True)
+    lessons_load = (load, os.getloadavg()[0])
     if args.only in (None, "compare"):
         for name in [n for n, s in SCENARIOS.items() if s.compare]:
-            rows = [_child(["compare", name]) for _ in range(args.reps)]
-            row = (name, median(rows, "paged"), median(rows, "contiguous"), median(rows, "total"),
-                   median(rows, "again"))
+            before, after = [], []
+            for _ in range(args.reps):  # alternated, as above
+                if args.before is not None:
+                    before.append(_child(["compare", name], root=args.before))
+                after.append(_child(["compare", name]))
+            row = (name, median(after, "paged"), median(after, "contiguous"), median(after, "total"),
+                   median(after, "again"), median(before, "total") if before else None,
+                   median(before, "contiguous") if before else None)
             compare_rows.append(row)
             print(f"compare {name}: paged {row[1]:.1f} s, contiguous {row[2]:.1f} s, total {row[3]:.1f} s, "
-                  f"again {row[4]:.2f} s", flush=True)
-    text = "\n".join([
-        "## Lesson pages' first visit and Compare runs (server side, this 2-core CPU, embedded model)",
-        "",
-        f"Command: `python -m bench.lessons_speed`. Medians of {args.reps} fresh processes each (nothing kept, "
-        f"no Streamlit cache), one torch thread as in the app, under AppTest; load average "
-        f"{load:.1f} at the start. Targets: a lesson's first visit within 3 s, a Compare run within 2 s, "
-        "progress shown for anything longer than a second.",
-        "",
-        *(["| page | first visit, model not loaded (s) | first visit, model loaded (s) | repeat visit (s) |",
-           "|---|---:|---:|---:|",
-           *[f"| {t} | {a:.2f} | {b:.2f} | {c:.2f} |" for t, a, b, c in lesson_rows], ""] if lesson_rows else []),
-        *(["| Compare preset | paged (s) | contiguous, 4 policies (s) | total, click to table (s) | again, any "
-           "session (s) |",
-           "|---|---:|---:|---:|---:|",
-           *[f"| {n} | {p:.1f} | {c:.1f} | {t:.1f} | {a:.2f} |" for n, p, c, t, a in compare_rows]]
-          if compare_rows else []),
-    ])
+                  f"again {row[4]:.2f} s" + (f"; before: total {row[5]:.1f} s, contiguous {row[6]:.1f} s"
+                                             if before else ""), flush=True)
+    compare_load = (lessons_load[1], os.getloadavg()[0])
+    parts = {
+        "head": "\n".join([
+            "## Lesson pages' first visit and Compare runs (server side, this 2-core CPU, embedded model)",
+            "",
+            "Command: `python -m bench.lessons_speed`. Medians of fresh processes (nothing kept, no Streamlit "
+            "cache), one torch thread as in the app, under AppTest. Targets (issue 26): a lesson's first visit "
+            "within 3 s, Compare's first run within 3 s for every preset, progress shown for anything longer "
+            "than a second."]),
+        "lessons": "\n".join([
+            "### Lessons",
+            "",
+            f"Medians of {args.reps} processes each; load average {lessons_load[0]:.1f} at the start, "
+            f"{lessons_load[1]:.1f} at the end.",
+            "",
+            "| page | first visit, model not loaded (s) | first visit, model loaded (s) | repeat visit (s) |",
+            "|---|---:|---:|---:|",
+            *[f"| {t} | {a:.2f} | {b:.2f} | {c:.2f} |" for t, a, b, c in lesson_rows]]) if lesson_rows else None,
+        "compare": "\n".join([
+            "### Compare",
+            "",
+            f"Medians of {args.reps} processes each" + (
+                ", before (the tree without token replay) and after alternating" if args.before else "")
+            + f"; load average {compare_load[0]:.1f} at the start, {compare_load[1]:.1f} at the end (1-minute; "
+            "other work shared the 2 cores). \"contiguous\" is the four baselines' engine runs; after the change "
+            "they replay the paged run's tokens (`engine.replay_runner`) instead of running the model.",
+            "",
+            *(["| Compare preset | before: total, click to table (s) | before: contiguous, 4 policies (s) | "
+               "after: paged (s) | after: contiguous, 4 policies (s) | after: total, click to table (s) | again, "
+               "any session (s) |",
+               "|---|---:|---:|---:|---:|---:|---:|",
+               *[f"| {n} | {b:.1f} | {bc:.1f} | {p:.1f} | {c:.1f} | {t:.1f} | {a:.2f} |"
+                 for n, p, c, t, a, b, bc in compare_rows]] if args.before else
+              ["| Compare preset | paged (s) | contiguous, 4 policies (s) | total, click to table (s) | again, any "
+               "session (s) |",
+               "|---|---:|---:|---:|---:|",
+               *[f"| {n} | {p:.1f} | {c:.1f} | {t:.1f} | {a:.2f} |" for n, p, c, t, a, _, _ in compare_rows]]),
+        ]) if compare_rows else None,
+    }
+    kept = _kept_parts(ROOT / "docs" / "benchmarks.md") if args.write else {}
+    text = "\n\n".join(p for p in (parts["head"], parts["lessons"] or kept.get("lessons"),
+                                     parts["compare"] or kept.get("compare")) if p)
     print(text)
     if args.write:
         write_section(ROOT / "docs" / "benchmarks.md", "app-first-visit", text)
     return 0
+
+
+def _kept_parts(path: Path) -> dict:
+    """The "### Lessons" and "### Compare" blocks of the section now in ``path`` (what ``--only`` keeps)."""
+    text = path.read_text() if path.exists() else ""
+    start, end = "<!-- app-first-visit:start -->", "<!-- app-first-visit:end -->"
+    if start not in text or end not in text:
+        return {}
+    section = text.split(start, 1)[1].split(end, 1)[0]
+    blocks = {block.split("\n", 1)[0].strip().lower(): "### " + block.strip() for block in section.split("\n### ")[1:]}
+    if not blocks and "| page |" in section:  # a section written before the parts had headings
+        import re
+
+        lines = section.splitlines()
+        first = next(i for i, line in enumerate(lines) if line.startswith("| page |"))
+        table = lines[first:next((i for i in range(first, len(lines)) if not lines[i].startswith("|")), len(lines))]
+        load = re.search(r"load average ([0-9.]+) at the start", section)
+        blocks["lessons"] = "\n".join(["### Lessons", "", "Kept from the section's earlier run (medians of 3 "
+                                        f"processes each; load average {load.group(1) if load else '?'} at the "
+                                        "start).", "", *table])
+    return blocks
 
 
 if __name__ == "__main__":

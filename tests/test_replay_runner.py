@@ -157,3 +157,17 @@ def test_every_presets_compare_replays_exactly(name, semantics, loaded):
         assert sum(o.num_preemptions for o in result.paged.outputs) > 0
     assert result.contiguous, result.skipped
     assert_same_as_real(spec, workload, loaded, result)
+
+
+def test_compares_timing_line_says_how_the_baselines_got_their_tokens():
+    from ui.compare import timing_line
+
+    result = {"seconds": {"paged": 1.0, "learn": 0.0, "contiguous": {"max": 0.5, "oracle": 0.4}, "total": 2.0},
+              "paged": ([1, 2], None), "policies": {"max": ([1], None), "oracle": ([1], None)},
+              "tokens": {"max": "replayed", "oracle": "replayed"}, "not_replayed": None}
+    assert "contiguous 0.9 s, replaying the paged run's tokens)" in timing_line(result, False)
+    result["seconds"]["learn"] = 3.0  # V1: the headless run under the paper's scheduler is the one replayed
+    assert "the paper's scheduler for the baselines 3.0 s, contiguous 0.9 s, replaying that run's tokens" in \
+        timing_line(result, False)
+    result.update(tokens={"max": "model", "oracle": "model"}, not_replayed="beam search: why")
+    assert timing_line(result, True).endswith("on the model: beam search: why).")

@@ -168,8 +168,9 @@ def timing_line(result: dict, cached: bool) -> str:
     steps = len(result["paged"][0]) + sum(len(r) for r, _ in result["policies"].values())
     how = result.get("tokens", {})
     replayed = sum(v == "replayed" for v in how.values())
-    tokens = ("replaying the paged run's tokens" if how and replayed == len(how)
-              else f"{replayed} of {len(how)} replaying the paged run's tokens" if replayed
+    source = "that run's" if sec["learn"] else "the paged run's"  # V1: the run under the paper's scheduler
+    tokens = (f"replaying {source} tokens" if how and replayed == len(how)
+              else f"{replayed} of {len(how)} replaying {source} tokens" if replayed
               else "on the model" + (f": {result['not_replayed']}" if result.get("not_replayed") else ""))
     line = (f"{1 + len(result['policies'])} runs, {steps:,} engine steps in {sec['total']:.1f} s (paged "
             f"{sec['paged']:.1f} s, " + (f"the paper's scheduler for the baselines {sec['learn']:.1f} s, "

@@ -419,3 +419,13 @@ def test_the_hybrid_line_says_a_shared_block_is_given_back_once(shared_prefix_re
     assert f"gave back {n} block{'s' * (n != 1)} (per request R1: " in line
     assert "a block they share is given back once in the pool" in line
     assert f"{saving['held']} blocks held where every layer full would hold {saving['twin']}" in line
+
+
+def test_a_single_group_pool_has_no_group_key(make_engine):
+    from viz.pool import block_pool_figure
+
+    engine = make_engine(num_blocks=16)
+    engine.add_request("Hello there", SamplingParams(max_tokens=2, temperature=0.0))
+    fig = block_pool_figure(engine.step().snapshot, ["R1"]).to_dict()
+    assert [t["type"] for t in fig["data"]] == ["heatmap"] and "showlegend" not in fig["layout"]
+    assert fig["layout"]["margin"]["b"] == 10

@@ -39,8 +39,8 @@ from engine.watch.cache_mirror import hash_labels
 from engine.watch.groups import tiers, tiers_line, top_extended
 from viz.server import MAX_TREE_BLOCKS, groups_figure, rates_figure, rates_line
 from viz.server import (STREAM_COUNTS_HELP, VLLM_EVENTS_FLAG, plural, batch_activity_figure, batch_line,
-                        cache_size_figure, mirror_warnings, prefix_tree_figure, rank_numbers, server_numbers,
-                        state_line, stream_caption)
+                        cache_size_figure, groups_line, mirror_warnings, prefix_tree_figure, rank_numbers,
+                        server_numbers, state_line, stream_caption)
 
 ROOT = Path(__file__).resolve().parent.parent
 CAPTURES = ROOT / "assets" / "captures"
@@ -332,7 +332,9 @@ def rank_panel(mirror, decode, num_gpu_blocks: int | None, key: str, wide: bool,
     with numbers_place:
         cols = [st.container() for _ in range(3)] if wide else st.columns(3)
     cols[0].metric("cached blocks", f"{n['blocks']:,}",
-                   help=f"physical KV blocks holding a cached prefix (a hash held twice counts twice): "
+                   help=("every KV cache group's together (one block per group a hash is cached in): "
+                         if n["groups"] else "") +
+                        f"physical KV blocks holding a cached prefix (a hash held twice counts twice): "
                         f"{plural(n['prefixes'], 'distinct prefix', 'distinct prefixes')} in "
                         f"{plural(n['roots'], 'tree')}; stored {n['stored']:,} and removed {n['removed']:,} over "
                         f"{plural(n['batches'], 'batch', 'batches')}")
@@ -346,6 +348,8 @@ def rank_panel(mirror, decode, num_gpu_blocks: int | None, key: str, wide: bool,
         cols[2].metric("stored / removed", f"{n['stored']:,} / {n['removed']:,}",
                        help=f"blocks stored and removed over {n['batches']:,} batches. The share of the pool needs "
                             f"the pool's size (num_gpu_blocks), from /metrics or the capture's header.")
+    if groups_line(n):  # a hybrid server: which group each count is (vLLM's group_idx)
+        numbers_place.caption(groups_line(n))
     color_by = st.session_state.get("server_color_by", "age")
     counts = tiers(mirror)
     if tiers_line(counts):

@@ -53,12 +53,27 @@ VLLM_EVENTS_FLAG = ("--kv-events-config '{\"enable_kv_cache_events\": true, \"pu
 def rank_numbers(mirror, num_gpu_blocks: int | None = None) -> dict:
     """One rank's cache in numbers: ``blocks`` (physical, copies counted), ``prefixes`` (distinct hashes),
     ``tokens``, ``roots`` (prefix trees), ``pool_share_pct`` (``metrics.cached_share_pct``; None without the
-    pool's size), ``batches``, ``stored`` / ``removed`` (blocks over all batches), ``block_size``."""
+    pool's size), ``batches``, ``stored`` / ``removed`` (blocks over all batches), ``block_size``, ``groups``:
+    for a hybrid server (KV cache groups, ``cache_mirror.PrefixCacheMirror.hybrid``) one ``{"group", "label",
+    "blocks", "tokens"}`` per group (``blocks`` summing to the total), else [] (a single-group server reads as
+    before)."""
+    size = mirror.block_size or 0
+    groups = ([{"group": g, "label": mirror.group_label(g), "blocks": n, "tokens": n * size}
+               for g, n in mirror.group_blocks().items()] if mirror.hybrid else [])
     return {"blocks": mirror.num_blocks, "prefixes": len(mirror.blocks), "tokens": mirror.num_tokens,
             "roots": len(mirror.children().get(None, [])),
             "pool_share_pct": metrics.cached_share_pct(mirror.num_blocks, num_gpu_blocks),
             "batches": mirror.num_batches, "stored": mirror.total_stored, "removed": mirror.total_removed,
-            "block_size": mirror.block_size}
+            "block_size": mirror.block_size, "groups": groups}
+
+
+def groups_line(numbers: dict) -> str:
+    """``cached blocks by KV cache group: group 0 (sliding window, 48 tokens) 2 · group 1 (full attention) 4``
+    from ``rank_numbers``; "" for a single-group server."""
+    if not numbers.get("groups"):
+        return ""
+    return "cached blocks by KV cache group: " + " · ".join(
+        f"{g['label']} {g['blocks']:,}" for g in numbers["groups"])
 
 
 def server_numbers(values: dict) -> dict:

@@ -29,6 +29,24 @@ hashes from the view (a dict keeps insertion order), counts them in ``capped_out
 notes: a well-behaved server never holds more cached blocks than its pool, so only a server with a larger
 pool than the cap, or a misbehaving publisher, reaches it.
 
+KV cache groups (a hybrid model: vLLM V1's hybrid KV cache manager, sliding-window and full-attention layers
+in groups that share one pool): vLLM 0.32's events carry ``group_idx`` (and, on BlockStored, the group's
+``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window``); vLLM's ``BlockStored`` docstring says a consumer
+keys blocks by (hash, group). A hash is the request's whatever the group, so two groups store the same hashes
+for the same content: ``blocks`` keeps one entry per hash, and ``CachedBlock.groups`` the group of each
+copy (parallel to ``media``); ``group_blocks()`` counts physical blocks per group, ``group_specs`` holds each
+group's (kind, window) as its events said. An event without ``group_idx`` (vLLM before 0.32, SGLang) is
+group 0, so a single-group server reads exactly as before.
+
+A group whose kind may skip blocks (a sliding window: ``kv_events.WHOLE_RANGE_KINDS`` lists the kinds that do
+not) sends fewer hashes than the blocks of tokens it carries, possibly none, with the parent of the range's
+first block; it does not say which blocks its hashes are. vLLM sends it *before* the full group's event for
+the same range (the groups in order), so reading its hashes as the range's first blocks gives them the wrong
+tokens and parent. A hash's content is therefore taken from the view (the hash already cached in a group) or
+from a whole-range BlockStored of the same batch that carries it (``apply`` reads the batch's whole-range
+events first); only a hash found in neither (a uniform sliding-window model: no full group says it) is
+taken as one of the range's last blocks, counted in ``inferred_blocks`` and noted once.
+
 Units: blocks are physical KV blocks of ``block_size`` tokens; ``num_tokens`` = sum over distinct hashes of
 block_size x copies (what the pool holds, vLLM's accounting); batches are numbered by the publisher's
 sequence number (``seq``).
@@ -41,6 +59,7 @@ import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..kv_events import WHOLE_RANGE_KINDS
 from ..records import plural
 
 MAX_BLOCKS = 100_000  # distinct hashes a mirror holds (about 100 MB); see the module docstring
@@ -70,6 +89,7 @@ class CachedBlock:
     stored_seq: int          # sequence number of the batch that first stored it
     stored_ts: float         # the publisher's timestamp of that batch (seconds since the epoch)
     media: tuple = ()        # the storage tier of each copy (``medium`` of its BlockStored: "GPU", "CPU", ...)
+    groups: tuple = ()       # the KV cache group of each copy (``group_idx``; () : every copy in group 0)
 
     def tier_counts(self) -> dict:
         """medium -> copies held there (a block without ``media``: all its copies in ``medium``)."""
@@ -77,6 +97,10 @@ class CachedBlock:
         for m in self.media or (self.medium,) * self.copies:
             out[m] = out.get(m, 0) + 1
         return out
+
+    def copy_groups(self) -> tuple:
+        """The KV cache group of each copy, one entry per copy."""
+        return self.groups or (0,) * self.copies
 
 
 @dataclass
@@ -140,6 +164,11 @@ class PrefixCacheMirror:
     extended: dict = field(default_factory=dict)
     extensions: dict = field(default_factory=dict)  # hash -> stores that extended it while cached, in all
     hot_evicted: int = 0
+    # KV cache groups (see the module docstring): group -> {"kind": spec kind or None, "sliding_window": tokens
+    # or None}, as its BlockStored events said; group -> physical blocks held in it
+    group_specs: dict = field(default_factory=dict)
+    _group_blocks: dict = field(default_factory=dict)
+    inferred_blocks: int = 0  # a masked BlockStored's hashes whose content no event said: taken as the range's tail
 
     # --- applying events ---------------------------------------------------------------------------------
 
@@ -150,12 +179,13 @@ class PrefixCacheMirror:
         cleared = False
         ages: list[float] = []
         hot = 0
+        content = _batch_content(events)  # hash -> (parent, tokens) from the batch's whole-range stores
         for e in events:
             kind = e["type"]
             if kind == "BlockStored":
-                stored += self._store(seq, ts, e)
+                stored += self._store(seq, ts, e, content)
             elif kind == "BlockRemoved":
-                n, h = self._remove(e["block_hashes"], seq, ts, ages, e.get("medium"))
+                n, h = self._remove(e["block_hashes"], seq, ts, ages, e.get("medium"), e.get("group_idx") or 0)
                 removed += n
                 hot += h
             elif kind == "AllBlocksCleared":
@@ -164,6 +194,7 @@ class PrefixCacheMirror:
                 self.extended.clear()
                 self.extensions.clear()
                 self._order.clear()
+                self._group_blocks.clear()
                 self._num_blocks = self._kept_tokens = 0
                 cleared = True
         self.version += 1
@@ -184,38 +215,62 @@ class PrefixCacheMirror:
             self.history.popleft()
         return summary
 
-    def _store(self, seq: int, ts: float, e: dict) -> int:
+    def _store(self, seq: int, ts: float, e: dict, content: dict | None = None) -> int:
         size = e["block_size"]
         if self.block_size is None:
             self.block_size = size
         elif size != self.block_size:
             self.note(f"batch {seq}: BlockStored with block_size {size}, earlier blocks had {self.block_size}")
+        group = e.get("group_idx") or 0
+        if e.get("kv_cache_spec_kind") is not None or group not in self.group_specs:
+            self.group_specs[group] = {"kind": e.get("kv_cache_spec_kind"),
+                                       "sliding_window": e.get("kv_cache_spec_sliding_window")}
         parent = e.get("parent_block_hash")
-        if parent is not None and parent not in self.blocks:
-            self.orphan_stores += 1  # its parent was stored before we joined, or already evicted
-        elif parent is not None:  # a request went on past a cached block: see HOT_MIN_EXTENSIONS
-            self.extended[parent] = (self.extended.get(parent, ()) + (ts,))[-16:]
-            self.extensions[parent] = self.extensions.get(parent, 0) + 1
-        tokens = e["token_ids"]
-        for i, h in enumerate(e["block_hashes"]):
+        tokens, hashes = e["token_ids"], e["block_hashes"]
+        whole = len(tokens) == size * len(hashes)  # one block of tokens per hash, in order
+        if whole:  # a masked store's range is the full group's too: counted once, from that one
+            if parent is not None and parent not in self.blocks:
+                self.orphan_stores += 1  # its parent was stored before we joined, or already evicted
+            elif parent is not None:  # a request went on past a cached block: see HOT_MIN_EXTENSIONS
+                self.extended[parent] = (self.extended.get(parent, ()) + (ts,))[-16:]
+                self.extensions[parent] = self.extensions.get(parent, 0) + 1
+        first_tail = len(tokens) // size - len(hashes)  # a masked hash no event explains: the range's tail
+        for i, h in enumerate(hashes):
             block = self.blocks.get(h)
             if block is None:
+                if whole:
+                    block_parent, block_tokens = parent, tokens[i * size:(i + 1) * size]
+                elif content and h in content:
+                    block_parent, block_tokens = content[h]
+                else:
+                    j = first_tail + i
+                    block_parent = (hashes[i - 1] if i else (parent if j == 0 else None))
+                    block_tokens = tokens[j * size:(j + 1) * size]
+                    self.inferred_blocks += 1
+                    if self.inferred_blocks == 1:
+                        self.note(f"batch {seq}: group {group}'s BlockStored has {len(hashes)} hashes for "
+                                  f"{len(tokens) // size} blocks of tokens and no whole-range event says which "
+                                  f"blocks they are: they are taken as the range's last blocks (their parent "
+                                  f"unknown unless given)")
                 while self.blocks and (len(self.blocks) >= self.max_blocks
                                        or self._kept_tokens + size > self.max_token_ids):
                     self._drop_oldest(seq)
                 self._kept_tokens += size
-                self.blocks[h] = CachedBlock(hash=h, parent=parent, token_ids=list(tokens[i * size:(i + 1) * size]),
+                self.blocks[h] = CachedBlock(hash=h, parent=block_parent, token_ids=list(block_tokens),
                                              block_size=size, medium=e.get("medium"), copies=1, stored_seq=seq,
-                                             stored_ts=ts, media=(e.get("medium"),))
+                                             stored_ts=ts, media=(e.get("medium"),), groups=(group,))
                 self._order.append(h)
                 if len(self._order) > 2 * len(self.blocks) + 1024:  # removed hashes pile up: rebuild (dict order)
                     self._order = deque(self.blocks)
             else:  # a new object, never changed in place: copies of the mirror share blocks (``copy``)
                 self.blocks[h] = dataclasses.replace(block, copies=block.copies + 1,
-                                                     media=(block.media or (block.medium,)) + (e.get("medium"),))
+                                                     media=(block.media or (block.medium,)) + (e.get("medium"),),
+                                                     groups=block.copy_groups() + (group,))
             parent = h  # a BlockStored chains its blocks: each one's parent is the previous
-        self._num_blocks += len(e["block_hashes"])
-        return len(e["block_hashes"])
+        self._num_blocks += len(hashes)
+        if hashes:
+            self._group_blocks[group] = self._group_blocks.get(group, 0) + len(hashes)
+        return len(hashes)
 
     def _drop_oldest(self, seq: int) -> None:
         """The view is full (``max_blocks`` hashes): forget the oldest-stored hash and its copies. The order
@@ -229,6 +284,8 @@ class PrefixCacheMirror:
         self.extended.pop(oldest, None)
         self.extensions.pop(oldest, None)
         self._num_blocks -= gone.copies
+        for g in gone.copy_groups():
+            self._group_blocks[g] -= 1
         self._kept_tokens -= len(gone.token_ids)
         self.capped_out += 1
         if self.capped_out == 1:
@@ -239,14 +296,15 @@ class PrefixCacheMirror:
                       f"unknown")
 
     def _remove(self, hashes: list[str], seq: int = 0, ts: float = 0.0, ages: list | None = None,
-                medium: str | None = None) -> tuple[int, int]:
-        """Remove one copy of each hash (the copy in ``medium``, the removal's tier, when one is there);
-        returns (blocks removed, hot prefixes that left the view). ``ages`` gets each removed block's age
-        (seconds cached, the server's clock)."""
+                medium: str | None = None, group: int = 0) -> tuple[int, int]:
+        """Remove one copy of each hash from KV cache group ``group`` (the copy in ``medium``, the removal's
+        tier, when one is there); returns (blocks removed, hot prefixes that left the view). ``ages`` gets each
+        removed block's age (seconds cached, the server's clock). A hash the group does not hold is an
+        unknown removal (its other groups' copies stay)."""
         done = hot = 0
         for h in hashes:
             block = self.blocks.get(h)
-            if block is None:
+            if block is None or group not in block.copy_groups():
                 self.unknown_removals += 1  # stored before we joined (or a gap): nothing to take away
                 continue
             if ages is not None:
@@ -264,10 +322,14 @@ class PrefixCacheMirror:
                               f"{HOT_WINDOW_S:.0f} s; it had been cached {max(0.0, ts - block.stored_ts):.0f} s")
             else:  # a new object, never changed in place (``copy``)
                 media = list(block.media or (block.medium,) * block.copies)
-                media.remove(medium if medium in media else media[-1])
+                groups = list(block.copy_groups())
+                mine = [k for k, g in enumerate(groups) if g == group]
+                k = next((k for k in reversed(mine) if media[k] == medium), mine[-1])
+                del media[k], groups[k]
                 self.blocks[h] = dataclasses.replace(block, copies=block.copies - 1, media=tuple(media),
-                                                     medium=media[0])
+                                                     medium=media[0], groups=tuple(groups))
             self._num_blocks -= 1
+            self._group_blocks[group] -= 1
             done += 1
         return done, hot
 
@@ -287,6 +349,7 @@ class PrefixCacheMirror:
         self.extended.clear()
         self.extensions.clear()
         self._order.clear()
+        self._group_blocks.clear()
         self._num_blocks = self._kept_tokens = 0
         self.last_seq = None
         self._restarted = True
@@ -340,6 +403,34 @@ class PrefixCacheMirror:
         """Tokens in those blocks: blocks x block_size (cached blocks are always full)."""
         return self._num_blocks * (self.block_size or 0)
 
+    @property
+    def hybrid(self) -> bool:
+        """True when the events named more than one KV cache group, or a group whose kind may skip blocks (a
+        sliding window): then counts are shown per group and the router uses every group's hit rule."""
+        return len(self.group_specs) > 1 or any(
+            s["kind"] is not None and s["kind"] not in WHOLE_RANGE_KINDS for s in self.group_specs.values())
+
+    def group_blocks(self) -> dict[int, int]:
+        """KV cache group -> physical blocks it holds with a hash (copies counted), every group whose events
+        were seen (0 included), in group order. Sums to ``num_blocks``."""
+        return {g: self._group_blocks.get(g, 0) for g in sorted(set(self.group_specs) | set(self._group_blocks))}
+
+    def group_label(self, group: int) -> str:
+        """``group 0 (sliding window, 48 tokens)`` / ``group 1 (full attention)``: a group as its events named
+        it."""
+        spec = self.group_specs.get(group) or {}
+        kind = spec.get("kind")
+        if kind is None:
+            return f"group {group}"
+        words = kind.replace("_", " ")
+        if spec.get("sliding_window"):
+            words += f", {spec['sliding_window']:,} tokens"
+        return f"group {group} ({words})"
+
+    def group_hashes(self, group: int) -> set[str]:
+        """The hashes KV cache group ``group`` holds (at least one copy)."""
+        return {h for h, b in self.blocks.items() if group in b.copy_groups()}
+
     def children(self) -> dict[str | None, list[str]]:
         """parent hash -> hashes of the cached blocks that extend it (None: blocks that start a prompt,
         plus blocks whose parent is no longer, or never was, in the view)."""
@@ -377,7 +468,27 @@ class PrefixCacheMirror:
         clone.notes = list(self.notes)
         clone.extended = dict(self.extended)
         clone.extensions = dict(self.extensions)
+        clone.group_specs = dict(self.group_specs)  # its values are replaced, never changed in place
+        clone._group_blocks = dict(self._group_blocks)
         return clone
+
+
+def _batch_content(events: list[dict]) -> dict[str, tuple[str | None, list[int]]]:
+    """hash -> (its parent, its tokens) from the batch's BlockStored events that carry one block of tokens
+    per hash (a full group's), so a sliding group's masked event sent first in the batch learns its hashes'
+    blocks (module docstring)."""
+    out: dict = {}
+    for e in events:
+        if e["type"] != "BlockStored":
+            continue
+        size, tokens, hashes = e["block_size"], e["token_ids"], e["block_hashes"]
+        if len(tokens) != size * len(hashes):
+            continue
+        parent = e.get("parent_block_hash")
+        for i, h in enumerate(hashes):
+            out.setdefault(h, (parent, tokens[i * size:(i + 1) * size]))
+            parent = h
+    return out
 
 
 def hash_labels(hashes, min_len: int = 12) -> dict[str, str]:

@@ -14,6 +14,18 @@ Cached prefix, by vLLM's rules (``vllm/v1/core/kv_cache_manager.py`` ``get_compu
 * the last-token rule: a prompt's last token is never served from the cache (its logits must be computed),
   so at most ``(len - 1) // block_size`` blocks hit (a prompt of exactly 2 blocks gets at most 1).
 
+A hybrid server (KV cache groups: sliding-window and full-attention layers, ``cache_mirror``'s
+``group_specs``) serves a prefix only when every group has it, as vLLM's ``HybridKVCacheCoordinator.
+find_longest_cache_hit`` (vllm/v1/core/kv_cache_coordinator.py) settles it: full-attention groups from the
+left (as above); a sliding-window group within that length, searched from the right: a prefix of ``k`` blocks
+is usable when its last ``ceil((window - 1) / B)`` blocks are cached in that group (``SlidingWindowManager.
+find_longest_cache_hit``, ``_contiguous_blocks_for_hit``), and without such a run the group's cached blocks
+from the start are the hit; a group that finds less shortens the length and the groups are asked again, except
+in vLLM's "simple hybrid" (one full and one other kind), where one pass settles it. The prompt's block hashes
+are read from the content chain (below), held in whichever group; each group's blocks by ``group_idx``.
+(A uniform sliding-window server has no full group: its chain is known only as far as its blocks are in the
+view.)
+
 Hashes are matched the way ``cache_mirror`` compares servers, by content: the prompt's block i matches the
 cached block whose token ids equal it and whose parent is the block matched for i-1 (None for i = 0). This
 is the chained-hash lookup without recomputing the server's hash function (vLLM's sha256 over CBOR with a
@@ -64,6 +76,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from .. import metrics
+from ..kv_events import WHOLE_RANGE_KINDS
 from ..records import plural
 
 OVERLAP_SCORE_WEIGHT = 1.0   # Dynamo's default kv_overlap_score_weight
@@ -131,9 +144,60 @@ def cached_prefix(mirror, ids: list[int]) -> PrefixMatch:
             break
         hashes.append(h)
         parent = h
+    if mirror.hybrid:
+        matched = hybrid_hit_blocks(mirror, hashes, len(ids) // size)
+        usable = hybrid_hit_blocks(mirror, hashes, (len(ids) - 1) // size)  # the last-token rule
+        return PrefixMatch(blocks=usable, tokens=usable * size, matched_blocks=matched, hashes=hashes[:usable],
+                           block_size=size)
     usable = min(len(hashes), (len(ids) - 1) // size)  # the last-token rule
     return PrefixMatch(blocks=usable, tokens=usable * size, matched_blocks=len(hashes), hashes=hashes[:usable],
                        block_size=size)
+
+
+def hybrid_hit_blocks(mirror, hashes: list[str], max_blocks: int) -> int:
+    """The blocks of a prompt every KV cache group of ``mirror`` serves (see the module docstring): ``hashes``
+    are the prompt's block hashes as far as the view knows them, ``max_blocks`` the most a hit may take.
+    vLLM's ``HybridKVCacheCoordinator.find_longest_cache_hit``: full-attention groups first, then the others
+    within the length so far, until no group shortens it (one pass for a "simple hybrid")."""
+    size = mirror.block_size
+    specs = mirror.group_specs
+    held = {g: mirror.group_hashes(g) for g in specs}
+    full = {g: specs[g]["kind"] in (None, *WHOLE_RANGE_KINDS) or not specs[g].get("sliding_window") for g in specs}
+    order = sorted(specs, key=lambda g: (not full[g], g))
+    kinds = {(full[g], specs[g].get("sliding_window")) for g in specs}
+    simple = len(kinds) == 2 and full[order[0]]
+    found: dict[int, int] = {}
+    hit = max(0, min(max_blocks, len(hashes)))
+    while True:
+        current = hit
+        for g in order:
+            if full[g] and g in found:  # full attention is downward-closed: looked up once
+                current = min(current, found[g])
+                continue
+            if full[g]:
+                n = 0
+                while n < current and hashes[n] in held[g]:
+                    n += 1
+            else:
+                need = math.ceil((specs[g]["sliding_window"] - 1) / size)  # vLLM's _contiguous_blocks_for_hit
+                n = run = 0
+                for i in range(current - 1, -1, -1):  # from the right: the first run of ``need`` wins
+                    if hashes[i] in held[g]:
+                        run += 1
+                        if run >= need:
+                            n = i + run
+                            break
+                    else:
+                        run = 0
+                else:
+                    n = run  # no full run: the cached blocks from the start
+            current = found[g] = n
+        if current >= hit:
+            break
+        hit = current
+        if simple:
+            break
+    return hit
 
 
 @dataclass

@@ -7,7 +7,7 @@
   does not say which blocks they are), and the router's predicted hit follows vLLM's per-group rule (the
   sliding group's eviction in batch 43 takes the hit to 0 though the full group still holds the prefix).
 - The lab's hybrid engine (``assets/tiny_hybrid_model``, window 48, blocks of 16) publishing its events
-  (encoded as its publisher sends them, read back as a subscriber does): after every step the mirror's
+  over ZMQ (its publisher, in-process) to the lab's subscriber: after every step the mirror's
   hashes per group equal the pool's cached-block maps per group, and for each next prompt the router's
   predicted cached prefix equals the engine's ``num_cached_tokens``.
 - A single-group server reads exactly as before: one group, no per-group line on the Server page.
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.kv_events import decode_batch, encode_batch, external_hash
+from engine.kv_events import decode_batch, external_hash
 from engine.watch.cache_mirror import PrefixCacheMirror
 from engine.watch.router import cached_prefix
 
@@ -153,40 +153,50 @@ def test_the_server_page_names_each_groups_count(vllm_batches):
 # ------------------------------------------------------------------------------------ the lab's hybrid engine
 @pytest.fixture(scope="module")
 def hybrid_run():
-    """A workload on the tiny hybrid model (a pool of 40 blocks of 16: evictions happen), its events encoded as
-    the publisher sends them and read back into a mirror; per prompt: (predicted, engine's cached tokens,
-    full-group-only prediction, mirror's and pool's hashes per group after every step)."""
+    """A workload on the tiny hybrid model (a pool of 40 blocks of 16: evictions happen) whose engine publishes
+    its KV events over ZMQ (the lab's publisher, in-process, on a free port) to the lab's subscriber, whose
+    mirror is read after every step; per prompt: (predicted, engine's cached tokens, full-group-only
+    prediction); per step: the mirror's and the pool's hashes per group."""
     import torch
 
     from engine import EngineConfig, LLMEngine, SamplingParams
     from engine.model_loader import load_model
+    from engine.watch.kv_subscriber import KVEventSubscriber
 
     loaded = load_model(HYBRID, torch.device("cpu"), "float32")
     e = LLMEngine(EngineConfig(model=HYBRID, device="cpu", dtype="float32", semantics="v1", block_size=16,
-                               num_blocks=40, enable_prefix_caching=True, max_num_seqs=4), loaded=loaded)
-    m = PrefixCacheMirror()
+                               num_blocks=40, enable_prefix_caching=True, max_num_seqs=4,
+                               kv_events_endpoint="tcp://127.0.0.1:0", kv_events_replay_endpoint="tcp://127.0.0.1:0"),
+                  loaded=loaded)
+    pub = e.kv_event_publisher
+    sub = KVEventSubscriber(pub.endpoint, pub.replay_endpoint)
     rng = random.Random(0)
     a = [rng.randrange(1, 2000) for _ in range(160)]
     c = [rng.randrange(1, 2000) for _ in range(200)]
     prompts = [(a, 3), (a[:112] + [rng.randrange(1, 2000) for _ in range(30)], 3), (a[:150] + [7, 8, 9], 3), (a, 3),
                (c, 30), (c[:100] + [5] * 20, 3), *[([rng.randrange(1, 2000) for _ in range(120)], 3) for _ in range(4)],
                (a, 3), (c[:190], 3)]
-    rows, states = [], []
-    for seq_no, (ids, n) in enumerate(prompts):
-        predicted = cached_prefix(m, ids)
-        full_only = min(sum(1 for _ in _chain_in(m, ids, 1)), (len(ids) - 1) // 16) * 16
-        rid = e.add_request(ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-        while e.has_unfinished():
-            record = e.step()
-            if record.kv_events:
-                batch = decode_batch(encode_batch(record.kv_events))  # the publisher's payload, as read
-                m.apply(len(m.history), batch.ts, batch.events)
-            pool = e.block_manager.pool
-            states.append((mirror_groups(m), {g: Counter({format(external_hash(h), "016x"): len(bs)
-                                                          for h, bs in cache.items() if bs})
-                                              for g, cache in enumerate(pool.group_cached_blocks)}))
-        rows.append((predicted.tokens, e.requests[rid].num_cached_tokens, full_only))
-    return rows, states, m
+    rows, states, published = [], [], 0
+    try:
+        for ids, n in prompts:
+            m = sub.view().mirror
+            predicted = cached_prefix(m, ids)
+            full_only = min(sum(1 for _ in _chain_in(m, ids, 1)), (len(ids) - 1) // 16) * 16
+            rid = e.add_request(ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+            while e.has_unfinished():
+                published += bool(e.step().kv_events)  # the engine publishes a batch for a step with events
+                assert sub.wait_for(lambda v: (-1 if v.mirror.last_seq is None else v.mirror.last_seq) == published - 1,
+                                    10), sub.view().state
+                pool = e.block_manager.pool
+                states.append((mirror_groups(sub.view().mirror),
+                               {g: Counter({format(external_hash(h), "016x"): len(bs) for h, bs in cache.items() if bs})
+                                for g, cache in enumerate(pool.group_cached_blocks)}))
+            rows.append((predicted.tokens, e.requests[rid].num_cached_tokens, full_only))
+        final = sub.view().mirror
+    finally:
+        sub.stop()
+        e.close()
+    return rows, states, final
 
 
 def _chain_in(m, ids, group):

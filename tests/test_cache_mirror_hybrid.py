@@ -124,7 +124,7 @@ def test_a_masked_store_no_event_explains_is_taken_as_the_ranges_tail():
 
 
 def test_a_single_group_server_reads_as_before():
-    from viz.server import groups_line, rank_numbers
+    from viz.server import groups_line, prefix_tree_figure, rank_numbers
 
     for extra in ({}, {"group_idx": 0, "kv_cache_spec_kind": "full_attention"}):
         m = PrefixCacheMirror()
@@ -134,6 +134,7 @@ def test_a_single_group_server_reads_as_before():
         assert not m.hybrid and m.group_blocks() == {0: 1} and m.num_blocks == 1
         n = rank_numbers(m)
         assert n["groups"] == [] and groups_line(n) == ""
+        assert "group" not in " ".join(prefix_tree_figure(m).data[1].hovertext)
         assert cached_prefix(m, [1, 2, 3, 4, 5]).tokens == 2
 
 
@@ -148,6 +149,12 @@ def test_the_server_page_names_each_groups_count(vllm_batches):
     assert [(g["group"], g["blocks"], g["tokens"]) for g in n["groups"]] == [(0, 2, 64), (1, 4, 128)]
     assert groups_line(n) == ("cached blocks by KV cache group: group 0 (sliding window, 48 tokens) 2 · "
                               "group 1 (full attention) 4")
+    from viz.server import prefix_tree_figure
+
+    hover = {t.split("<br>")[0].split(":")[0]: t for t in prefix_tree_figure(m).data[1].hovertext}
+    held_twice = [t for t in hover.values() if "copies: 2" in t]
+    assert len(held_twice) == 2 and all(
+        "(group 0 (sliding window, 48 tokens) x1, group 1 (full attention) x1)" in t for t in held_twice)
 
 
 # ------------------------------------------------------------------------------------ the lab's hybrid engine
@@ -224,3 +231,28 @@ def test_the_router_predicts_the_engines_cached_tokens(hybrid_run):
     assert any(p > 0 for p, _, _ in rows)  # hits happen
     # and the sliding group decides some: the full group alone would predict more than the engine serves
     assert any(full > cached for _, cached, full in rows)
+
+
+def test_the_server_page_replays_a_hybrid_capture_with_its_groups(vllm_batches, tmp_path):
+    """vLLM's hybrid batches as a capture, replayed on the Server page: the total is every group's, and a
+    caption says which group each count is."""
+    from streamlit.testing.v1 import AppTest
+
+    from engine.watch.capture import Capture, CaptureBatch, dumps_capture, new_header
+
+    data = json.loads(DATA.read_text())
+    capture = Capture(header=new_header("vLLM 0.32, hybrid-evict-sliding-B32", ["tcp://vllm:5557"], block_size=32),
+                      batches=[CaptureBatch(rank=0, seq=step, t=float(i), payload=bytes.fromhex(payload))
+                               for i, (step, payload) in enumerate(data["batches"])])
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=180)
+    at.run()
+    at.switch_page("ui/server.py").run()
+    at.radio(key="server_mode").set_value("Replay a capture").run()
+    at.sidebar.file_uploader(key="replay_upload").set_value(
+        ("hybrid.jsonl", dumps_capture(capture).encode(), "application/octet-stream")).run()
+    at.slider(key="replay_scrub").set_value(len(data["batches"])).run()
+    assert not at.exception
+    assert [m.value for m in at.metric if m.label == "cached blocks"] == ["13"]
+    captions = [c.value for c in at.caption]
+    assert ("cached blocks by KV cache group: group 0 (sliding window, 48 tokens) 4 · group 1 (full attention) 9"
+            in captions), captions

@@ -67,6 +67,15 @@ def rank_numbers(mirror, num_gpu_blocks: int | None = None) -> dict:
             "block_size": mirror.block_size, "groups": groups}
 
 
+def copies_by_group(mirror, block) -> str:
+    """``group 0 (sliding window, 48 tokens) x1, group 1 (full attention) x1``: which KV cache group holds each
+    copy of a cached block (a hybrid server's; ``CachedBlock.groups``)."""
+    counts: dict[int, int] = {}
+    for g in block.copy_groups():
+        counts[g] = counts.get(g, 0) + 1
+    return ", ".join(f"{mirror.group_label(g)} x{n}" for g, n in sorted(counts.items()))
+
+
 def groups_line(numbers: dict) -> str:
     """``cached blocks by KV cache group: group 0 (sliding window, 48 tokens) 2 · group 1 (full attention) 4``
     from ``rank_numbers``; "" for a single-group server."""
@@ -301,6 +310,7 @@ def prefix_tree_figure(mirror, decode: Callable[[list[int]], str] | None = None,
     n = len(shown)
     base = 13 if n <= 150 else 9 if n <= 600 else 6
     order = [h for h in shown if h in pos]
+    hybrid = mirror.hybrid  # KV cache groups: each block's hover says which group holds each copy
     roots = {r: i for i, r in enumerate(lay["roots"])}
     xs, ys, sizes, colors, ages, hover, labels, rings = [], [], [], [], [], [], [], []
     last = mirror.last_seq
@@ -322,6 +332,7 @@ def prefix_tree_figure(mirror, decode: Callable[[list[int]], str] | None = None,
             f"block {name[h]}: tokens {x * b.block_size}-{(x + 1) * b.block_size - 1} from the root"
             f"<br>{_ids(b.token_ids)}" + (f"<br>text: {text}" if decode is not None else "")
             + f"<br>parent: {_short(b.parent, name)}<br>copies: {b.copies} physical block{'s' * (b.copies != 1)}"
+            + (f" ({copies_by_group(mirror, b)})" if hybrid else "") +
             f"<br>stored by batch #{b.stored_seq}, {age:.1f} s before the last batch"
             + (f"<br>medium: {b.medium}" if b.medium else ""))
     marker = {"size": sizes, "line": {"color": ["#000000" if r else "#FFFFFF" for r in rings],

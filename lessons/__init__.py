@@ -9,7 +9,8 @@
     lessons/l3_block_tables.py   ``facts(ctx)``, ``exercises(ctx)`` (pure, tested without Streamlit) and
                                   ``widget_<name>(ctx)`` functions; run as a Streamlit page it renders itself
 
-Adding a lesson means adding such a pair here; the app builds its pages from ``catalog()``.
+Adding a lesson means adding such a pair here; the app builds its pages from ``catalog()``, and every count of
+lessons the app shows is ``len(catalog())`` (the docs name none).
 
 The public API (``__all__``): what the app (``app.py``, the ``ui`` pages) may import from the lessons: the
 catalog, and the render entry points of ``lessons/render.py`` (a lesson page, the progress kept in the URL).
@@ -27,8 +28,9 @@ from pathlib import Path
 # the render entry points, imported on first use (``lessons.render`` imports Streamlit; ``catalog`` does not)
 _RENDER_API = ("render_lesson", "keep_widget_state", "sync_progress_url", "show_progress_error", "lesson_progress",
                "progress_code", "restore_progress", "save_progress_url", "forget_progress")
-__all__ = ["Lesson", "catalog", "render_lesson", "keep_widget_state", "sync_progress_url", "show_progress_error",
-           "lesson_progress", "progress_code", "restore_progress", "save_progress_url", "forget_progress"]
+__all__ = ["Lesson", "catalog", "number_word", "render_lesson", "keep_widget_state", "sync_progress_url",
+           "show_progress_error", "lesson_progress", "progress_code", "restore_progress", "save_progress_url",
+           "forget_progress"]
 
 
 def __getattr__(name: str):
@@ -124,3 +126,19 @@ def load_lesson(path: Path) -> Lesson:
 def catalog() -> list[Lesson]:
     """Every lesson under ``lessons/``, in order of its number."""
     return sorted((load_lesson(p) for p in LESSONS_DIR.glob("l*_*.md")), key=lambda l: l.number)
+
+
+_ONES = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+         "seventeen eighteen nineteen").split()
+_TENS = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
+
+
+def number_word(n: int) -> str:
+    """``n`` in words for a count in a sentence ("ten", "eleven", "twenty-one"); digits from 100 on."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"a count must be a non-negative integer, got {n!r}")
+    if n < 20:
+        return _ONES[n]
+    if n < 100:
+        return _TENS[n // 10] + (f"-{_ONES[n % 10]}" if n % 10 else "")
+    return f"{n:,}"

@@ -3,8 +3,9 @@
 The app keeps the code in the page's URL (``?progress=...``), so a reload or a bookmark resumes where the
 learner was, and shows it on the lessons' overview, to carry to another browser. What it holds: each
 committed answer as typed ("slug:exercise id" -> the raw answer and whether it was right), whether the first
-answer was right, and the lessons shown whole. JSON, zlib-compressed, base64url: about 1,800 characters for
-all ten lessons answered (measured: a choice stores its option's text), well under ``MAX_CODE_CHARS``.
+answer was right, and the lessons shown whole. JSON, zlib-compressed, base64url: about 180 characters per lesson
+with every question answered (measured: a choice stores its option's text), so the whole catalog's code stays
+well under ``MAX_CODE_CHARS``.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import copy
 from pathlib import Path
 
@@ -10,7 +11,19 @@ from streamlit.testing.v1 import AppTest
 
 from engine import EMBEDDED_MODEL
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
-PAGES = ["ui/playground.py", "ui/compare.py", "ui/lessons.py", "ui/model_info.py", "ui/server.py"]
+
+
+def app_pages(app: str = APP) -> list[str]:
+    """The page files ``app.py``'s navigation lists as literals (``st.Page("ui/....py", ...)``), read from its
+    source: the one list of the app's pages (the lesson pages come from ``lessons.catalog()``, tested in
+    tests/test_lessons.py)."""
+    tree = ast.parse(Path(app).read_text(encoding="utf-8"))
+    return [node.args[0].value for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "Page" and node.args
+            and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)]
+
+
+PAGES = app_pages()
 
 
 def new_app(timeout: float = 180) -> AppTest:
@@ -26,6 +39,14 @@ def button(at, label):
 
 def metrics(at) -> dict:
     return {m.label: m.value for m in at.metric}
+
+
+def test_pages_are_the_list_app_py_navigates():
+    """``PAGES`` is read from app.py, not written again here (a copy had drifted: it lacked the Class page)."""
+    literal_pages = Path(APP).read_text(encoding="utf-8").count("st.Page(\"")
+    assert PAGES == app_pages() and len(PAGES) == literal_pages, (PAGES, literal_pages)
+    assert "ui/classroom.py" in PAGES and "ui/lessons.py" in PAGES
+    assert all((Path(APP).parent / page).is_file() for page in PAGES)
 
 
 @pytest.mark.parametrize("page", PAGES)

@@ -3,19 +3,17 @@
 import streamlit as st
 
 from engine import EMBEDDED_MODEL
-from lessons import (catalog, forget_progress, lesson_progress, progress_code, restore_progress, save_progress_url,
-                     show_progress_error)
+from lessons import (catalog, forget_progress, lesson_progress, number_word, progress_code, restore_progress,
+                     save_progress_url, show_progress_error)
 from infra.runs import preload_model
 
 preload_model(EMBEDDED_MODEL)  # in the background while the learner reads: the lessons find the model loaded
-
-NUMBER_WORDS = {6: "Six", 7: "Seven", 8: "Eight", 9: "Nine", 10: "Ten"}
 
 st.title("Lessons")
 show_progress_error()  # a bad ?progress= code in the link: what was wrong, and that the lessons start without it
 lessons = catalog()
 st.markdown(
-    f"{NUMBER_WORDS.get(len(lessons), len(lessons))} short lessons on how a language-model server keeps its KV "
+    f"{number_word(len(lessons)).capitalize()} short lessons on how a language-model server keeps its KV "
     "cache in memory, taught on the same engine the Playground runs. Each lesson asks you to **predict** what "
     "the engine will do before it runs, then shows what it did. Go in order; each takes 8 to 16 minutes. "
     "Your answers are kept in this page's link: a reload or a bookmark resumes where you were."

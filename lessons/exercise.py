@@ -70,6 +70,8 @@ class Exercise:
             line breaks ignored. No page a learner may read before the lesson (the README, docs/*.md) may
             contain one (tests/test_lessons_answer_leaks.py); a question whose answer the numeric leak check
             cannot see (a choice, a small number) must have some.
+        pool_blocks: for a list or set of physical block ids, the pool's size: an id outside 0 ..
+            pool_blocks - 1 is refused, naming it and the pool's range (None: not checked).
     """
 
     id: str
@@ -85,6 +87,7 @@ class Exercise:
     tags: frozenset = frozenset()
     source: str = "the engine"
     answer_phrases: tuple = ()
+    pool_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -102,6 +105,8 @@ class Exercise:
             if not isinstance(phrase, str) or len(phrase.split()) < 2:
                 raise ValueError(f"exercise {self.id!r}: answer phrase {phrase!r} is not a phrase of two or more "
                                  "words (one word would match any text)")
+        if self.pool_blocks is not None and self.kind in ("list", "set"):
+            self.parse(self.expected)  # the engine's own blocks lie in the pool
         for slip in self.slips:
             if self._matches(self.parse(slip.answer)):
                 raise ValueError(f"exercise {self.id!r}: slip {slip.name!r} gives the engine's own answer "
@@ -132,7 +137,13 @@ class Exercise:
             if answer not in self.options:
                 raise ValueError(f"{answer!r} is not one of the options")
             return answer
-        return parse_int_list(answer)
+        values = parse_int_list(answer)
+        if self.pool_blocks is not None:
+            for v in values:
+                if v >= self.pool_blocks:
+                    raise ValueError(f"{v} is not a block of this pool: its block ids run from 0 to "
+                                     f"{self.pool_blocks - 1}")
+        return values
 
     def check(self, answer: Any) -> Verdict:
         """Compare a committed answer with the engine's. Raises ValueError if the answer cannot be read."""
@@ -176,6 +187,9 @@ def parse_number(text: str, unit: str = "") -> float:
         if t.lower().endswith(suffix.lower()):
             t = t[: -len(suffix)].strip()
             break
+    if not _NUMBER.fullmatch(t) and re.fullmatch(r"[0-9.]+([\s,;]+[0-9.]+)+", t):
+        raise ValueError(f"{text!r} is not a single number: this question expects one number"
+                         f"{f' of {unit}' if unit else ''}, not a list")
     if not _NUMBER.fullmatch(t):
         raise ValueError(f"{text!r} is not a number{f' of {unit}' if unit else ''}; write it in digits")
     return float(t.replace(",", ""))

@@ -40,12 +40,19 @@ BLOCK_SIZE = 16
 NUM_BLOCKS = 64
 PROMPT_LEN, MAX_TOKENS, BUDGET = 150, 24, 64  # the window run: prefilled in chunks of BUDGET tokens
 SHARED, OWN, PREFIX_OUT = 100, 40, 4         # the prefix run: B and C share A's first SHARED tokens
+EXAMPLE_C = 100  # the intro's example of the window's arithmetic (computed tokens), apart from the questions'
 
 GPU_GB = 80                        # an "80 GB" GPU: 80 x 10^9 bytes (lesson 1's convention)
 CONTEXTS = (8192, 32768, 131072)   # 8k, 32k, 128k tokens per request
 WORKED, TRANSFER = "gpt-oss-20b", "gemma-3-12b"
 TRANSFER_CONTEXT = 32768
 VLLM_SERVE_BUDGET = 8192  # vllm serve's max_num_batched_tokens on an H100-class GPU (arg_utils.get_batch_defaults)
+# Batches in flight at once (VllmConfig.max_concurrent_batches, vllm/config/vllm.py): 2 with async scheduling,
+# which `vllm serve` turns on by default on one GPU (VllmConfig.__post_init__: async_scheduling None -> True
+# when the executor supports it; one GPU gets the "uni" executor, UniProcExecutor.supports_async_scheduling),
+# 1 with --no-async-scheduling. SlidingWindowSpec.max_memory_usage_bytes budgets for
+# VllmConfig.max_in_flight_tokens = max_concurrent_batches x max_num_batched_tokens.
+VLLM_ASYNC_BATCHES, VLLM_SYNC_BATCHES = 2, 1
 
 VLLM = "vllm/v1/core/"
 VLLM_SOURCES = [
@@ -75,7 +82,15 @@ VLLM_SOURCES = [
      "tokens) / B) + 1 blocks per request",
      "vllm/v1/kv_cache_interface.py, " + f"{VLLM}kv_cache_utils.py",
      "SlidingWindowSpec.max_admission_blocks_per_request; get_max_concurrency_for_kv_cache_config"),
+    ("Tokens in flight: max_num_batched_tokens x the batches in flight, 2 with async scheduling (on by "
+     "default on one GPU), 1 without",
+     "vllm/config/vllm.py", "VllmConfig.max_concurrent_batches, max_in_flight_tokens"),
 ]
+
+
+def admission_blocks(window: int, in_flight: int, max_model_len: int, block_size: int = BLOCK_SIZE) -> int:
+    """vLLM's start-up budget for a sliding group, per request (``max_admission_blocks_per_request``)."""
+    return blocks_for(min(window - 1 + in_flight, max_model_len), block_size) + 1
 
 
 # ------------------------------------------------------------------------------------------ the engine
@@ -313,16 +328,20 @@ def facts(ctx) -> dict:
     wc = worked.config
     w_weights = kv_math.weight_bytes(worked)
     t = preset(TRANSFER)
-    # vLLM's start-up budget for gpt-oss's sliding group at 32k (one batch of vllm serve's default in flight)
+    # vLLM's start-up budget for gpt-oss's sliding group at 32k: vllm serve's default async scheduling keeps
+    # VLLM_ASYNC_BATCHES batches of its token budget in flight; without it, one
     L = CONTEXTS[1]
-    adm = blocks_for(min(wc.sliding_window - 1 + VLLM_SERVE_BUDGET, L), BLOCK_SIZE) + 1
+    in_flight = VLLM_ASYNC_BATCHES * VLLM_SERVE_BUDGET
+    adm = admission_blocks(wc.sliding_window, in_flight, L)
+    adm_sync = admission_blocks(wc.sliding_window, VLLM_SYNC_BATCHES * VLLM_SERVE_BUDGET, L)
     full_blocks = blocks_for(L, BLOCK_SIZE)
     fit32 = wf[L]
+    example_c = EXAMPLE_C  # the intro's worked case; not a question's (the questions ask other steps)
     return {
         "block_size": BLOCK_SIZE, "window": W, "num_layers": sum(len(x) for x in run.layers),
         "sw_layers": " and ".join(map(str, run.layers[s])), "full_layers": " and ".join(map(str, run.layers[f])),
-        "num_blocks": NUM_BLOCKS, "prompt_len": run.prompt_len, "max_tokens": MAX_TOKENS, "budget": BUDGET,
-        "skip_blocks": f"⌊(c − {W} + 1) / {BLOCK_SIZE}⌋",
+        "num_blocks": NUM_BLOCKS, "last_block": NUM_BLOCKS - 1, "prompt_len": run.prompt_len, "max_tokens": MAX_TOKENS, "budget": BUDGET,
+        "example_c": example_c, "example_skip": blocks_left_window(example_c, BLOCK_SIZE, W),
         "steady_blocks": -(-W // BLOCK_SIZE) + 1,
         "saved_step": run.steps[si].step,
         "free_prev_step": prev.step, "free_step": at.step, "free_c": at.computed_before,
@@ -334,15 +353,19 @@ def facts(ctx) -> dict:
         "worked": worked.name, "worked_url": worked.source, "worked_fields": _md_table(config_rows(WORKED)),
         "worked_groups": _md_table(group_rows(WORKED)), "worked_fits": _md_table(fit_rows(WORKED)),
         "worked_ngroups": len(wg), "worked_group_layers": len(wg[0].layers),
-        "worked_weights": f"{w_weights / kv_math.GIB:.1f} GiB", "gpu_gb": GPU_GB,
+        "worked_weights": f"{w_weights:,} bytes, {w_weights / kv_math.GIB:.1f} GiB", "gpu_gb": GPU_GB,
+        "worked_blocks_sum": f"⌊({fit32.kv_bytes + w_weights:,} − {w_weights:,}) / {fit32.page_bytes:,}⌋ = "
+                             f"**{fit32.num_blocks:,}** blocks",
         "util": f"{kv_math.VLLM_GPU_MEMORY_UTILIZATION:g}",
         "worked_page": kv_math.human_bytes(fit32.page_bytes), "worked_num_blocks": f"{fit32.num_blocks:,}",
         "worked_w": f"{wc.sliding_window:,}",
         "ratio_long": f"{wf[CONTEXTS[-1]].requests / max(wf[CONTEXTS[-1]].twin_requests, 1):.2f}",
         "ratio_short": f"{wf[CONTEXTS[0]].requests / max(wf[CONTEXTS[0]].twin_requests, 1):.2f}",
         "long_k": _k(CONTEXTS[-1]), "short_k": _k(CONTEXTS[0]),
-        "adm_blocks": adm, "adm_len": _k(L), "adm_full": full_blocks, "adm_budget": f"{VLLM_SERVE_BUDGET:,}",
+        "adm_blocks": f"{adm:,}", "adm_len": _k(L), "adm_full": f"{full_blocks:,}",
+        "adm_budget": f"{VLLM_SERVE_BUDGET:,}", "adm_batches": VLLM_ASYNC_BATCHES, "adm_in_flight": f"{in_flight:,}",
         "adm_concurrency": f"{fit32.num_blocks / (full_blocks + adm):.1f}",
+        "adm_sync_blocks": f"{adm_sync:,}", "adm_sync_concurrency": f"{fit32.num_blocks / (full_blocks + adm_sync):.1f}",
         "adm_steady": fit32.requests,
         "transfer": t.name, "transfer_url": t.source, "transfer_fields": _md_table(config_rows(TRANSFER)),
         "contexts": ", ".join(_k(x) for x in CONTEXTS),
@@ -368,7 +391,8 @@ RECAP = [
     "the full-attention group holds can give no hit at all.",
     "On an {{ gpu_gb }} GB GPU {{ worked }} fits {{ ratio_long }} times as many {{ long_k }}-token requests as "
     "its all-full-attention twin: half its layers stop growing at the window. vLLM's start-up estimate is "
-    "lower, as it budgets a sliding group for a whole prompt chunk in flight.",
+    "lower, as it budgets a sliding group for the prompt chunks in flight (two steps' budget with vllm "
+    "serve's default async scheduling).",
 ]
 
 
@@ -387,9 +411,12 @@ def exercises(ctx) -> dict[str, Exercise]:
     p_saved = Exercise(
         "p_saved",
         f"Step {v.step}: the request has computed **{c} tokens** (its {run.prompt_len}-token prompt and "
-        f"{c - run.prompt_len} generated), and this step computes token {c}, its next. The sliding group "
-        f"gives back what its window of {W} tokens left before it allocates. After the step, **how many blocks "
-        "fewer** than its all-full-attention twin does the request hold, both groups together?",
+        f"{c - run.prompt_len} generated), and this step computes token {c}, its next. Before it takes a block "
+        f"for that token, the sliding group gives back every block its window of {W} tokens has wholly left"
+        + (" (at this step none has just left, so it gives back nothing new: the blocks that left earlier are "
+           "already null)" if not v.left_window.get(s) else "")
+        + ". After the step, **how many blocks fewer** than its all-full-attention twin does the request hold, "
+        "both groups together?",
         "number", saved, unit="blocks",
         slips=[Slip("nothing-before-the-end", 0, "A window frees blocks while the request runs, not when it "
                     "ends: every block wholly before the window of the next token goes back at once."),
@@ -428,7 +455,7 @@ def exercises(ctx) -> dict[str, Exercise]:
            "out again" if _reused(prev, s) is not None else "") + f"). Step "
         f"{at.step} schedules its next {at.num_tokens - at.computed_before} prompt tokens. Before taking new "
         "blocks, you give back what the window has left. **Which physical blocks do you give back?**",
-        "set", freed, tags={"allocator"},
+        "set", freed, tags={"allocator"}, pool_blocks=NUM_BLOCKS,
         slips=[Slip("logical-index", logical, "Those are the **logical** positions in the table; give the "
                     "physical block ids they hold."),
                Slip("partly-in-window", partial, f"That gives back the block where the window of token "
@@ -491,7 +518,7 @@ def exercises(ctx) -> dict[str, Exercise]:
     kib = g0.bytes_per_token / 1024
     r_bytes = Exercise(
         "r_bytes",
-        f"**{worked.name}** (its config.json fields are in the table above): {wc.num_hidden_layers} layers, half of them "
+        f"**{worked.name}** (its config.json fields are listed in the lesson's section on real models): {wc.num_hidden_layers} layers, half of them "
         f"sliding-window layers ({wc.sliding_window} tokens), {wc.num_key_value_heads} KV heads of head_dim "
         f"{wc.head_dim}, the KV cache in {worked.dtype}. vLLM puts the sliding layers in one group and the full "
         "ones in another. **How many KiB does one token take in the sliding group?**",
@@ -513,9 +540,10 @@ def exercises(ctx) -> dict[str, Exercise]:
     no_weights = fits(TRANSFER, weights=0)[TRANSFER_CONTEXT].requests
     t_gemma = Exercise(
         "t_gemma",
-        f"**{t.name}** (its config.json fields are in the table above). Same GPU, same "
-        f"convention (80 × 10^9 bytes × {kv_math.VLLM_GPU_MEMORY_UTILIZATION:g}, minus "
-        f"{kv_math.weight_bytes(t) / kv_math.GIB:.1f} GiB of {t.dtype} weights), blocks of {B}. **How many "
+        f"**{t.name}** (its config.json fields are listed in the lesson's section on real models). Same GPU, "
+        f"same convention (80 × 10^9 bytes × {kv_math.VLLM_GPU_MEMORY_UTILIZATION:g}, minus "
+        f"{kv_math.weight_bytes(t):,} bytes ({kv_math.weight_bytes(t) / kv_math.GIB:.1f} GiB) of {t.dtype} "
+        f"weights), blocks of {B}. **How many "
         f"requests of {TRANSFER_CONTEXT:,} tokens fit at once?**",
         "number", tf.requests, unit="requests", tags={"transfer"},
         slips=[Slip("twin", tf.twin_requests, "That is the all-full-attention twin: every layer keeping all "
@@ -555,12 +583,20 @@ def _tables_rows(run: WindowRun, view: StepView) -> list[dict]:
     return rows
 
 
+def tables_markdown(run: WindowRun, view: StepView) -> None:
+    """Every group's block table at ``view`` as a Markdown table: its cells wrap, so a long table is shown
+    whole at any page width (a dataframe cut the sliding group's table at 1280 px)."""
+    import streamlit as st
+
+    st.markdown(_md_table(_tables_rows(run, view)))
+
+
 def reveal_p_saved(ctx) -> None:
     import streamlit as st
 
     run = ctx.memo(window_run)
     v = run.steps[_saved_step(run)]
-    _df(_tables_rows(run, v))
+    tables_markdown(run, v)
     st.caption(f"After step {v.step} (vLLM V1 semantics, the tiny hybrid model): {v.held} blocks held, "
                f"{run.twin(v)} for the all-full-attention twin, {run.saved(v)} saved.")
 
@@ -570,7 +606,7 @@ def reveal_a_free(ctx) -> None:
 
     run = ctx.memo(window_run)
     at = run.steps[_free_step(run)]
-    _df(_tables_rows(run, at))
+    tables_markdown(run, at)
     st.caption(f"After step {at.step}. The blocks given back went to the front of the free queue (they carry "
                "no hash), so the same step's new blocks may be those very blocks again.")
 
@@ -610,15 +646,19 @@ def reveal_t_gemma(ctx) -> None:
 def widget_run(ctx) -> None:
     import streamlit as st
 
+    from lessons.render import keep
+
     run = ctx.memo(window_run)
     with st.container(border=True):
         n = len(run.steps)
-        i = st.slider("Step", 1, n, value=min(n, _free_step(run) + 1), key="keep_l10_step") - 1
+        keep(keep_l10_step=min(n, _free_step(run) + 1))  # the first value; then the slider's own (no value=)
+        i = st.slider("Step", 1, n, key="keep_l10_step") - 1
         v = run.steps[i]
-        st.caption(f"step {v.step}: {v.computed_before} tokens computed before it, {v.num_tokens} held after · "
+        st.caption(f"step {v.step}: {v.computed_before} tokens computed before it, {v.num_tokens} tokens held after "
+                   "it · "
                    f"{v.saving['held']} blocks held, the all-full twin {v.saving['twin']}, saved "
                    f"{v.saving['blocks']} (engine.metrics.hybrid_saving, as the Playground shows it)")
-        _df(_tables_rows(run, v))
+        tables_markdown(run, v)
         for w in v.words:
             st.markdown(f"- {w}")
 

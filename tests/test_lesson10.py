@@ -208,3 +208,110 @@ def test_the_lesson_page_renders_and_runs_to_the_end(exs):
     assert not at.exception, [e.value for e in at.exception]
     assert len(at.success) == len(exs) and not at.error
     assert any(s.label == "Step" for s in at.slider)
+
+
+# ------------------------------------------------------------------ the learner's findings (issue: lesson 10 trial)
+def test_vllms_startup_figure_counts_two_batches_in_flight_under_async_scheduling(l10, ctx):
+    """vllm serve on one GPU turns async scheduling on (VllmConfig.__post_init__), so max_concurrent_batches
+    is 2 and SlidingWindowSpec.max_memory_usage_bytes budgets for 2 x max_num_batched_tokens in flight."""
+    c = raw("gpt-oss-20b")
+    weights = kv_math.weight_bytes(kv_math.model_presets(include_hybrid=True)["gpt-oss-20b"])
+    page = B * 2 * 12 * c["num_key_value_heads"] * c["head_dim"] * 2
+    blocks = (int(80e9 * 0.9) - weights) // page
+    full = 32768 // B
+    facts = l10.facts(ctx)
+    for batches, blocks_key, conc_key in ((2, "adm_blocks", "adm_concurrency"),
+                                          (1, "adm_sync_blocks", "adm_sync_concurrency")):
+        sliding = math.ceil(min(c["sliding_window"] - 1 + batches * 8192, 32768) / B) + 1
+        assert facts[blocks_key] == f"{sliding:,}"
+        assert facts[conc_key] == f"{blocks / (full + sliding):.1f}"
+    assert (facts["adm_blocks"], facts["adm_concurrency"]) == ("1,033", "48.1")  # the learner's own figures
+    assert facts["adm_batches"] == 2 and facts["adm_in_flight"] == "16,384"
+    text = (ROOT / "lessons" / "l10_hybrid_models.md").read_text()
+    assert "async scheduling" in text and "--no-async-scheduling" in text
+    vllm = next(ROOT.glob(".peer-venv/lib/python3*/site-packages/vllm"), None)
+    if vllm is not None:  # the rule as vLLM writes it
+        src = (vllm / "config" / "vllm.py").read_text()
+        prop = src[src.index("def max_concurrent_batches"):src.index("def max_in_flight_tokens")]
+        assert "if self.scheduler_config.async_scheduling:" in prop and "return 2" in prop
+        assert "self.max_concurrent_batches * self.scheduler_config.max_num_batched_tokens" in src
+        assert "self.scheduler_config.async_scheduling = True" in src  # the default when nothing objects
+
+
+def _numbers(text: str) -> list[int]:
+    import re
+
+    return [int(x.replace(",", "")) for x in re.findall(r"[0-9][0-9,]*[0-9]", text)]
+
+
+def test_the_weights_shown_reproduce_the_block_counts(l10, ctx, exs):
+    facts = l10.facts(ctx)
+    fit = l10.fits("gpt-oss-20b")[32768]
+    budget, weights, page, blocks = _numbers(facts["worked_blocks_sum"])
+    assert budget == int(80e9 * 0.9) and page == fit.page_bytes
+    assert (budget - weights) // page == blocks == fit.num_blocks  # the arithmetic shown gives the count
+    assert _numbers(facts["worked_weights"])[0] == weights  # the weights as the text gives them, in bytes
+    gemma = l10.fits("gemma-3-12b")[32768]
+    shown = next(n for n in _numbers(exs["t_gemma"].question) if n > 10**9)
+    assert (int(80e9 * 0.9) - shown) // gemma.page_bytes == gemma.num_blocks
+
+
+def test_the_intro_example_is_not_a_questions_answer(l10, ctx, exs, run):
+    facts = l10.facts(ctx)
+    assert facts["example_skip"] == (facts["example_c"] - run.windows[0 if run.windows[0] else 1] + 1) // B
+    assert facts["example_c"] != run.steps[-1].computed_before
+    text = (ROOT / "lessons" / "l10_hybrid_models.md").read_text()
+    intro = text[:text.index("### What vLLM keeps")]
+    assert "{{ skip_blocks }}" not in text and "{{ example_c }}" in intro
+    assert intro.index("*W*") < intro.index("{{ window }}")  # the symbols before the tiny model's numbers
+
+
+def test_the_null_block_note_says_vllm_reserves_block_0(l10):
+    text = (ROOT / "lessons" / "l10_hybrid_models.md").read_text()
+    note = text[text.index("**The null block.**"):text.index("To measure what the window saves")]
+    assert "block 0" in note and "−1" in note and "one block more" in note
+
+
+def test_a_free_refuses_a_block_id_outside_the_pool(exs, l10):
+    ex = exs["a_free"]
+    with pytest.raises(ValueError, match=r"99999999999999999999999 is not a block of this pool: its block ids "
+                                         rf"run from 0 to {l10.NUM_BLOCKS - 1}"):
+        ex.check("1, 99999999999999999999999")
+    with pytest.raises(ValueError, match=rf"{l10.NUM_BLOCKS} is not a block of this pool"):
+        ex.check(str(l10.NUM_BLOCKS))
+    assert not ex.check(str(l10.NUM_BLOCKS - 1)).correct  # the last id is a block (a wrong one here)
+
+
+def test_the_step_caption_names_tokens(l10):
+    import inspect
+
+    src = inspect.getsource(l10.widget_run)
+    assert "tokens held after" in src
+
+
+@pytest.mark.slow
+def test_the_step_slider_keeps_each_value_and_shows_whole_tables(exs, l10, run, monkeypatch):
+    """Setting the slider several times in a row: each value sticks, Streamlit logs no "default value but
+    also set via the Session State API" warning, and both groups' tables are shown whole (Markdown)."""
+    from streamlit.elements.lib import policies
+    from streamlit.testing.v1 import AppTest
+
+    warned = []
+    monkeypatch.setattr(policies, "_shown_default_value_warning", False)
+    monkeypatch.setattr(policies._LOGGER, "warning", lambda msg, *a, **k: warned.append(msg % a))
+    at = AppTest.from_file(str(ROOT / "app.py"), default_timeout=300)
+    at.run()
+    at.switch_page("lessons/l10_hybrid_models.py").run()
+    at.session_state["lesson_progress"] = {f"l10_hybrid_models:{k}": {"raw": e.expected, "correct": True}
+                                           for k, e in exs.items()}
+    at.run()
+    for value in (4, 5, 6, 16, 17, 20, 25, 3):
+        next(s for s in at.slider if s.label == "Step").set_value(value).run()
+        assert not at.exception, [e.value for e in at.exception]
+        assert next(s for s in at.slider if s.label == "Step").value == value
+        v = run.steps[value - 1]
+        shown = "\n".join(m.value for m in at.markdown)
+        for table in v.tables:
+            assert l10._table_text(table) in shown, (value, table)
+        assert f"{v.num_tokens} tokens held after" in "\n".join(c.value for c in at.caption)
+    assert not [w for w in warned if "default value" in w], warned

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .request_queue import FCFSRequestQueue, REQUEST_QUEUES
+
 # The embedded default model that the project trains itself (assets/tiny_model/train.py).
 EMBEDDED_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny_model")
 
@@ -41,7 +43,10 @@ FINAL_LENGTH_POLICIES = ("pow2", "oracle")  # the policies that must know each r
 # "v1": vLLM V1 (vllm/v1/core/sched/scheduler.py): one token budget per step shared by decode tokens and
 # prefill chunks, n samples as child requests over the prefix cache, preemption by recompute only.
 SEMANTICS = ("paper", "v1")
-SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's SchedulerConfig.policy
+# V1's scheduling policies (vLLM's SchedulerConfig.policy): the names of engine.request_queue's registry, which
+# the CLI's choices, the scenario file's schema and the Playground's choices read through this tuple
+SCHEDULING_POLICIES = tuple(REQUEST_QUEUES)
+PAPER_SCHEDULING_POLICY = FCFSRequestQueue.name  # the paper's scheduler is first come, first served
 DEFAULT_WATERMARK = {"paper": 0.01, "v1": 0.0}  # vLLM v0's BlockSpaceManager / vLLM V1's SchedulerConfig
 DEFAULT_MAX_NUM_BATCHED_TOKENS_V1 = 2048  # V1's token budget when none is given
 # Most samples (n) or beams one request may ask for: vLLM's ``VLLM_MAX_N_SEQUENCES`` default (its
@@ -121,7 +126,8 @@ class EngineConfig:
         semantics: "paper" (vLLM V0 as the PagedAttention paper describes it: prefill or decode steps, fork
             and copy-on-write, beam search, swap) or "v1" (vLLM V1: token budget with chunked prefill and
             mixed steps, ``n`` as child requests over the prefix cache, preemption by recompute only).
-        scheduling_policy: V1's waiting-queue order and preemption victim: "fcfs" (arrival order; the
+        scheduling_policy: V1's waiting-queue order and preemption victim, a name in
+            ``SCHEDULING_POLICIES`` (``engine.request_queue``'s classes): "fcfs" (arrival order; the
             victim is the last admitted) or "priority" (lowest ``priority`` value first, then arrival; the
             victim is the highest (priority, arrival)). Paper semantics: "fcfs" only.
         kv_events_endpoint: publish every step's KV cache events (``StepRecord.kv_events``) in vLLM's
@@ -170,8 +176,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.semantics not in SEMANTICS:
             raise ValueError(f"semantics must be one of {SEMANTICS}, got {self.semantics!r}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        if self.scheduling_policy not in REQUEST_QUEUES:  # the registry itself: a policy registered later counts
+            raise ValueError(f"scheduling_policy must be one of {tuple(REQUEST_QUEUES)}, got {self.scheduling_policy!r}")
         if self.watermark is None:
             self.watermark = DEFAULT_WATERMARK[self.semantics]
         if not isinstance(self.model, str) or not self.model.strip():
@@ -245,7 +251,7 @@ class EngineConfig:
             if self.allocator != "paged":
                 raise ValueError(f"allocator {self.allocator!r}: the contiguous baseline runs the paper's "
                                  f"scheduler (semantics='paper')")
-        elif self.scheduling_policy != "fcfs":
+        elif self.scheduling_policy != PAPER_SCHEDULING_POLICY:
             raise ValueError(f"scheduling_policy {self.scheduling_policy!r} needs semantics='v1'; the paper's "
                              f"scheduler is first come, first served")
 

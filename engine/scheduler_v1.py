@@ -8,8 +8,8 @@ There is no prefill or decode phase: each request has ``num_computed_tokens`` an
 1. **Running requests first**, in order, while the step's token budget (``max_num_batched_tokens``) lasts:
    each gets ``min(num_tokens - num_computed_tokens, budget, max_model_len - 1 - num_computed_tokens)``
    tokens (a decode token, or the next chunk of a prefill that did not fit before). If its blocks do not
-   fit, the scheduler preempts (``_preempt``) the last running request under FCFS, or the running
-   request with the highest ``(priority, arrival)`` under the priority policy, until they fit or the
+   fit, the scheduler preempts (``_preempt``) the victim its waiting queue's policy picks
+   (``engine.request_queue``): the last running request under FCFS, or the running request with the highest ``(priority, arrival)`` under the priority policy, until they fit or the
    victim is the request itself. Preemption is by recompute only: the victim's blocks are freed, its
    computed tokens reset to 0, and it goes back to the front of the waiting queue.
 2. **Then waiting requests**, only if nobody was preempted this step, while budget and ``max_num_seqs``
@@ -27,93 +27,12 @@ first hit is its ``num_cached_tokens`` (vLLM's ``RequestOutput.num_cached_tokens
 
 from __future__ import annotations
 
-import heapq
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
-
 from .allocator import KVAllocator
 from .block_manager import refusal
 from .records import EventKind, EventLog
+from .request_queue import RequestQueue, create_request_queue
 from .scheduler import Batch, Scheduler
 from .sequence import RUNNING, WAITING, Request
-
-
-class WaitingQueue:
-    """V1's waiting queue: requests in queue order (arrival; a preempted request goes back to the front),
-    with the operations of the ``deque`` the paper's scheduler uses (``append``, ``appendleft``,
-    ``popleft``, ``[0]``, iteration, ``len``) plus ``remove`` of any request in O(1), and, given a ``key``
-    (the priority policy), ``first()``: the request of the lowest key in O(log n) (a heap with lazy deletion;
-    vLLM's ``PriorityRequestQueue`` is a heap too). So admitting a request costs the same with 40,000
-    waiting as with 4 (a ``min`` over the queue and a ``deque.remove`` each cost one visit per waiting
-    request, every step)."""
-
-    def __init__(self, key: Callable[[Request], tuple] | None = None) -> None:
-        self._items: OrderedDict[int, Request] = OrderedDict()  # id(request) -> request, in queue order
-        self._key = key
-        self._heap: list[tuple] = []  # (key, push number, request); stale once removed or pushed again
-        self._live: dict[int, int] = {}  # id(request) -> its current heap entry's push number
-        self._pushes = 0
-
-    def _push(self, req: Request) -> None:
-        if self._key is None:
-            return
-        self._pushes += 1
-        self._live[id(req)] = self._pushes
-        heapq.heappush(self._heap, (self._key(req), self._pushes, req))
-        if len(self._heap) > 2 * len(self._items) + 64:  # mostly stale entries: rebuild from the queue
-            self._heap = [entry for entry in self._heap if self._is_live(entry)]
-            heapq.heapify(self._heap)
-
-    def _is_live(self, entry: tuple) -> bool:
-        _, number, req = entry
-        return self._items.get(id(req)) is req and self._live.get(id(req)) == number
-
-    def append(self, req: Request) -> None:
-        self._items[id(req)] = req
-        self._push(req)
-
-    def appendleft(self, req: Request) -> None:
-        self._items[id(req)] = req
-        self._items.move_to_end(id(req), last=False)
-        self._push(req)
-
-    def popleft(self) -> Request:
-        if not self._items:
-            raise IndexError("pop from an empty waiting queue")
-        return self._items.popitem(last=False)[1]
-
-    def remove(self, req: Request) -> None:
-        if self._items.get(id(req)) is not req:
-            raise ValueError(f"{req.request_id} is not in the waiting queue")
-        del self._items[id(req)]
-
-    def first(self) -> Request:
-        """The waiting request of the lowest key (the queue's head without a key)."""
-        if self._key is None:
-            return self[0]
-        while not self._is_live(self._heap[0]):
-            heapq.heappop(self._heap)
-        return self._heap[0][2]
-
-    def __getitem__(self, index: int) -> Request:
-        if index == 0 and self._items:
-            return next(iter(self._items.values()))
-        return list(self._items.values())[index]
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._items.values())
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __bool__(self) -> bool:
-        return bool(self._items)
-
-
-def _priority_key(req: Request) -> tuple:
-    """vLLM's ``Request.__lt__`` in its priority heap: (priority, arrival), then the request id (the child
-    requests of one ``n > 1`` request share its arrival; as strings: "R1.10" before "R1.2")."""
-    return req.priority, req.arrival, req.request_id
 
 
 class SchedulerV1(Scheduler):
@@ -124,7 +43,9 @@ class SchedulerV1(Scheduler):
         max_num_seqs: most requests running at once.
         max_num_batched_tokens: the step's token budget, shared by decode tokens and prefill chunks.
         max_model_len: longest sequence (tokens).
-        policy: "fcfs" or "priority" (vLLM's ``SchedulerConfig.policy``).
+        policy: a name in ``engine.request_queue.REQUEST_QUEUES`` ("fcfs", "priority"; vLLM's
+            ``SchedulerConfig.policy``): the waiting queue's class, which orders admission and picks the
+            preemption victim.
         watermark_blocks: blocks an admission keeps free while others run (vLLM V1's watermark).
         log: the engine's event log.
     """
@@ -137,20 +58,16 @@ class SchedulerV1(Scheduler):
         self.max_model_len = max_model_len
         self.policy = policy
         self.watermark_blocks = watermark_blocks
-        self.waiting = WaitingQueue(_priority_key if policy == "priority" else None)
+        self.waiting: RequestQueue = create_request_queue(policy)
 
     # ------------------------------------------------------------------------------------------ queues
     def _next_waiting(self) -> Request:
-        """The waiting request to admit next: the queue's head (FCFS), or the lowest (priority, arrival,
-        request id) (``_priority_key``), found in O(log n) by ``WaitingQueue.first``."""
+        """The waiting request to admit next: the policy's (``RequestQueue.first``)."""
         return self.waiting.first()
 
     def _victim(self) -> Request:
-        """The running request to preempt: the last admitted (FCFS), or the highest (priority, arrival),
-        the first in running order among ties (vLLM: ``max(self.running, key=...)``)."""
-        if self.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival))
-        return self.running[-1]
+        """The running request to preempt: the policy's (``RequestQueue.victim``)."""
+        return self.waiting.victim(self.running)
 
     # -------------------------------------------------------------------------------------------- step
     def _schedule(self) -> Batch:
@@ -246,8 +163,9 @@ class SchedulerV1(Scheduler):
                           num_tokens=seq.num_tokens, computed=seq.num_tokens - cached, readmission=again)
 
     def _priority(self, req: Request) -> str:
-        """" (priority 3)" under the priority policy, so each admission and preemption says why."""
-        return f" (priority {req.priority})" if self.policy == "priority" else ""
+        """What the policy says of ``req`` in an admission or preemption line (" (priority 3)" under the
+        priority policy), so each says why."""
+        return self.waiting.says(req)
 
     def _add(self, req: Request, n: int, batch: Batch) -> None:
         seq = req.seqs[0]

@@ -3,7 +3,7 @@
 
 A model whose layers all attend to every earlier token has one group, managed by ``FullAttentionManager``.
 A hybrid model (some layers attend over a sliding window, some to everything) has one group per kind of
-KV (``engine.kv_cache.KVCacheGroupSpec``), all drawing from one shared ``BlockPool``, and each kind differs
+KV (``KVCacheGroupSpec``, below), all drawing from one shared ``BlockPool``, and each kind differs
 only in the operations below, so a new kind of group is a new subclass:
 
 - ``find_longest_cache_hit(block_hashes, max_num_blocks)``: the blocks of the longest cached prefix this

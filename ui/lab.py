@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from engine import EngineConfig, LLMEngine, SamplingParams, StepRecord
 from infra import class_limits as limits
 from engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS_V1, FINAL_LENGTH_POLICIES
+from engine.request_queue import REQUEST_QUEUES
 from engine.scenarios.run_spec import RunSpec, baseline_final_lengths, count_only_tokenizer
 from engine.scenarios.scenario_file import PrioritizedRequest, length_notes
 from engine.scenarios.presets import get_scenario
@@ -60,7 +61,7 @@ POLICY_RESERVES = {"max": "the maximum length R for every request",
                    "oracle": "exactly the true final length"}
 
 SEMANTICS_LABELS = {"paper": "Paper (vLLM V0)", "v1": "vLLM V1"}
-SCHEDULING_LABELS = {"fcfs": "FCFS (first come, first served)", "priority": "priority (lower value first)"}
+SCHEDULING_LABELS = {name: queue.label for name, queue in REQUEST_QUEUES.items()}  # V1's policies (engine.request_queue)
 
 # "Next event" stops at the next step with one of these on the paged engine: a copy-on-write, a prefix-cache
 # hit of a first admission, a preemption, a swap out or in, a block leaving a sliding window (a hybrid model's
@@ -119,7 +120,7 @@ def semantics_line(semantics: str, max_num_batched_tokens: int | None = None, sc
     engine's default (a small V1 budget caps it)."""
     if semantics == "v1":
         budget = max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS_V1
-        policy = "priority scheduling" if scheduling_policy == "priority" else "FCFS"
+        policy = REQUEST_QUEUES[scheduling_policy].short
         cap = (f", at most {max_num_seqs} running sequence{'s' * (max_num_seqs != 1)}" if max_num_seqs is not None
                and max_num_seqs < EngineConfig.max_num_seqs else "")
         return (f"Semantics: vLLM V1 — token budget {budget:,} per step, chunked prefill, n as child requests, "

@@ -15,6 +15,7 @@ import streamlit as st
 from engine import EngineConfig, SamplingParams, metrics
 from engine.config import (CONTIGUOUS_POLICIES, DEFAULT_MAX_NUM_BATCHED_TOKENS_V1, PREEMPTION_MODES,
                            SCHEDULING_POLICIES, SEMANTICS)
+from engine.request_queue import REQUEST_QUEUES
 from engine.scenarios.presets import SCENARIOS
 from ui import class_server, presenter
 from ui.exports import export_panel
@@ -155,7 +156,7 @@ def in_effect(settings: RunSpec) -> str:
     """The settings the engines run with, in one line (the form may show values not applied yet)."""
     if settings.semantics == "v1":
         budget = settings.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS_V1
-        policy = "FCFS" if settings.scheduling_policy == "fcfs" else "priority scheduling"
+        policy = REQUEST_QUEUES[settings.scheduling_policy].short
         capped = settings.paged_max_num_seqs < EngineConfig.max_num_seqs  # a budget below 256 caps it
         cap = f", at most {settings.paged_max_num_seqs} running" if capped else ""
         semantics = f"vLLM V1 (token budget {budget:,}, {policy}{cap})"

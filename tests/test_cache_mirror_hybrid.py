@@ -256,3 +256,14 @@ def test_the_server_page_replays_a_hybrid_capture_with_its_groups(vllm_batches, 
     captions = [c.value for c in at.caption]
     assert ("cached blocks by KV cache group: group 0 (sliding window, 48 tokens) 4 · group 1 (full attention) 9"
             in captions), captions
+
+
+def test_by_content_names_a_sliding_groups_blocks_by_their_own_prefix(vllm_batches):
+    """``by_content`` (how the lab's and vLLM's batches are compared) describes batch 1's sliding store as the
+    prompt's blocks 2 and 3 (prefixes of 96 and 128 tokens), as the full group's do."""
+    from engine.watch.cache_mirror import by_content
+
+    first = by_content([b.events for _, b in vllm_batches])[0]
+    tokens = vllm_batches[0][1].events[1]["token_ids"]
+    assert first == [("stored", tuple(tokens[:96])), ("stored", tuple(tokens[:128]))] + [
+        ("stored", tuple(tokens[:32 * k])) for k in (1, 2, 3, 4)]

@@ -515,24 +515,45 @@ def hash_labels(hashes, min_len: int = 12) -> dict[str, str]:
 
 def by_content(batches: list[list[dict]]) -> list[list[tuple[str, tuple[int, ...]]]]:
     """Each batch of decoded events as ``[(what, prefix tokens)]``, what = "stored" | "removed" |
-    "cleared", one entry per block: the content key that lets two publishers with different hash
-    functions (vLLM's and the lab's) be compared batch by batch. Read from a mirror that follows the
-    batches, so a removed block is named by the prefix it ended while it was cached."""
+    "cleared", one entry per block (per hash a group stored or removed: a hybrid server's blocks once per
+    group): the content key that lets two publishers with different hash functions (vLLM's and the lab's) be
+    compared batch by batch. Read from a mirror that follows the events one by one, so a stored block is
+    named by the prefix its hash ends (a sliding group's masked store included: its hashes' blocks are
+    learned as ``PrefixCacheMirror.apply`` learns them) and a removed block by the prefix it ended while it
+    was cached."""
     mirror = PrefixCacheMirror()
     out = []
     for seq, events in enumerate(batches):
         described: list[tuple[str, tuple[int, ...]]] = []
+        content = _batch_content(events)
         for e in events:
             if e["type"] == "BlockStored":
-                prefix = mirror.prefix_tokens(e["parent_block_hash"]) if e["parent_block_hash"] else []
-                size = e["block_size"]
-                for i in range(len(e["block_hashes"])):
-                    prefix = prefix + list(e["token_ids"][i * size:(i + 1) * size])
-                    described.append(("stored", tuple(prefix)))
+                mirror._store(seq, 0.0, e, content)
+                described += [("stored", _prefix_known(mirror, content, h)) for h in e["block_hashes"]]
             elif e["type"] == "BlockRemoved":
                 described += [("removed", tuple(mirror.prefix_tokens(h))) for h in e["block_hashes"]]
+                mirror._remove(e["block_hashes"], seq, 0.0, None, e.get("medium"), e.get("group_idx") or 0)
             else:
                 described.append(("cleared", ()))
-        mirror.apply(seq, 0.0, events)
+                mirror.apply(seq, 0.0, [e])
         out.append(described)
     return out
+
+
+def _prefix_known(mirror: PrefixCacheMirror, content: dict, h: str) -> tuple[int, ...]:
+    """The tokens from the root of ``h``'s chain through ``h``, each block read from the mirror or, not yet
+    there (a parent the batch's full group stores after a sliding group's event), from the batch's content."""
+    chain: list[list[int]] = []
+    seen = set()
+    while h is not None and h not in seen:
+        seen.add(h)
+        if h in mirror.blocks:
+            block = mirror.blocks[h]
+            parent, tokens = block.parent, block.token_ids
+        elif h in content:
+            parent, tokens = content[h]
+        else:
+            break
+        chain.append(list(tokens))
+        h = parent
+    return tuple(t for part in reversed(chain) for t in part)

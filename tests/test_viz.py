@@ -14,9 +14,9 @@ from viz.colors import CACHED_FREE, EXTERNAL, FREE, INTERNAL, RESERVED, SHARED, 
 def snapshot():
     """8 blocks of 4: A owns 0, 7 is shared by A and B (count 2), 3 is B's partly filled block, 5 is free
     but cached, the rest free."""
-    seqs = [NS(seq_id="A", status="running", block_table=[0, 7], token_ids=[1, 2, 3, 4, 5, 6], prompt_len=6,
+    seqs = [NS(seq_id="A", status="running", block_table=[0, 7], group_block_tables=[], token_ids=[1, 2, 3, 4, 5, 6], prompt_len=6,
                num_tokens=6),
-            NS(seq_id="B", status="running", block_table=[7, 3], token_ids=[5, 6, 7, 8, 9], prompt_len=5,
+            NS(seq_id="B", status="running", block_table=[7, 3], group_block_tables=[], token_ids=[5, 6, 7, 8, 9], prompt_len=5,
                num_tokens=5)]
     owners = [["A"], [], [], ["B"], [], [], [], ["A", "B"]]
     return NS(num_blocks=8, block_size=4, num_free_blocks=5, ref_counts=[1, 0, 0, 1, 0, 0, 0, 2],
@@ -58,7 +58,7 @@ def test_slot_mode_has_one_cell_per_slot():
 
 def test_a_swapped_sequence_row_names_cpu_blocks():
     snap = snapshot()
-    snap.sequences.append(NS(seq_id="C", status="swapped", block_table=[0, 1], token_ids=[1] * 7, prompt_len=5,
+    snap.sequences.append(NS(seq_id="C", status="swapped", block_table=[0, 1], group_block_tables=[], token_ids=[1] * 7, prompt_len=5,
                              num_tokens=7))
     row = block_table_rows(snap)[-1]
     assert row["block table (logical -> physical)"] == "0->cpu0 1->cpu1"

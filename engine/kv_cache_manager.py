@@ -487,23 +487,31 @@ class KVCacheManager:
         return computed if new else 0
 
     def _log_allocation(self, seq_id, new, computed, total, hits, fresh) -> None:
-        """The lab's events of one ``allocate_slots`` over groups, told for the shown group's table."""
+        """The lab's events of one ``allocate_slots`` over groups, told for the shown group's table
+        (``blocks``); ``group_blocks`` adds every group's blocks the event names (the new ones, or for a
+        token written into a block with room each group's last block), in group order, so the sentence
+        tells every group's blocks (``facts["groups"]``: each group's name)."""
         g = self.managers.index(self.full)
         table, B = self.block_tables[seq_id], self.block_size
+        names = {"groups": [f"window {m.sliding_window}" if m.sliding_window else "full" for m in self.managers]}
         if new:
             self.log.emit(EventKind.ALLOCATE, seq_id, [b for b in table if b != NULL_BLOCK],
-                          facts={"block_size": B}, num_tokens=total, cached_tokens=computed)
+                          facts={"block_size": B, **names}, num_tokens=total, cached_tokens=computed,
+                          group_blocks=[list(f) for f in fresh])
             if computed:
                 self.log.emit(EventKind.PREFIX_HIT, seq_id, [b for b in hits[g] if b != NULL_BLOCK],
                               num_tokens=computed, readmission=False)
         elif total - computed == 1 and fresh[g]:
-            self.log.emit(EventKind.NEW_BLOCK, seq_id, fresh[g], position=computed, logical_block=len(table) - 1)
+            self.log.emit(EventKind.NEW_BLOCK, seq_id, fresh[g], position=computed, logical_block=len(table) - 1,
+                          group_blocks=[list(f) for f in fresh], facts=names)
         elif total - computed == 1:
             self.log.emit(EventKind.APPEND, seq_id, [table[-1]], position=computed,
-                          facts={"fill": computed % B + 1, "block_size": B})
+                          group_blocks=[[m.req_to_blocks[seq_id][-1]] for m in self.managers],
+                          facts={"fill": computed % B + 1, "block_size": B, **names})
         else:
             self.log.emit(EventKind.ALLOCATE, seq_id, table[computed // B:], num_tokens=total, cached_tokens=0,
-                          facts={"chunk": total - computed, "start": computed, "fresh": fresh[g]})
+                          group_blocks=[list(f) for f in fresh],
+                          facts={"chunk": total - computed, "start": computed, "fresh": fresh[g], **names})
 
     def remove_skipped_blocks(self, seq_id: str, num_computed_tokens: int) -> list[int]:
         """Every group gives back the blocks no token after ``num_computed_tokens`` attends to (vLLM's

@@ -18,15 +18,28 @@ def _n(count: int, noun: str) -> str:
     return f"{count} {noun}{'s' * (count != 1)}"
 
 
+def _by_group(data, facts) -> str:
+    """Every KV cache group's blocks of an event, in group order: "full [4, 5], window 48 [0, 1]"."""
+    return ", ".join(f"{name} {b}" for name, b in zip(facts["groups"], data["group_blocks"]))
+
+
+def _new_blocks(fresh, data, facts) -> str:
+    """'2 new blocks [4, 5]'; over KV cache groups every group's: '4 new blocks: full [4, 5], window 48 [0, 1]'."""
+    if "group_blocks" in data:
+        return f"{_n(sum(map(len, data['group_blocks'])), 'new block')}: {_by_group(data, facts)}"
+    return f"{_n(len(fresh), 'new block')} {fresh}"
+
+
 def _allocate(rid, blocks, data, facts) -> str:
     if "chunk" in facts:  # vLLM V1: one more prefill chunk of a sequence that already holds blocks
         fresh, start = facts["fresh"], facts["start"]
-        took = f"takes {_n(len(fresh), 'new block')} {fresh}" if fresh else "fits in its last block"
+        took = (f"takes {_new_blocks(fresh, data, facts)}" if fresh or any(data.get("group_blocks", ()))
+                else "fits in its last block")
         return f"{rid}: prefill chunk of {facts['chunk']} tokens (positions {start}..{data['num_tokens'] - 1}) {took}"
     num_tokens, cached, B = data["num_tokens"], data["cached_tokens"], facts["block_size"]
     hits = cached // B
     fresh = blocks[hits:]
-    taken = f"take {_n(len(fresh), 'new block')} {fresh}"
+    taken = f"take {_new_blocks(fresh, data, facts)}"
     if hits:
         msg = (f"{rid}: prefix cache hit, {cached} tokens in blocks {blocks[:hits]} reused; "
                f"{_n(num_tokens - cached, 'more token')} {taken}")
@@ -73,9 +86,12 @@ _WRITERS = {
         f"{rid}: reused {_n(len(blocks), 'cached block')} ({data['num_tokens']} tokens)"
         + (" on re-admission" if data["readmission"] else "")),
     EventKind.NEW_BLOCK: lambda rid, blocks, data, facts: (
-        f"{rid}: token {data['position']} starts logical block {data['logical_block']}, takes block {blocks[0]}"),
+        f"{rid}: token {data['position']} starts logical block {data['logical_block']}, "
+        + (f"takes {_new_blocks(blocks, data, facts)}" if "group_blocks" in data else f"takes block {blocks[0]}")),
     EventKind.APPEND: lambda rid, blocks, data, facts: (
-        f"{rid}: token {data['position']} written into block {blocks[0]} ({facts['fill']}/{facts['block_size']})"),
+        f"{rid}: token {data['position']} written into "
+        + (f"blocks {_by_group(data, facts)}" if "group_blocks" in data else f"block {blocks[0]}")
+        + f" ({facts['fill']}/{facts['block_size']})"),
     EventKind.COW: lambda rid, blocks, data, facts: (
         f"{rid}: block {data['src']} is shared (count {facts['count']}) and partly filled, so it is copied "
         f"to block {data['dst']} before writing token {data['position']}"),

@@ -69,9 +69,10 @@ class SeqStatus(StrEnum):
 # |                    | computes), readmission (bool: re-admitted after a recompute preemption)      |
 # | wait               | reason (str)                                                                |
 # | allocate           | num_tokens; cached_tokens (prefix-cache hit); contiguous: start, length      |
-# |                    | (the reservation, slots)                                                    |
-# | new_block          | position (token index), logical_block                                       |
-# | append             | position                                                                    |
+# |                    | (the reservation, slots); KV cache groups: group_blocks (each group's new   |
+# |                    | blocks, in group order; ``blocks`` tells the full group's table)            |
+# | new_block          | position (token index), logical_block; groups: group_blocks (as allocate)   |
+# | append             | position; groups: group_blocks (each group's block written into)            |
 # | cow                | src, dst (physical blocks), position                                        |
 # | fork               | parent (sequence id); contiguous: start, length (the child's row, slots),   |
 # |                    | copied (the parent's written slots copied into that row's first slots)      |
@@ -88,9 +89,9 @@ class SeqStatus(StrEnum):
 EVENT_DATA: dict[str, dict[str, type | tuple[type, ...]]] = {
     "admit": {"num_tokens": int, "computed": int, "readmission": bool},
     "wait": {"reason": str},
-    "allocate": {"num_tokens": int, "cached_tokens": int, "start": int, "length": int},
-    "new_block": {"position": int, "logical_block": int},
-    "append": {"position": int},
+    "allocate": {"num_tokens": int, "cached_tokens": int, "start": int, "length": int, "group_blocks": list},
+    "new_block": {"position": int, "logical_block": int, "group_blocks": list},
+    "append": {"position": int, "group_blocks": list},
     "cow": {"src": int, "dst": int, "position": int},
     "fork": {"parent": str, "start": int, "length": int, "copied": int},
     "free": {"released": list, "start": int, "length": int, "used": int, "final_len": int},

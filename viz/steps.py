@@ -238,7 +238,8 @@ def _group_sentence(kind: str, events: list) -> str:
         src = f"shared block {srcs[0]}" if len(srcs) == 1 else f"{len(srcs)} shared blocks"
         return (f"copy-on-write: {n} sequences were about to write into {src} and each got its own copy first "
                 f"({who}: {copies})")
-    if kind == "allocate":
+    if kind == "allocate":  # over KV cache groups: every group's new blocks too (what the pool took)
+        blocks = sorted(set(blocks) | {b for e in events for g in e.data.get("group_blocks", ()) for b in g})
         return f"{n} sequences took {_plural(len(blocks), 'block')} for their prompts ({who})"
     if kind == "new_block":
         return f"{n} sequences filled their last block and each took a fresh one ({who})"
@@ -258,9 +259,16 @@ def _group_sentence(kind: str, events: list) -> str:
     raise ValueError(f"no grouped sentence for event kind {kind!r}")
 
 
+def _written(e) -> str:
+    """The block an append wrote into: "7"; over KV cache groups each group's, in group order: "[3, 7]"."""
+    if "group_blocks" in e.data:
+        return str([b for g in e.data["group_blocks"] for b in g])
+    return str(e.blocks[0])
+
+
 def _append_sentence(appends: list) -> str:
     n = len(appends)
-    shown = ", ".join(f"{e.request_id}->{e.blocks[0]}" for e in appends[:6]) + (", ..." if n > 6 else "")
+    shown = ", ".join(f"{e.request_id}->{_written(e)}" for e in appends[:6]) + (", ..." if n > 6 else "")
     return (f"{_plural(n, 'sequence')} wrote {'their' if n != 1 else 'its'} new token into a block with room "
             f"({shown})")
 

@@ -1,0 +1,97 @@
+"""The hybrid model's steps in words (issue 25, item 4, teacher trial): the sentences written from the
+allocator's events name every KV cache group's blocks (``group_blocks`` in the event's data), the step
+summary's block count is what the pool took, and a single-group run's sentences read exactly as before."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TEXT
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.model_loader import load_model
+from viz.block_table import group_label
+from viz.steps import step_sentences
+
+HYBRID = str(Path(__file__).resolve().parent.parent / "assets" / "tiny_hybrid_model")
+B = 16
+
+
+def _run(engine, lengths, tokenize, max_tokens=3):
+    ids = tokenize(TEXT, add_special_tokens=False)["input_ids"]
+    for i, n in enumerate(lengths):  # prompts from different parts of the text: no prefix-cache hit
+        engine.add_request(ids[100 * i:100 * i + n], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    records = []
+    while engine.has_unfinished():
+        records.append(engine.step())
+    return records
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    """Two prompts (62 and 20 tokens) on the hybrid model: the first step's allocations in both groups,
+    then appends into a block with room."""
+    loaded = load_model(HYBRID, torch.device("cpu"), "float32")
+    engine = LLMEngine(EngineConfig(model=HYBRID, device="cpu", dtype="float32", semantics="v1", block_size=B,
+                                    num_blocks=24), loaded=loaded)
+    return engine.config.num_blocks, _run(engine, [62, 20], loaded[1])
+
+
+def test_allocation_sentences_name_every_groups_blocks(hybrid):
+    _, records = hybrid
+    first = records[0]
+    names = [group_label(g) for g in first.snapshot.kv_cache_groups]
+    by_seq = {s.seq_id: s for s in first.snapshot.sequences}
+    allocs = [e for e in first.events if e.kind == "allocate"]
+    assert len(allocs) == 2
+    for e in allocs:
+        tables = [[b for b in t if b != -1] for t in by_seq[e.request_id].group_block_tables]
+        assert e.data["group_blocks"] == tables  # nothing cached: every held block is new
+        told = ", ".join(f"{name} {t}" for name, t in zip(names, tables))
+        assert f"take {sum(map(len, tables))} new blocks: {told} (last block holds" in e.message
+
+
+def test_step_summary_counts_what_the_pool_took(hybrid):
+    num_blocks, records = hybrid
+    first = records[0]
+    taken = num_blocks - first.snapshot.num_free_blocks
+    assert taken == 12  # 4 + 4 (62 tokens) and 2 + 2 (20 tokens) over the two groups
+    lines = step_sentences(first, group_from=2)
+    assert f"2 sequences took {taken} blocks for their prompts (R1, R2)" in lines
+
+
+def test_append_names_each_groups_block(hybrid):
+    _, records = hybrid
+    rec = next(r for r in records if any(e.kind == "append" for e in r.events))
+    names = [group_label(g) for g in rec.snapshot.kv_cache_groups]
+    by_seq = {s.seq_id: s for s in rec.snapshot.sequences}
+    last = {sid: [t[-1] for t in s.group_block_tables] for sid, s in by_seq.items()}
+    for e in (e for e in rec.events if e.kind == "append"):
+        told = ", ".join(f"{name} [{b}]" for name, b in zip(names, last[e.request_id]))
+        assert f"written into blocks {told} (" in e.message
+    summary = step_sentences(rec, group_from=2)[-1]
+    assert summary.endswith("(" + ", ".join(f"{sid}->{last[sid]}" for sid in sorted(last)) + ")")
+
+
+def test_single_group_sentences_read_as_before(make_engine):
+    """A model of one full-attention group: no ``group_blocks``, the sentences in today's words."""
+    engine = make_engine(block_size=B, num_blocks=24, semantics="v1")
+    records = _run(engine, [20, 37], engine.tokenizer)
+    first = records[0]
+    assert all("group_blocks" not in e.data for r in records for e in r.events)
+    tables = {s.seq_id: s.block_table for s in first.snapshot.sequences}
+    msgs = [e.message for e in first.events if e.kind == "allocate"]
+    assert msgs == [f"{sid}: {n} tokens take {len(tables[sid])} new blocks {tables[sid]} "
+                    f"(last block holds {n - (len(tables[sid]) - 1) * B}/{B})" for sid, n in (("R1", 20), ("R2", 37))]
+    assert f"2 sequences took {sum(map(len, tables.values()))} blocks for their prompts (R1, R2)" \
+        in step_sentences(first, group_from=2)
+    second = records[1]
+    last = {s.seq_id: s.block_table[-1] for s in second.snapshot.sequences}
+    appends = [e for e in second.events if e.kind == "append"]
+    assert [e.message for e in appends] == [f"{e.request_id}: token {e.data['position']} written into block "
+                                            f"{last[e.request_id]} ({e.data['position'] % B + 1}/{B})"
+                                            for e in appends]
+    assert step_sentences(second, group_from=2)[-1] == \
+        f"2 sequences wrote their new token into a block with room (R1->{last['R1']}, R2->{last['R2']})"

@@ -249,7 +249,8 @@ def test_the_model_field_offers_only_the_served_models(class_mode, tmp_path):
     at = new_app()
     assert not [t for t in at.text_input if t.label.startswith("Model")]  # nothing can be typed
     field = next(s for s in at.selectbox if s.label.startswith("Model"))
-    assert field.options == ["embedded tiny model", str(listed.resolve())]
+    # the two shipped models (hybrid-window's preset runs on the second), then the operator's list
+    assert field.options == ["embedded tiny model", "embedded tiny hybrid model (hybrid-window)", str(listed.resolve())]
 
 
 def test_the_history_is_bounded_and_the_page_says_so(class_mode):

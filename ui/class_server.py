@@ -71,9 +71,13 @@ def model_input(current: str, key: str) -> str:
     choices = list(limits.model_choices())
     now = resolved_model_path(current)
     return st.selectbox("Model (this class server's list)", choices, index=choices.index(now) if now in choices
-                        else 0, key=key, format_func=lambda m: "embedded tiny model" if m == choices[0] else m,
+                        else 0, key=key, format_func=lambda m: EMBEDDED_NAMES.get(choices.index(m), m),
                         help="A class server loads the embedded model and the folders its operator lists "
                              "(PAL_ALLOWED_MODELS); see docs/deploy.md.")
+
+
+# model_choices' first two: the shipped models, named; the operator's folders by their paths
+EMBEDDED_NAMES = {0: "embedded tiny model", 1: "embedded tiny hybrid model (hybrid-window)"}
 
 
 # ------------------------------------------------------------------------------------------ the sizes

@@ -95,3 +95,18 @@ def test_single_group_sentences_read_as_before(make_engine):
                                             for e in appends]
     assert step_sentences(second, group_from=2)[-1] == \
         f"2 sequences wrote their new token into a block with room (R1->{last['R1']}, R2->{last['R2']})"
+
+
+@pytest.mark.parametrize("kw", [{}, {"compact": True}, {"width_px": 1200}, {"max_blocks": 4}])
+def test_block_table_columns_cannot_be_read_as_layers(hybrid, make_engine, kw):
+    """The logical blocks' ticks: "block 0" (or "logical 0") then plain numbers, in a hybrid run (whose group
+    legend says "layers 0, 2") and a single-group one; never "L0 L1" (which a class read as layers)."""
+    from viz.block_table import block_table_figure
+
+    _, records = hybrid
+    engine = make_engine(block_size=B, num_blocks=24, semantics="v1")
+    single = _run(engine, [70], engine.tokenizer, max_tokens=2)
+    for rec in (records[1], single[0]):  # 4 and 5 logical blocks held
+        ticks = list(block_table_figure(rec, **kw).layout.xaxis.ticktext)
+        assert ticks[0] in ("logical 0", "block 0"), ticks
+        assert all(t == "..." or t.isdigit() for t in ticks[1:]) and len(ticks) >= 4, ticks

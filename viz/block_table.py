@@ -750,13 +750,37 @@ def _top_px(font: int, notes: bool | None) -> int:
     return round((font + 2) * 1.5 + font * 1.6 + 6)
 
 
-def _header(g: dict, pic: dict, width_px: int) -> str:
-    """The longest of ``HEADERS`` that fits over the physical column and the arrows' gap (estimated from the
-    figure's width: the row labels take the left, the x range the rest)."""
+def _per_unit(g: dict, pic: dict, width_px: int) -> float:
+    """One logical-block width in px (estimated from the figure's width: the row labels take the left)."""
     label_chars = max((len(r.get("label", r["seq_id"])) + 2 + (10 if r["status"] == "swapped" else 0) for r in pic["rows"]),
                       default=4)
     plot_w = width_px - 20 - CHAR_EM * g["font"] * label_chars - 10
-    per_unit = plot_w / (g["x_max"] + 0.7)
+    return plot_w / (g["x_max"] + 0.7)
+
+
+# The logical blocks' ticks: numbers, the first one named ("logical 0 1 2 3", not "L0 L1": a hybrid model's
+# group legend says "layers 0, 2", and "L0" read as a layer); the longest first name that fits its column.
+FIRST_TICKS = ("logical {}", "block {}", "#{}")
+
+
+def _ticks(g: dict, pic: dict, width_px: int) -> list[tuple[float, str]]:
+    """(x, text) of the logical blocks' ticks: the first column's number with the longest of ``FIRST_TICKS``
+    whose right half clears the next tick's left half, the others their number alone."""
+    cols = pic["columns"]
+    if not cols:
+        return []
+    per_unit, em = _per_unit(g, pic, width_px), CHAR_EM * g["font"]
+    gap = (g["x_of"][cols[1]] - g["x_of"][cols[0]]) * per_unit if len(cols) > 1 else float("inf")
+    nxt = len(str(cols[1])) if len(cols) > 1 else 0
+    first = next((f.format(cols[0]) for f in FIRST_TICKS
+                  if (len(f.format(cols[0])) + nxt + 1) * em / 2 <= gap), FIRST_TICKS[-1].format(cols[0]))
+    return [(g["x_of"][c], first if k == 0 else str(c)) for k, c in enumerate(cols)]
+
+
+def _header(g: dict, pic: dict, width_px: int) -> str:
+    """The longest of ``HEADERS`` that fits over the physical column and the arrows' gap (estimated from the
+    figure's width: the row labels take the left, the x range the rest)."""
+    per_unit = _per_unit(g, pic, width_px)
     room = (g["x_max"] - g["x_end"] - 0.5) * per_unit
     return next((h for h in HEADERS if len(h) * CHAR_EM * g["font"] <= room), HEADERS[-1])
 
@@ -774,7 +798,7 @@ def _layout(pic: dict, g: dict, head: str, bottom: list[str], width_px: int = 62
                     "xanchor": "left", "yanchor": "top", "showarrow": False,
                     "font": {"size": font, "color": TEXT}, "name": "caption"}
                    for k, text in enumerate(lines)]
-    ticks = [(g["x_of"][c], f"L{c}") for c in pic["columns"]]
+    ticks = _ticks(g, pic, width_px)
     gaps = [(g["x_of"][c] - 0.8, "...") for k, c in enumerate(pic["columns"][1:], 1)
             if c != pic["columns"][k - 1] + 1]
     ticks = sorted(ticks + gaps)

@@ -28,7 +28,8 @@ cd "$ROOT"
 workers="${PAL_TEST_WORKERS:-2}"
 case " $* " in *" -n"*|*" --numprocesses"*|*"no:xdist"*) workers=0 ;; esac
 if [ "$workers" -gt 1 ]; then
-    set -- -n "$workers" --dist loadfile "$@"
+    # --no-loadscope-reorder: keep conftest's order (longest file first) instead of xdist's most-tests-first
+    set -- -n "$workers" --dist loadfile --no-loadscope-reorder "$@"
 fi
 # the 25 slowest tests are listed at the end: where the suite's minutes go, in every CI log
 exec "$ROOT/.venv/bin/python" -m pytest --durations=25 "$@"

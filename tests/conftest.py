@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -112,10 +113,20 @@ def pytest_configure(config):
         config.addinivalue_line("markers", f"{need}: set by conftest from the test's code (tests/conftest.py NEEDS)")
 
 
-# A rough cost of a test by what it needs (seconds on these 2 cores, order of magnitude), to start the longest
-# files first: pytest-xdist (``--dist loadfile``) hands out files in collection order, and a long file handed
-# out last keeps one worker busy after the other has run out of work (longest processing time first).
+# Files start longest first: pytest-xdist (``--dist loadfile --no-loadscope-reorder``, scripts/test.sh) hands out
+# files in collection order, and a long file handed out last keeps one worker busy after the other has run out of
+# work (longest processing time first). A file's seconds are measured (tests/file_durations.json, written by
+# scripts/test_durations.py from a whole run's JUnit XML); a file not measured yet is estimated from what its
+# tests need (seconds on these 2 cores, order of magnitude).
 COST = {"peer": 40.0, "browser": 20.0, "subprocess": 5.0, "workload": 5.0, "app": 2.0}
+FILE_DURATIONS = Path(__file__).with_name("file_durations.json")
+
+
+def _measured_seconds() -> dict[str, float]:
+    try:
+        return {str(k): float(v) for k, v in json.loads(FILE_DURATIONS.read_text()).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}  # no table (or a broken one): every file is estimated
 
 
 def pytest_collection_modifyitems(config, items):
@@ -128,6 +139,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         cost[item.nodeid.split("::")[0]] = cost.get(item.nodeid.split("::")[0], 0.0) + max(
             [COST[n] for n in needs if n in COST], default=0.2)
+    cost.update({f: s for f, s in _measured_seconds().items() if f in cost})
     rank = {f: i for i, f in enumerate(sorted(cost, key=lambda f: -cost[f]))}  # stable: ties keep their order
     items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])  # a file's tests keep their order
     if torch.cuda.is_available():

@@ -317,9 +317,19 @@ def print_text(summary: dict, records: list[StepRecord], out) -> None:
         w(f"semantics: the paper's (vLLM V0: prefill or decode steps, fork and copy-on-write, "
           f"watermark {sch['watermark']:.0%})\n")
     what = "paged pool" if "paged" in summary else "contiguous region"
-    w(f"{what}: {summary['num_blocks']} blocks x {summary['block_size']} tokens = "
-      f"{summary['num_blocks'] * summary['block_size']:,} token slots, "
-      f"{summary['kv_bytes_per_token']:,} bytes of KV per token, {summary['kv_cache_bytes'] / MIB:.2f} MiB\n\n")
+    if "hybrid" in summary:  # a block holds one KV cache group's layers: its bytes, not every layer's per token
+        per_block, groups = summary["hybrid"]["bytes_per_block"], summary["kv_cache_groups"]
+        layers = sum(len(g["layers"]) for g in groups)
+        w(f"{what}: {summary['num_blocks']} blocks x {summary['block_size']} tokens = "
+          f"{summary['num_blocks'] * summary['block_size']:,} token slots; a block holds one KV cache group's "
+          f"layers ({len(groups[0]['layers'])} of {layers}): {summary['block_size']} tokens x "
+          f"{per_block // summary['block_size']:,} bytes = {per_block:,} bytes, {summary['num_blocks']} x "
+          f"{per_block:,} bytes = {summary['kv_cache_bytes'] / MIB:.2f} MiB ({summary['kv_bytes_per_token']:,} bytes "
+          f"of KV per token over all {layers} layers, one slot in each group)\n\n")
+    else:
+        w(f"{what}: {summary['num_blocks']} blocks x {summary['block_size']} tokens = "
+          f"{summary['num_blocks'] * summary['block_size']:,} token slots, "
+          f"{summary['kv_bytes_per_token']:,} bytes of KV per token, {summary['kv_cache_bytes'] / MIB:.2f} MiB\n\n")
     for r in summary["requests"]:
         given = "" if r["prompt"] is not None else f" ({len(r['prompt_token_ids'])} token ids)"
         w(f"[{r['id']}]{given} {r['prompt_text']!r}\n   -> {r['output_text']!r}\n")
@@ -377,7 +387,9 @@ def print_text(summary: dict, records: list[StepRecord], out) -> None:
         p = h["peak"]
         w(f"hybrid model: KV cache groups {names}, one pool of {h['bytes_per_block']:,}-byte blocks; the sliding "
           f"windows gave back up to {p['blocks']} blocks ({p['bytes']:,} bytes) at step {p['step']}: "
-          f"{p['held']} blocks held where the same model with every layer full would hold {p['twin']}\n")
+          f"{p['held']} blocks held where the same model with every layer full would hold {p['twin']} (blocks of "
+          f"{h['bytes_per_block']:,} bytes, one group's layers each: {p['held'] * h['bytes_per_block']:,} bytes held, "
+          f"{p['twin'] * h['bytes_per_block']:,} with every layer full)\n")
         for rid, t in h["group_block_tables"].items():
             w(f"   [{rid}] last tables by group: " + "; ".join(
                 f"{'full' if g['kind'] == 'full_attention' else 'window ' + str(g['sliding_window'])} {table}"

@@ -262,6 +262,14 @@ def test_playground_on_the_hybrid_preset_shows_the_groups_and_the_saving():
     assert "**Hybrid model.** KV cache groups: window 48 (layers 0, 2), full (layers 1, 3), one pool. The sliding " \
            "windows gave back 1 block (16,384 bytes)" in captions
     assert "bytes saved" in captions and "No contiguous baseline" in " ".join(i.value for i in at.info)
+    # the counts' unit and bytes (a block holds one group's layers), and the saving as the pool counts it
+    helps = {m.label: m.help for m in at.metric}
+    assert "in this pool's blocks of 16,384 bytes (a block holds one KV cache group's layers): 180,224 bytes " \
+           "held, 196,608 with every layer full" in helps["held / all full"]
+    assert "a pool count, all-full blocks minus blocks held, a block two requests share counted once" \
+           in helps["blocks saved"] and "add up to more than the pool count" in helps["blocks saved"]
+    assert "(blocks of 16,384 bytes, one KV cache group's layers each: 180,224 bytes held, 196,608 with every " \
+           "layer full)." in captions
 
 
 def test_an_empty_block_stored_is_a_sliding_groups_only(hybrid_records, make_engine):

@@ -30,10 +30,14 @@ def _run(engine, lengths, tokenize, max_tokens=3):
 
 
 @pytest.fixture(scope="module")
-def hybrid():
+def loaded():
+    return load_model(HYBRID, torch.device("cpu"), "float32")
+
+
+@pytest.fixture(scope="module")
+def hybrid(loaded):
     """Two prompts (62 and 20 tokens) on the hybrid model: the first step's allocations in both groups,
     then appends into a block with room."""
-    loaded = load_model(HYBRID, torch.device("cpu"), "float32")
     engine = LLMEngine(EngineConfig(model=HYBRID, device="cpu", dtype="float32", semantics="v1", block_size=B,
                                     num_blocks=24), loaded=loaded)
     return engine.config.num_blocks, _run(engine, [62, 20], loaded[1])
@@ -110,3 +114,70 @@ def test_block_table_columns_cannot_be_read_as_layers(hybrid, make_engine, kw):
         ticks = list(block_table_figure(rec, **kw).layout.xaxis.ticktext)
         assert ticks[0] in ("logical 0", "block 0"), ticks
         assert all(t == "..." or t.isdigit() for t in ticks[1:]) and len(ticks) >= 4, ticks
+
+
+def _cli(args, loaded, monkeypatch, capsys) -> tuple[dict, str]:
+    """The CLI's --json object and its text for the same run (the hybrid model loaded once)."""
+    import json
+
+    import engine.llm_engine as llm_engine
+    from engine.cli import main
+
+    real = llm_engine.LLMEngine
+    hybrid_model = "--model" not in args
+    monkeypatch.setattr(llm_engine, "LLMEngine",
+                        lambda config, given=None: real(config, loaded=given or (loaded if hybrid_model else None)))
+    assert main(["run", *args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert main(["run", *args]) == 0
+    return out, capsys.readouterr().out
+
+
+MIB = 1024 * 1024
+
+
+def test_cli_header_adds_up_for_a_hybrid_model(loaded, monkeypatch, capsys):
+    """A hybrid block holds one group's layers: the header's bytes per block times the blocks is the MiB it
+    shows, and the saving line gives the bytes beside its counts in those blocks."""
+    import re
+
+    out, text = _cli(["--scenario", "hybrid-window"], loaded, monkeypatch, capsys)
+    per_block, n, groups = out["hybrid"]["bytes_per_block"], out["num_blocks"], out["kv_cache_groups"]
+    layers = sum(len(g["layers"]) for g in groups)
+    m = re.search(r"paged pool: (\d+) blocks x (\d+) tokens = ([\d,]+) token slots; a block holds one KV cache "
+                  r"group's layers \((\d+) of (\d+)\): (\d+) tokens x ([\d,]+) bytes = ([\d,]+) bytes, (\d+) x "
+                  r"([\d,]+) bytes = ([\d.]+) MiB \(([\d,]+) bytes of KV per token over all (\d+) layers", text)
+    assert m, text.splitlines()[2]
+    num = [float(x.replace(",", "")) for x in m.groups()]
+    assert num[0] == num[8] == n and num[1] == num[5] == B and num[2] == n * B
+    assert num[3] == len(groups[0]["layers"]) and num[4] == num[12] == layers
+    assert num[5] * num[6] == num[7] == num[9] == per_block
+    assert num[11] == out["kv_bytes_per_token"] == num[6] * layers / num[3]  # every layer's: one slot per group
+    assert f"{n * per_block / MIB:.2f}" == m.group(11) and n * per_block == out["kv_cache_bytes"]
+    p = out["hybrid"]["peak"]
+    assert (f"{p['held']} blocks held where the same model with every layer full would hold {p['twin']} (blocks of "
+            f"{per_block:,} bytes, one group's layers each: {p['held'] * per_block:,} bytes held, "
+            f"{p['twin'] * per_block:,} with every layer full)") in text
+
+
+def test_cli_header_of_a_single_group_model_reads_as_before(loaded, monkeypatch, capsys, model_path):
+    out, text = _cli(["--scenario", "single", "--model", model_path], loaded, monkeypatch, capsys)
+    assert "hybrid" not in out
+    n, b = out["num_blocks"], out["block_size"]
+    assert (f"paged pool: {n} blocks x {b} tokens = {n * b:,} token slots, {out['kv_bytes_per_token']:,} bytes of "
+            f"KV per token, {out['kv_cache_bytes'] / MIB:.2f} MiB\n") in text
+    assert "one KV cache group's layers" not in text
+
+
+def test_saving_lines_say_their_blocks_unit_and_bytes(hybrid):
+    from engine.metrics import hybrid_saving
+    from viz.stage import hybrid_line, hybrid_short
+
+    _, records = hybrid
+    snap = records[-2].snapshot
+    saving = hybrid_saving(snap, 100)
+    assert hybrid_line(snap, 100).endswith(
+        f"would hold {saving['twin']} (blocks of 100 bytes, one KV cache group's layers each: "
+        f"{saving['held'] * 100:,} bytes held, {saving['twin'] * 100:,} with every layer full).")
+    assert hybrid_short(snap, 100).endswith(f"with every layer full (blocks of 100 bytes: one group's layers)")
+    assert hybrid_line(snap).endswith(f"would hold {saving['twin']}.")  # no bytes known: no unit said

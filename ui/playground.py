@@ -636,14 +636,20 @@ def metrics_row(lab, paged, contiguous, moment: dict | None = None) -> None:
                      f"blocks): {cache['readmission_hit_tokens']:,} hit tokens of "
                      f"{cache['readmission_query_tokens']:,} in {cache['readmissions']} re-admissions.")
     if saving is not None and contiguous is None:  # a hybrid model (no baseline): what its windows save, big
+        bpb = lab.bytes_per_block()
         m[4].metric("blocks saved", f"{saving['blocks']}",
-                    help=f"blocks the sliding windows gave back: the sliding-window KV cache group's tables hold "
-                         f"the null block (-1) there now, "
-                         f"{saving['bytes']:,} bytes the all-full-attention twin would hold more "
-                         f"(engine.metrics.hybrid_saving; per request: {saving['by_sequence']})")
+                    help=f"blocks the pool holds fewer than the same model with every layer full would "
+                         f"(engine.metrics.hybrid_saving: a pool count, all-full blocks minus blocks held, a block "
+                         f"two requests share counted once), {saving['bytes']:,} bytes. The sliding-window KV "
+                         f"cache group's tables hold the null block (-1) where a window gave a block back; per "
+                         f"request those null entries are {saving['by_sequence']}, which add up to more than the "
+                         f"pool count when requests share a prefix that left the window")
         m[5].metric("held / all full", f"{saving['held']} / {saving['twin']}",
-                    help="blocks the running requests hold now, in every KV cache group, and what the same model "
-                         "with every layer attending to everything would hold")
+                    help=f"blocks the running requests hold now, in every KV cache group, and what the same model "
+                         f"with every layer attending to everything would hold, in this pool's blocks of "
+                         f"{bpb:,} bytes (a block holds one KV cache group's layers): {saving['held'] * bpb:,} bytes "
+                         f"held, {saving['twin'] * bpb:,} with every layer full. vLLM would run the all-full model "
+                         f"as one group whose blocks hold every layer: fewer, larger blocks, the same bytes")
     if contiguous is not None:
         cs = contiguous.snapshot
         m[4].metric("admitted", len(cs.running), help="running requests on the contiguous baseline (it never "

@@ -160,7 +160,7 @@ def hybrid_line(snapshot, bytes_per_block: int | None = None) -> str | None:
     and bytes with ``bytes_per_block``; a pool count, a shared prefix once; with several sequences, each
     one's own count beside it, said to differ where they share a block), e.g. "KV cache groups: window 48 (layers 0, 2), full (layers 1,
     3), one pool. The windows gave back 1 block (24,576 bytes): 8 blocks held where every layer full would
-    hold 9." """
+    hold 9 (blocks of 24,576 bytes, one KV cache group's layers each: ...)." (``block_unit``)"""
     saving = hybrid_saving(snapshot, bytes_per_block)
     if saving is None:
         return None
@@ -175,16 +175,29 @@ def hybrid_line(snapshot, bytes_per_block: int | None = None) -> str | None:
         who = f" ({who})"
     return (f"KV cache groups: {groups}, one pool. The sliding windows gave back {n} block{'s' * (n != 1)}{size}"
             + (who if len(saving["by_sequence"]) > 1 else "")
-            + f": {saving['held']} blocks held where every layer full would hold {saving['twin']}.")
+            + f": {saving['held']} blocks held where every layer full would hold {saving['twin']}"
+            + block_unit(saving, bytes_per_block) + ".")
+
+
+def block_unit(saving: dict, bytes_per_block: int | None) -> str:
+    """The unit of ``hybrid_saving``'s block counts, with the bytes: a hybrid pool's block holds one KV cache
+    group's layers, so "10 with every layer full" counts in those blocks (vLLM would run the all-full twin as one
+    group of blocks holding every layer: fewer blocks, the same bytes). "" without ``bytes_per_block``."""
+    if bytes_per_block is None:
+        return ""
+    return (f" (blocks of {bytes_per_block:,} bytes, one KV cache group's layers each: {saving['held'] * bytes_per_block:,}"
+            f" bytes held, {saving['twin'] * bytes_per_block:,} with every layer full)")
 
 
 def hybrid_short(snapshot, bytes_per_block: int | None = None) -> str | None:
     """``hybrid_line`` in a few words, for the presenter's numbers: "windows gave back 1 block (24,576 bytes):
-    7 held, 8 with every layer full"; None without KV cache groups."""
+    7 held, 8 with every layer full (blocks of 24,576 bytes: one group's layers)"; None without KV cache
+    groups."""
     saving = hybrid_saving(snapshot, bytes_per_block)
     if saving is None:
         return None
     n = saving["blocks"]
     size = f" ({saving['bytes']:,} bytes)" if saving["bytes"] is not None else ""
+    unit = f" (blocks of {bytes_per_block:,} bytes: one group's layers)" if bytes_per_block is not None else ""
     return (f"windows gave back {n} block{'s' * (n != 1)}{size}: {saving['held']} held, {saving['twin']} with "
-            f"every layer full")
+            f"every layer full{unit}")

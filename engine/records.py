@@ -131,7 +131,15 @@ def changed_blocks(events) -> list[int]:
     token, copied from and to (copy-on-write), forked, freed, swapped out or in, or found in the prefix cache.
     What every stage outlines in the pool (the Playground, the presenter view, the exports:
     ``viz.stage.StageStep.changed``); of a beam step's phase, pass that phase's events."""
-    return sorted({b for e in events if e.kind != "append" for b in e.blocks})
+    return sorted({b for e in events if e.kind != "append" for b in event_blocks(e)})
+
+
+def event_blocks(event) -> list[int]:
+    """The physical blocks an event names: ``blocks`` (the shown group's table), and with KV cache groups every
+    group's blocks it carries in ``data["group_blocks"]`` (allocate, new_block, append), so a hybrid step's
+    outlines cover the sliding group's blocks too. The null entry (-1) is nobody's block and is left out."""
+    extra = [b for group in event.data.get("group_blocks", ()) for b in group if b >= 0]
+    return list(event.blocks) + [b for b in extra if b not in event.blocks]
 
 
 def blocks_new_in_tables(events) -> set[int]:
@@ -146,9 +154,9 @@ def blocks_new_in_tables(events) -> set[int]:
     new: set[int] = set()
     for e in events:
         if e.kind == "allocate":
-            new.update(b for b in e.blocks if b not in hits.get(e.request_id, set()))
+            new.update(b for b in event_blocks(e) if b not in hits.get(e.request_id, set()))
         elif e.kind in ("new_block", "swap_in"):
-            new.update(e.blocks)
+            new.update(event_blocks(e))
         elif e.kind == "cow":
             new.add(e.data["dst"] if "dst" in e.data else e.blocks[-1])
     return new

@@ -181,3 +181,15 @@ def test_saving_lines_say_their_blocks_unit_and_bytes(hybrid):
         f"{saving['held'] * 100:,} bytes held, {saving['twin'] * 100:,} with every layer full).")
     assert hybrid_short(snap, 100).endswith(f"with every layer full (blocks of 100 bytes: one group's layers)")
     assert hybrid_line(snap).endswith(f"would hold {saving['twin']}.")  # no bytes known: no unit said
+
+
+def test_a_hybrid_steps_outlines_cover_every_groups_new_blocks(hybrid):
+    """The pool and block-table pictures outline what a step changed: on the hybrid model the sliding group's new
+    blocks too (``records.changed_blocks`` / ``blocks_new_in_tables`` read ``group_blocks``)."""
+    from engine.records import blocks_new_in_tables, changed_blocks
+
+    _, records = hybrid
+    first = records[0]
+    taken = {b for s in first.snapshot.sequences for t in s.group_block_tables for b in t if b >= 0}
+    assert taken and taken <= set(changed_blocks(first.events))
+    assert taken <= blocks_new_in_tables(first.events)

@@ -41,14 +41,6 @@ def metrics(at) -> dict:
     return {m.label: m.value for m in at.metric}
 
 
-def test_pages_are_the_list_app_py_navigates():
-    """``PAGES`` is read from app.py, not written again here (a copy had drifted: it lacked the Class page)."""
-    literal_pages = Path(APP).read_text(encoding="utf-8").count("st.Page(\"")
-    assert PAGES == app_pages() and len(PAGES) == literal_pages, (PAGES, literal_pages)
-    assert "ui/classroom.py" in PAGES and "ui/lessons.py" in PAGES
-    assert all((Path(APP).parent / page).is_file() for page in PAGES)
-
-
 @pytest.mark.parametrize("page", PAGES)
 def test_every_page_runs(page):
     at = new_app()

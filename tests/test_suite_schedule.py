@@ -4,14 +4,12 @@ per file in tests/file_durations.json, written by scripts/test_durations.py), an
 from __future__ import annotations
 
 import importlib.util
-import json
 import re
 from pathlib import Path
 
 import pytest
 
 from conftest import FILE_DURATIONS, _measured_seconds
-from test_tiers import collected_in_order
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,15 +45,6 @@ def test_the_table_names_test_files_that_exist():
     assert all((ROOT / f).is_file() and re.fullmatch(r"tests/test_\w+\.py", f) for f in table), \
         [f for f in table if not (ROOT / f).is_file()]
     assert all(s >= 0 for s in table.values())
-
-
-def test_files_are_collected_longest_measured_first():
-    table = json.loads(FILE_DURATIONS.read_text())
-    runs = [node.split("::")[0] for node in collected_in_order()]
-    files = [f for i, f in enumerate(runs) if i == 0 or runs[i - 1] != f]
-    measured = [f for f in files if f in table]
-    assert len(measured) > 50
-    assert [table[f] for f in measured] == sorted((table[f] for f in measured), reverse=True)
 
 
 def test_the_runner_keeps_that_order_on_its_workers():

@@ -3,6 +3,8 @@ Python or a benchmark-sized workload: conftest marks them from their code (tests
 
 from __future__ import annotations
 
+import functools
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@functools.cache  # one collection per argument list per worker (each is a pytest start: ~15 s on 2 cores)
 def collected_in_order(*args: str) -> list[str]:
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -54,3 +57,15 @@ def test_a_need_is_also_a_marker_to_select_by():
     browser = collected("-m", "browser")
     assert browser and all(n.startswith(("tests/test_browser", "tests/test_class", "tests/test_export")) for n in browser)
     assert "tests/test_export.py::test_gif_has_one_frame_per_step" in browser  # kaleido drives a Chromium
+
+
+def test_files_are_collected_longest_measured_first():
+    from conftest import FILE_DURATIONS
+
+    table = json.loads(FILE_DURATIONS.read_text())
+    # the fast tier's collection (the ranking is made before the tier is selected; test_tiers collects it too)
+    runs = [node.split("::")[0] for node in collected_in_order("-m", "not slow")]
+    files = [f for i, f in enumerate(runs) if i == 0 or runs[i - 1] != f]
+    measured = [f for f in files if f in table]
+    assert len(measured) > 40
+    assert [table[f] for f in measured] == sorted((table[f] for f in measured), reverse=True)

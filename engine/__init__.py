@@ -12,7 +12,7 @@ need torch (``LLMEngine``, ``KVGeometry``, ``ModelLoadError``, the outputs) are 
 from importlib import import_module
 
 from .block_manager import BlockManager, NoFreeBlocksError
-from .config import EMBEDDED_MODEL, EngineConfig, SamplingParams
+from .config import EMBEDDED_HYBRID_MODEL, EMBEDDED_MODEL, EngineConfig, SamplingParams
 from .records import Event, ScheduledSequence, SequenceState, Snapshot, StepRecord, read_trace, write_trace
 
 _LAZY = {"LLMEngine": "llm_engine", "KVGeometry": "model_loader", "ModelLoadError": "model_loader",
@@ -26,7 +26,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "BlockManager", "EMBEDDED_MODEL", "EngineConfig", "Event", "KVGeometry", "LLMEngine", "ModelLoadError",
+    "BlockManager", "EMBEDDED_HYBRID_MODEL", "EMBEDDED_MODEL", "EngineConfig", "Event", "KVGeometry", "LLMEngine", "ModelLoadError",
     "NoFreeBlocksError", "CompletionOutput", "RequestOutput", "SamplingParams", "ScheduledSequence", "SequenceState", "Snapshot",
     "StepRecord", "read_trace", "write_trace",
 ]

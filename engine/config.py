@@ -15,6 +15,9 @@ from .request_queue import FCFSRequestQueue, REQUEST_QUEUES
 
 # The embedded default model that the project trains itself (assets/tiny_model/train.py).
 EMBEDDED_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny_model")
+# The embedded hybrid model (assets/tiny_hybrid_model/train.py; issue 25): layers 0, 2 attend over a sliding window
+# of 48 tokens, layers 1, 3 to everything.
+EMBEDDED_HYBRID_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny_hybrid_model")
 
 
 def resolved_model_path(model: str) -> str:

@@ -51,9 +51,8 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from engine.config import EMBEDDED_MODEL, is_local_model, resolved_model_path  # no torch: engine.config is plain
+from engine.config import EMBEDDED_HYBRID_MODEL, EMBEDDED_MODEL, is_local_model, resolved_model_path  # no torch: engine.config is plain
 
-HYBRID_MODEL = os.path.join(os.path.dirname(EMBEDDED_MODEL), "tiny_hybrid_model")  # the embedded hybrid model
 
 CLASS_SERVER_ENV = "PAL_CLASS_SERVER"
 ALLOWED_MODELS_ENV = "PAL_ALLOWED_MODELS"
@@ -132,7 +131,7 @@ class ClassLimits:
     def model_choices(self) -> tuple[str, ...]:
         """The models a session may load: the embedded one first, the embedded hybrid model (its preset,
         hybrid-window, runs on it), then the allow-list (resolved paths)."""
-        embedded = (resolved_model_path(EMBEDDED_MODEL), resolved_model_path(HYBRID_MODEL))
+        embedded = (resolved_model_path(EMBEDDED_MODEL), resolved_model_path(EMBEDDED_HYBRID_MODEL))
         return embedded + tuple(m for m in self.allowed_models if m not in embedded)
 
 

@@ -28,10 +28,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EMBEDDED_HYBRID_MODEL, EngineConfig, LLMEngine, SamplingParams
 from engine.block_pool import prefix_hashes
 from engine.metrics import blocks_for, blocks_left_window, hybrid_blocks_saved, hybrid_saving
-from engine.scenarios.presets import HYBRID_MODEL, LIFE_TEXT, PRESSURE_LONG_TEXT, PRESSURE_TEXTS, exact_prompt
+from engine.scenarios.presets import LIFE_TEXT, PRESSURE_LONG_TEXT, PRESSURE_TEXTS, exact_prompt
 from engine.single_type_kv_cache_manager import NULL_BLOCK
 from lessons import kv_math
 from lessons.exercise import Exercise, Slip
@@ -98,14 +98,14 @@ def hybrid_loaded():
     """(model, tokenizer) of the tiny hybrid model, loaded once per process (``load_shared``)."""
     from engine.model_loader import load_shared
 
-    return load_shared(HYBRID_MODEL)
+    return load_shared(EMBEDDED_HYBRID_MODEL)
 
 
 def _engine(loaded, **kwargs) -> LLMEngine:
     """A V1 engine on the hybrid model. Built directly, not from a ``RunSpec``: the lesson's own fixed,
     small run of a model the project ships (a class server's model allow-list is for what students pick)."""
     kwargs = {"semantics": "v1", "block_size": BLOCK_SIZE, "num_blocks": NUM_BLOCKS, "max_num_seqs": 4, **kwargs}
-    return LLMEngine(EngineConfig(model=HYBRID_MODEL, **kwargs), loaded=loaded)
+    return LLMEngine(EngineConfig(model=EMBEDDED_HYBRID_MODEL, **kwargs), loaded=loaded)
 
 
 def _tokenize(loaded):

@@ -18,7 +18,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 
-from engine import EMBEDDED_MODEL, EngineConfig, LLMEngine
+from engine import EMBEDDED_HYBRID_MODEL, EMBEDDED_MODEL, EngineConfig, LLMEngine
 from engine.threads import configure_threads
 
 # The cores free right now, as the CLI does: with torch's default (all cores) a test run on a machine busy with
@@ -153,6 +153,15 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def model_path() -> str:
     return EMBEDDED_MODEL
+
+
+@pytest.fixture(scope="session")
+def hybrid_loaded():
+    """The embedded hybrid model (``EMBEDDED_HYBRID_MODEL``) as ``(model, tokenizer)``, loaded once per process
+    for every test file that runs it."""
+    from engine.model_loader import load_model
+
+    return load_model(EMBEDDED_HYBRID_MODEL, torch.device("cpu"), "float32")
 
 
 @pytest.fixture(scope="session")

@@ -22,12 +22,14 @@ from pathlib import Path
 
 import pytest
 
+from engine import EMBEDDED_HYBRID_MODEL
+
 from engine.kv_events import decode_batch, external_hash
 from engine.watch.cache_mirror import PrefixCacheMirror
 from engine.watch.router import cached_prefix
 
 DATA = Path(__file__).resolve().parent / "data" / "vllm_hybrid_kv_batches.json"
-HYBRID = str(Path(__file__).resolve().parent.parent / "assets" / "tiny_hybrid_model")
+HYBRID = EMBEDDED_HYBRID_MODEL
 
 
 @pytest.fixture(scope="module")
@@ -159,18 +161,15 @@ def test_the_server_page_names_each_groups_count(vllm_batches):
 
 # ------------------------------------------------------------------------------------ the lab's hybrid engine
 @pytest.fixture(scope="module")
-def hybrid_run():
+def hybrid_run(hybrid_loaded):
     """A workload on the tiny hybrid model (a pool of 40 blocks of 16: evictions happen) whose engine publishes
     its KV events over ZMQ (the lab's publisher, in-process, on a free port) to the lab's subscriber, whose
     mirror is read after every step; per prompt: (predicted, engine's cached tokens, full-group-only
     prediction); per step: the mirror's and the pool's hashes per group."""
-    import torch
-
     from engine import EngineConfig, LLMEngine, SamplingParams
-    from engine.model_loader import load_model
     from engine.watch.kv_subscriber import KVEventSubscriber
 
-    loaded = load_model(HYBRID, torch.device("cpu"), "float32")
+    loaded = hybrid_loaded
     e = LLMEngine(EngineConfig(model=HYBRID, device="cpu", dtype="float32", semantics="v1", block_size=16,
                                num_blocks=40, enable_prefix_caching=True, max_num_seqs=4,
                                kv_events_endpoint="tcp://127.0.0.1:0", kv_events_replay_endpoint="tcp://127.0.0.1:0"),

@@ -12,18 +12,18 @@ import pytest
 import torch
 from conftest import TEXT
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EMBEDDED_HYBRID_MODEL, EngineConfig, LLMEngine, SamplingParams
 from engine.metrics import blocks_for, hybrid_blocks_saved
 from engine.model_loader import load_model
 from engine.single_type_kv_cache_manager import NULL_BLOCK, FullAttentionManager, SlidingWindowManager
 
-HYBRID = str(Path(__file__).resolve().parent.parent / "assets" / "tiny_hybrid_model")
+HYBRID = EMBEDDED_HYBRID_MODEL
 MAX_NEW = 24
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    return load_model(HYBRID, torch.device("cpu"), "float32")
+def loaded(hybrid_loaded):
+    return hybrid_loaded
 
 
 @pytest.fixture(scope="module")

@@ -8,21 +8,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import TEXT
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EMBEDDED_HYBRID_MODEL, EngineConfig, LLMEngine, SamplingParams
 from engine.metrics import hybrid_blocks_saved
-from engine.model_loader import load_model
 from engine.records import StepRecord, read_trace, write_trace
 
-HYBRID = str(Path(__file__).resolve().parent.parent / "assets" / "tiny_hybrid_model")
+HYBRID = EMBEDDED_HYBRID_MODEL
 B = 16
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    return load_model(HYBRID, torch.device("cpu"), "float32")
+def loaded(hybrid_loaded):
+    return hybrid_loaded
 
 
 @pytest.fixture(scope="module")

@@ -4,18 +4,14 @@ summary's block count is what the pool took, and a single-group run's sentences 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-import torch
 from conftest import TEXT
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.model_loader import load_model
+from engine import EMBEDDED_HYBRID_MODEL, EngineConfig, LLMEngine, SamplingParams
 from viz.block_table import group_label
 from viz.steps import step_sentences
 
-HYBRID = str(Path(__file__).resolve().parent.parent / "assets" / "tiny_hybrid_model")
+HYBRID = EMBEDDED_HYBRID_MODEL
 B = 16
 
 
@@ -30,8 +26,8 @@ def _run(engine, lengths, tokenize, max_tokens=3):
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    return load_model(HYBRID, torch.device("cpu"), "float32")
+def loaded(hybrid_loaded):
+    return hybrid_loaded
 
 
 @pytest.fixture(scope="module")

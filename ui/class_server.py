@@ -44,7 +44,8 @@ from dataclasses import dataclass
 
 import streamlit as st
 
-from engine import EMBEDDED_MODEL
+from engine import EMBEDDED_HYBRID_MODEL, EMBEDDED_MODEL
+from engine.config import resolved_model_path
 from infra.class_limits import (NO_SHARE_FREE, ClassLimits, SessionPlan, check_session_bytes, class_limits, plan_session,
                            session_budget_bytes, share_registry)
 
@@ -66,18 +67,17 @@ def model_input(current: str, key: str) -> str:
         model = st.text_input("Model (embedded default, local path or hub id)", current, key=key,
                               help="Leave it empty for the embedded model") or ""
         return model.strip() or EMBEDDED_MODEL  # an emptied field means the default its label names
-    from infra.class_limits import resolved_model_path
-
     choices = list(limits.model_choices())
     now = resolved_model_path(current)
     return st.selectbox("Model (this class server's list)", choices, index=choices.index(now) if now in choices
-                        else 0, key=key, format_func=lambda m: EMBEDDED_NAMES.get(choices.index(m), m),
+                        else 0, key=key, format_func=lambda m: EMBEDDED_NAMES.get(m, m),
                         help="A class server loads the embedded model and the folders its operator lists "
                              "(PAL_ALLOWED_MODELS); see docs/deploy.md.")
 
 
-# model_choices' first two: the shipped models, named; the operator's folders by their paths
-EMBEDDED_NAMES = {0: "embedded tiny model", 1: "embedded tiny hybrid model (hybrid-window)"}
+# the shipped models by name (as ``model_choices`` lists them, resolved); the operator's folders by their paths
+EMBEDDED_NAMES = {resolved_model_path(EMBEDDED_MODEL): "embedded tiny model",
+                  resolved_model_path(EMBEDDED_HYBRID_MODEL): "embedded tiny hybrid model (hybrid-window)"}
 
 
 # ------------------------------------------------------------------------------------------ the sizes

@@ -7,16 +7,13 @@ A scenario is reproducible from its name and a seed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from ..config import SamplingParams
+from ..config import EMBEDDED_HYBRID_MODEL, SamplingParams
 from .workloads import Workload, WorkloadRequest, lognormal_lengths, synthetic_workload
 
-# The embedded hybrid model (issue 25): layers 0, 2 attend over a sliding window of 48 tokens, 1, 3 to everything
-HYBRID_MODEL = str(Path(__file__).resolve().parents[2] / "assets" / "tiny_hybrid_model")
 
 # LESSON_BRIEF section 2: final lengths of 8 requests (numpy, seed 7), max length 2,048, block size 16.
 LESSON_LENGTHS = [853, 581, 631, 812, 541, 709, 758, 241]
@@ -27,7 +24,7 @@ class Scenario:
     """``make(seed, tokenize)`` returns the Workload; ``engine_defaults`` are EngineConfig fields the
     scenario needs (e.g. a small pool; the lessons' scenarios set ``watermark`` 0 to keep the exact pool), which command-line flags may override; ``compare`` scenarios run
     the paged engine and the contiguous baseline on the same requests by default. An ``engine_defaults``
-    "model" names the model the scenario is about (a folder, e.g. ``HYBRID_MODEL``; ``model``); without it
+    "model" names the model the scenario is about (a folder, e.g. ``EMBEDDED_HYBRID_MODEL``; ``model``); without it
     the scenario runs on the embedded model or the one the caller names (``RunSpec.from_preset``)."""
 
     name: str
@@ -271,6 +268,6 @@ register(Scenario(
     "the hybrid model (layers 0, 2: a sliding window of 48 tokens; 1, 3: full attention), vLLM V1: a 62-token "
     "prompt decodes past the window, so at step 3 its first block leaves the window: the sliding group's table "
     "holds the null block and the pool one block fewer than the same model with every layer full",
-    _hybrid_window, {"model": HYBRID_MODEL, "semantics": "v1", "block_size": 16, "num_blocks": 24,
+    _hybrid_window, {"model": EMBEDDED_HYBRID_MODEL, "semantics": "v1", "block_size": 16, "num_blocks": 24,
                      "max_model_len": 128, "enable_prefix_caching": False, "watermark": 0.0},
 ))

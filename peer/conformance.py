@@ -199,6 +199,11 @@ _NOTES = [
 ]
 
 
+def _verdict(r: CaseResult) -> str:
+    """A case's result cell: "pass", or "FAIL: " and the checks that failed."""
+    return "pass" if r.ok else "FAIL: " + "; ".join(k.name for k in r.checks if not k.ok)
+
+
 def write_doc(vllm: dict, results: list[CaseResult], path: Path = DOC,
               hybrid: tuple[dict, list[CaseResult]] | None = None) -> None:
     """``docs/conformance.md``: vLLM's version, the fixed settings, each case and each check's result;
@@ -222,10 +227,8 @@ def write_doc(vllm: dict, results: list[CaseResult], path: Path = DOC,
     ]
     for r in results:
         c = r.case
-        failed = [k.name for k in r.checks if not k.ok]
-        verdict = "pass" if r.ok else "FAIL: " + "; ".join(failed)
         lines.append(f"| `{c.name}` | {c.what} | {c.block_size} | {c.num_gpu_blocks} / {c.lab_num_blocks} | "
-                     f"{c.max_num_batched_tokens} | {c.scheduling_policy} | {c.watermark:g} | {verdict} | {r.vllm_s:.1f} | {r.lab_s:.1f} |")
+                     f"{c.max_num_batched_tokens} | {c.scheduling_policy} | {c.watermark:g} | {_verdict(r)} | {r.vllm_s:.1f} | {r.lab_s:.1f} |")
     lines += ["", "Checks run on every case:", ""]
     if results:
         lines += [f"- {k.name}" for k in results[0].checks]
@@ -301,10 +304,8 @@ def _hybrid_section(vllm: dict, results: list[CaseResult]) -> list[str]:
     ]
     for r in results:
         c = r.case
-        failed = [k.name for k in r.checks if not k.ok]
-        verdict = "pass" if r.ok else "FAIL: " + "; ".join(failed)
         lines.append(f"| `{c.name}` | {c.what} | {c.block_size} | {c.num_gpu_blocks} / {c.lab_num_blocks} | "
-                     f"{c.max_num_batched_tokens} | {c.max_model_len} | {verdict} | {r.vllm_s:.1f} | {r.lab_s:.1f} |")
+                     f"{c.max_num_batched_tokens} | {c.max_model_len} | {_verdict(r)} | {r.vllm_s:.1f} | {r.lab_s:.1f} |")
     return lines + [""] + _HYBRID_NOTES
 
 

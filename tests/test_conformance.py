@@ -21,15 +21,21 @@ from peer.cases import build_cases
 pytestmark = [pytest.mark.peer, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def run():
+def run_peer(hybrid: bool = False):
+    """``conformance.run_all(hybrid=...)``: vLLM's results (cached) and the lab's against them; skips where vLLM
+    is not installed, fails where it is but did not run."""
     why = conformance.peer_available()
     if why:
         pytest.skip(f"vLLM is not installed here: {why}")
     try:
-        return conformance.run_all()
+        return conformance.run_all(hybrid=hybrid)
     except conformance.PeerUnavailable as exc:
         pytest.fail(f"the vLLM peer is installed but failed: {exc}")
+
+
+@pytest.fixture(scope="module")
+def run():
+    return run_peer()
 
 
 @pytest.fixture(scope="module")

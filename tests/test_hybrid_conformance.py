@@ -21,6 +21,7 @@ import pytest
 from peer import conformance
 from peer.cases import HYBRID_WINDOW, build_hybrid_cases, min_num_gpu_blocks
 from peer.compare import compare, prefix_events
+from test_conformance import run_peer
 
 B = 32
 peer = [pytest.mark.peer, pytest.mark.slow]
@@ -28,13 +29,7 @@ peer = [pytest.mark.peer, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def run():
-    why = conformance.peer_available()
-    if why:
-        pytest.skip(f"vLLM is not installed here: {why}")
-    try:
-        return conformance.run_all(hybrid=True)
-    except conformance.PeerUnavailable as exc:
-        pytest.fail(f"the vLLM peer is installed but failed: {exc}")
+    return run_peer(hybrid=True)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ Each case names what it checks and, where vLLM and the lab differ on purpose, wh
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 # Public-domain text (Hamlet, III.1; Julius Caesar, III.2) cut into prompts of exact token lengths.
 TEXT = (
@@ -171,7 +170,6 @@ def _cases_at(B: int, ids: list[int], vocab_size: int) -> list[Case]:
 
 # ---- the hybrid model (issue 25): sliding-window and full-attention layers in two KV cache groups ----------
 
-HYBRID_MODEL = str(Path(__file__).resolve().parent.parent / "assets" / "tiny_hybrid_model")
 HYBRID_WINDOW = 48  # its config.json "sliding_window": layers 0 and 2 attend to the last 48 tokens
 
 
@@ -212,7 +210,7 @@ def _hybrid(name: str, what: str, B: int, num_gpu_blocks: int, requests: list[Ca
 
 
 def build_hybrid_cases(tokenize) -> list[Case]:
-    """The cases on the hybrid model (``HYBRID_MODEL``: layers 0 and 2 a 48-token sliding window, 1 and 3
+    """The cases on the hybrid model (``engine.EMBEDDED_HYBRID_MODEL``: layers 0 and 2 a 48-token sliding window, 1 and 3
     full attention), at block size 32 (the smallest vLLM's CPU attention takes), so the window is 1.5
     blocks and a sliding layer's prefix hit needs the ``ceil((48 - 1) / 32) = 2`` blocks before the hit
     point. ``tokenize(text) -> list[int]`` is the model's tokenizer (the embedded model's)."""

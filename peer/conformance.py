@@ -116,16 +116,16 @@ def run_all(model: str | None = None, only: list[str] | None = None, loaded=None
             hybrid: bool = False) -> tuple[dict, list[CaseResult]]:
     """Run the cases (all, or those named in ``only``) on both sides; returns (vLLM's result, results).
     ``loaded``: the model's ``(model, tokenizer)`` already loaded (float32, CPU), to share.
-    ``hybrid``: the hybrid model's cases (``peer.cases.build_hybrid_cases``, on ``HYBRID_MODEL`` unless
+    ``hybrid``: the hybrid model's cases (``peer.cases.build_hybrid_cases``, on ``engine.EMBEDDED_HYBRID_MODEL`` unless
     ``model`` names another) instead of the embedded model's."""
-    from engine import EMBEDDED_MODEL
+    from engine import EMBEDDED_HYBRID_MODEL, EMBEDDED_MODEL
     from engine.model_loader import load_model
 
-    from .cases import HYBRID_MODEL, build_cases, build_hybrid_cases
+    from .cases import build_cases, build_hybrid_cases
     from .compare import compare
     from .lab_runner import run_case
 
-    model = model or (HYBRID_MODEL if hybrid else EMBEDDED_MODEL)
+    model = model or (EMBEDDED_HYBRID_MODEL if hybrid else EMBEDDED_MODEL)
     loaded = loaded or load_model(model, _cpu(), "float32")
     tok = loaded[1]
 
